@@ -1,0 +1,48 @@
+#!/bin/bash
+# Train with DDP on all GPUs of one node in NVIDIA's PyTorch container (guide part 2).
+# Submit from the directory that holds train_ddp.py; arguments are passed on to
+# train_ddp.py and override the defaults below:
+#
+#   sbatch --account=nnXXXXk multigpu_job.sh
+#   sbatch --account=nnXXXXk multigpu_job.sh --epochs 10 --metrics-file metrics.jsonl
+#
+# The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
+# overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE (default: the GPUs Slurm gave this
+# node), PER_GPU_BATCH (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE.
+#SBATCH --job-name=resnet_multigpu
+#SBATCH --output=multigpu_%j.out
+#SBATCH --error=multigpu_%j.err
+#SBATCH --time=01:00:00
+#SBATCH --partition=accel
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=72
+#SBATCH --mem=440G
+#SBATCH --gpus-per-node=4
+set -euo pipefail
+
+die() { echo "error: $*" >&2; exit 2; }
+
+CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
+PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
+PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
+BASE_LR="${BASE_LR:-0.04}"
+GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
+GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
+GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
+
+[[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+[[ -f "$PROJECT_DIR/train_ddp.py" ]] || die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+[[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
+    die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
+
+# Sample GPU utilization in the background; stop exactly this monitor (by PID) on any exit.
+nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >"$GPU_LOG_FILE" &
+monitor_pid=$!
+trap 'kill "$monitor_pid" 2>/dev/null || true' EXIT
+
+# --standalone: torchrun runs its own rendezvous on a free local port.
+apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
+    "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
+    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 "$@"

@@ -1,0 +1,119 @@
+#!/bin/bash
+# Train with DDP on several nodes in NVIDIA's PyTorch container (guide part 3): one srun
+# task per node runs torchrun, which starts one process per GPU; the nodes meet at a c10d
+# rendezvous on the first node. The host's libfabric, NCCL and aws-ofi-nccl are bound into
+# the container so NCCL can use Slingshot. Submit from the directory that holds
+# train_ddp.py; arguments are passed on to train_ddp.py and override the defaults below:
+#
+#   sbatch --account=nnXXXXk multinode_job.sh
+#   sbatch --account=nnXXXXk --nodes=4 multinode_job.sh --epochs 10
+#
+# The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
+# guide's). Environment overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE, PER_GPU_BATCH,
+# BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths, GPU_LOG_INTERVAL,
+# GPU_LOG_PREFIX, and every network setting in NETWORK_DEFAULTS below (export it before sbatch).
+#SBATCH --job-name=resnet_multinode
+#SBATCH --output=multinode_%j.out
+#SBATCH --error=multinode_%j.err
+#SBATCH --time=01:00:00
+#SBATCH --partition=accel
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=72
+#SBATCH --mem=440G
+set -euo pipefail
+
+die() { echo "error: $*" >&2; exit 2; }
+
+CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
+PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
+PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
+BASE_LR="${BASE_LR:-0.04}"
+TORCHRUN_PATH="${TORCHRUN_PATH:-/usr/local/bin/torchrun}"
+GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
+GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
+GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
+HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
+HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/1.22.0/include}"
+HOST_NCCL_PATH="${HOST_NCCL_PATH:-/cluster/work/support/nccl}"
+HOST_NVIDIA_HPC_LIB_PATH="${HOST_NVIDIA_HPC_LIB_PATH:-/opt/nvidia/hpc_sdk/Linux_aarch64/24.11/compilers/lib}"
+HOST_CXI_LIB_PATH="${HOST_CXI_LIB_PATH:-/usr/lib64}"  # holds libcxi.so.1
+
+# HPE's recommended Slingshot settings, which the site's NCCL module sets on the host but a
+# container does not get unless passed in, and NCCL_PROTO=^LL128: recent NCCL versions can
+# silently corrupt data between GH200 nodes in the LL128 protocol (NVIDIA/nccl issue 2001).
+NETWORK_DEFAULTS=(
+    FI_PROVIDER=cxi
+    FI_CXI_RX_MATCH_MODE=hybrid
+    FI_MR_CACHE_MONITOR=userfaultfd
+    FI_CXI_DISABLE_HOST_REGISTER=1
+    FI_CXI_DEFAULT_CQ_SIZE=131072
+    FI_CXI_DEFAULT_TX_SIZE=2048
+    FI_CXI_RDZV_PROTO=alt_read
+    FI_CXI_RDZV_EAGER_SIZE=0
+    FI_CXI_RDZV_THRESHOLD=0
+    FI_CXI_RDZV_GET_MIN=0
+    NCCL_CROSS_NIC=1
+    NCCL_NET_GDR_LEVEL=PHB
+    "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"
+    NCCL_PROTO=^LL128
+)
+# APPTAINERENV_X becomes X inside the container. (apptainer --env would cut values at
+# commas in some versions, e.g. NCCL_SOCKET_IFNAME.) A value exported before sbatch wins.
+for setting in "${NETWORK_DEFAULTS[@]}"; do
+    name="${setting%%=*}"
+    export "APPTAINERENV_${name}=${!name:-${setting#*=}}"
+done
+
+[[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+[[ -f "$PROJECT_DIR/train_ddp.py" ]] || die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+[[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
+    die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
+[[ -n "${SLURM_JOB_NODELIST:-}" && -n "${SLURM_JOB_NUM_NODES:-}" && -n "${SLURM_JOB_ID:-}" ]] ||
+    die "not inside a Slurm allocation (SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES, SLURM_JOB_ID); submit with sbatch"
+
+# The first node of the allocation hosts the rendezvous. The port comes from the job ID
+# (29500..32499, below Linux's ephemeral range) so two jobs sharing a node don't collide.
+nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" ||
+    die "scontrol could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+RDZV_HOST="${RDZV_HOST:-${nodes%%$'\n'*}}"
+[[ -n "$RDZV_HOST" ]] || die "could not resolve the head node from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+RDZV_PORT="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 3000))}"
+echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, $SLURM_JOB_NUM_NODES nodes x $NPROC_PER_NODE GPUs"
+
+# Runs once per node (host side): sample this node's GPUs into its own file, run the
+# container, then stop exactly this monitor by its PID.
+# shellcheck disable=SC2016  # expanded by the node's shell, not here
+node_task='
+monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
+nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >"$monitor_log" &
+monitor_pid=$!
+status=0
+"$@" || status=$?
+kill "$monitor_pid" 2>/dev/null || true
+exit "$status"'
+# Runs inside the container: find the bound host libraries first.
+# shellcheck disable=SC2016
+container_task='
+export LD_LIBRARY_PATH="$LIBFABRIC_HOME/lib:$NCCL_HOME/lib:$NVIDIA_HPC_HOME/lib:/usr/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CPATH="$LIBFABRIC_HOME/include${CPATH:+:$CPATH}"
+exec "$@"'
+export GPU_LOG_PREFIX GPU_LOG_INTERVAL GPU_QUERY
+export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nccl \
+    APPTAINERENV_NVIDIA_HPC_HOME=/opt/nvidia/hpc_sdk
+
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
+    apptainer exec --nv \
+        --bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib" \
+        --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include" \
+        --bind "$HOST_NCCL_PATH:/opt/nccl" \
+        --bind "$HOST_CXI_LIB_PATH:/usr/lib64" \
+        --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib" \
+        "$CONTAINER_PATH" \
+    bash -c "$container_task" container-task \
+    "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
+        --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" \
+    "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
+        --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 "$@"

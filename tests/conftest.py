@@ -1,0 +1,86 @@
+"""Shared helpers: a tiny CIFAR-100 in the real on-disk format, and subprocess runners.
+
+Every test runs on the CPU; nothing is downloaded. The training scripts are run as users
+run them (python ..., torchrun ..., bash job.sh), so their exit codes and output are tested.
+"""
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use them
+
+# Variables a launcher may have left in the environment; each test sets its own.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+# Small and fast on 2 CPU cores: no loader workers, a few images per step.
+FAST = ("--num-workers", "0")
+
+
+def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None):
+    """Write cifar-100-python/{train,test,meta} as the official archive has them: pickled
+    dicts with 'data' (N, 3072) uint8 in R, G, B planes and 'fine_labels'."""
+    rng = np.random.default_rng(seed)
+    folder = Path(root) / "cifar-100-python"
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        labels = rng.integers(0, 100, n).tolist()
+        if split == "test" and test_labels is not None:
+            labels = list(test_labels)
+        entry = {
+            "filenames": [f"image_{i}.png" for i in range(n)],
+            "batch_label": f"{split} batch 1 of 1",
+            "fine_labels": labels,
+            "coarse_labels": [label // 5 for label in labels],
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        }
+        with open(folder / split, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+    with open(folder / "meta", "wb") as f:
+        pickle.dump({"fine_label_names": [f"class_{i}" for i in range(100)],
+                     "coarse_label_names": [f"super_{i}" for i in range(20)]}, f, protocol=2)
+    return Path(root)
+
+
+@pytest.fixture
+def cifar_dir(tmp_path):
+    return write_cifar100(tmp_path / "data")
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(PYTHONUNBUFFERED="1", **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, cwd, env=None, timeout=300):
+    """Run a command; returns the CompletedProcess with text stdout/stderr."""
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def python_cmd(script, *args):
+    return [sys.executable, REPO / script, *args]
+
+
+def torchrun_cmd(nproc, script, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            REPO / script, *args]
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def error_lines(text):
+    """Our one-line errors: 'error: ...', 'train.py: error: ...' or '[rank 1] error: ...'."""
+    return [line for line in text.splitlines() if re.match(r"^(\[rank \d+\] |[\w.]+: )?error: ", line)]

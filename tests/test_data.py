@@ -1,0 +1,196 @@
+"""dataset_utils.py: reading CIFAR-100's format, transforms, errors, download, sharding."""
+
+import io
+import tarfile
+import urllib.error
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import dataset_utils as du
+from conftest import python_cmd, run, write_cifar100
+
+
+def test_reader_matches_torchvision(cifar_dir, monkeypatch):
+    # torchvision checks the official md5 sums, which a tiny data set cannot match.
+    monkeypatch.setattr(torchvision.datasets.CIFAR100, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
+    for split in ("train", "test"):
+        images, labels = du.read_split(cifar_dir, split)
+        reference = torchvision.datasets.CIFAR100(str(cifar_dir), train=split == "train", download=False)
+        assert images.dtype == np.uint8 and images.shape == reference.data.shape
+        np.testing.assert_array_equal(images, reference.data)
+        assert labels.tolist() == reference.targets
+
+
+def test_evaluation_images_are_only_normalized(cifar_dir):
+    _, test_set = du.build_datasets(cifar_dir)
+    images, _ = du.read_split(cifar_dir, "test")
+    mean, std = torch.tensor(du.CIFAR100_MEAN)[:, None, None], torch.tensor(du.CIFAR100_STD)[:, None, None]
+    for index in (0, 7):
+        expected = (torch.from_numpy(images[index]).permute(2, 0, 1).float() / 255 - mean) / std
+        first, second = test_set[index][0], test_set[index][0]
+        torch.testing.assert_close(first, expected)
+        assert torch.equal(first, second)
+
+
+def test_training_images_are_flipped_and_padded_crops(cifar_dir):
+    train_set, _ = du.build_datasets(cifar_dir)
+    image = torch.from_numpy(du.read_split(cifar_dir, "train")[0][3]).permute(2, 0, 1).float() / 255
+    padded = torch.nn.functional.pad(image, (4, 4, 4, 4))  # zero padding, as RandomCrop(padding=4)
+    candidates = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)]
+    mean, std = torch.tensor(du.CIFAR100_MEAN)[:, None, None], torch.tensor(du.CIFAR100_STD)[:, None, None]
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        sample = train_set[3][0] * std + mean
+        matches = [c for c in candidates
+                   if torch.allclose(sample, _crop(padded, *c), atol=1e-5)]
+        assert matches, "a training image is not a flipped/cropped version of the original"
+        seen.add(matches[0])
+    assert len(seen) > 10  # it really is random
+
+
+def _crop(padded, dy, dx, flip):
+    crop = padded[:, dy:dy + 32, dx:dx + 32]
+    return crop.flip(-1) if flip else crop
+
+
+def test_truncated_file_is_named(cifar_dir):
+    path = cifar_dir / "cifar-100-python" / "train"
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(du.DatasetError, match="train is truncated or corrupted") as info:
+        du.read_split(cifar_dir, "train")
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_wrongly_shaped_data_is_reported(tmp_path):
+    root = write_cifar100(tmp_path)
+    path = root / "cifar-100-python" / "test"
+    entry = du.pickle.loads(path.read_bytes(), encoding="latin1")
+    entry["data"] = entry["data"][:, :1000]
+    path.write_bytes(du.pickle.dumps(entry, protocol=2))
+    with pytest.raises(du.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
+        du.read_split(root, "test")
+
+
+def test_missing_data_without_download_says_what_to_run(tmp_path):
+    with pytest.raises(du.DatasetError) as info:
+        du.prepare_cifar100(tmp_path / "nothing", download=False)
+    assert f"python dataset_utils.py --data-dir {tmp_path / 'nothing'}" in str(info.value)
+    assert not (tmp_path / "nothing").exists()  # nothing created for a failed run
+
+
+def test_failed_download_is_one_clear_line(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
+    with pytest.raises(du.DatasetError) as info:
+        du.prepare_cifar100(tmp_path, download=True)
+    message = str(info.value)
+    assert "downloading it failed" in message and "name resolution" in message
+    assert "login node" in message and "\n" not in message
+
+
+def _fake_archive(tmp_path):
+    """The official archive's layout, built from a tiny data set."""
+    source = write_cifar100(tmp_path / "source", n_train=16, n_test=8)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(source / "cifar-100-python", arcname="cifar-100-python")
+    return buffer.getvalue()
+
+
+def test_download_unpacks_into_place_and_keeps_existing_files(tmp_path, monkeypatch):
+    archive = _fake_archive(tmp_path)
+    calls = []
+
+    def fake_download(url, root, filename, md5):
+        calls.append(url)
+        (du.Path(root) / filename).write_bytes(archive)
+    monkeypatch.setattr(torchvision.datasets.utils, "download_url", fake_download)
+    root = tmp_path / "datasets"
+    (root / "cifar-100-python").mkdir(parents=True)
+    (root / "cifar-100-python" / "meta").write_bytes(b"already here")
+    du.prepare_cifar100(root, download=True)
+    assert calls == [torchvision.datasets.CIFAR100.url]
+    assert (root / "cifar-100-python" / "meta").read_bytes() == b"already here"
+    assert len(du.read_split(root, "train")[1]) == 16 and len(du.read_split(root, "test")[1]) == 8
+    assert not list(root.glob(".unpack-*"))  # the temporary folder is gone
+    du.prepare_cifar100(root, download=True)
+    assert len(calls) == 1  # present: not downloaded again
+
+
+def test_only_global_rank_0_fetches_and_the_data_set_is_built_once(cifar_dir, monkeypatch):
+    prepared, reads = [], Counter()
+    real_prepare, real_read = du.prepare_cifar100, du.read_split
+    monkeypatch.setattr(du, "prepare_cifar100", lambda *a: prepared.append(a) or real_prepare(*a))
+    monkeypatch.setattr(du, "read_split", lambda root, split: reads.update([split]) or real_read(root, split))
+    du.load_cifar100(8, data_dir=cifar_dir, rank=1, world_size=2)
+    assert prepared == [] and reads == Counter(train=1, test=1)
+    du.load_cifar100(8, data_dir=cifar_dir, rank=0, world_size=2)
+    assert len(prepared) == 1 and reads == Counter(train=2, test=2)
+
+
+@pytest.mark.parametrize("length", [40, 41])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shard_sampler_covers_every_index_once(length, world_size):
+    shards = [list(du.ShardSampler(length, rank, world_size)) for rank in range(world_size)]
+    assert sorted(i for shard in shards for i in shard) == list(range(length))
+    assert sum(len(du.ShardSampler(length, r, world_size)) for r in range(world_size)) == length
+
+
+def test_every_test_image_is_evaluated_once_across_ranks(tmp_path):
+    root = write_cifar100(tmp_path, n_train=64, n_test=41)
+    seen = []
+    for rank in range(2):
+        _, test_loader = du.load_cifar100(8, data_dir=root, rank=rank, world_size=2)
+        seen += [label for _, labels in test_loader for label in labels.tolist()]
+    assert sorted(seen) == sorted(du.read_split(root, "test")[1].tolist())  # 41: no image dropped or repeated
+
+
+def _epoch_indices(loader, epoch):
+    du.set_loader_epoch(loader, epoch)
+    return list(loader.sampler)
+
+
+def test_training_shards_are_disjoint_and_reshuffled_each_epoch(cifar_dir):
+    loaders = [du.load_cifar100(8, data_dir=cifar_dir, rank=r, world_size=2, seed=5)[0] for r in range(2)]
+    epoch0 = [_epoch_indices(loader, 0) for loader in loaders]
+    assert sorted(epoch0[0] + epoch0[1]) == list(range(64))
+    assert [len(loader) for loader in loaders] == [4, 4]  # same number of steps on every rank
+    epoch1 = [_epoch_indices(loader, 1) for loader in loaders]
+    assert epoch1 != epoch0
+    again = du.load_cifar100(8, data_dir=cifar_dir, rank=0, world_size=2, seed=5)[0]
+    assert _epoch_indices(again, 0) == epoch0[0]  # same seed and epoch: same order
+    other = du.load_cifar100(8, data_dir=cifar_dir, rank=0, world_size=2, seed=6)[0]
+    assert _epoch_indices(other, 0) != epoch0[0]
+
+
+def test_guide_call_still_works(cifar_dir):
+    train_loader, test_loader = du.load_cifar100(batch_size=16, num_workers=0, data_dir=cifar_dir)
+    images, labels = next(iter(train_loader))
+    assert images.shape == (16, 3, 32, 32) and images.dtype == torch.float32 and labels.shape == (16,)
+    assert sum(len(labels) for _, labels in test_loader) == 40
+
+
+def test_synthetic_data_has_cifar_shape_and_is_reproducible():
+    images, labels = du.synthetic_split("train", seed=3)
+    assert images.shape == (50_000, 32, 32, 3) and images.dtype == np.uint8
+    assert labels.shape == (50_000,) and 0 <= labels.min() and labels.max() < 100
+    np.testing.assert_array_equal(du.synthetic_split("test", seed=3)[0], du.synthetic_split("test", seed=3)[0])
+    assert not np.array_equal(du.synthetic_split("test", seed=3)[0], du.synthetic_split("test", seed=4)[0])
+
+
+def test_fetch_command_checks_present_data(cifar_dir, tmp_path):
+    result = run(python_cmd("dataset_utils.py", "--data-dir", cifar_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "64 training and 40 test images" in result.stdout
+    (cifar_dir / "cifar-100-python" / "test").write_bytes(b"\x80\x02}q")  # truncated pickle
+    result = run(python_cmd("dataset_utils.py", "--data-dir", cifar_dir), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "test is truncated or corrupted" in result.stderr
+

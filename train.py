@@ -1,0 +1,26 @@
+"""Train the Wide ResNet on CIFAR-100 with one process: one GPU, or the CPU.
+
+    python train.py --epochs 10                       # downloads CIFAR-100 to ./datasets if missing
+    python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
+    torchrun --standalone --nnodes=1 --nproc_per_node=1 train.py --batch-size 256 --epochs 100 \\
+        --base-lr 0.01 --target-accuracy 0.95 --patience 2
+    sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10
+
+The recipe and every flag are shared with train_ddp.py, so 1-GPU and N-GPU runs compare
+like with like.
+"""
+
+from device_utils import single_process_context
+from train_utils import build_model, fit, make_loaders, parse_args, run_cli
+
+
+def main():
+    args = parse_args(__doc__)
+    ctx = single_process_context()
+    train_loader, test_loader = make_loaders(args, ctx)
+    model = build_model(args, ctx)
+    fit(model, train_loader, test_loader, args, ctx)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,36 @@
+"""Train the Wide ResNet on CIFAR-100 with DistributedDataParallel: N GPUs on one or many
+nodes, or N CPU processes (gloo) on a laptop. Start it with torchrun:
+
+    torchrun --standalone --nproc_per_node=4 train_ddp.py --batch-size 1024 --epochs 100 \\
+        --base-lr 0.04 --target-accuracy 0.95 --patience 2
+    torchrun --standalone --nproc_per_node=2 train_ddp.py --synthetic --epochs 1 --limit-batches 5
+    sbatch --account=nnXXXXk multigpu_job.sh --epochs 10     # 4 GPUs, one node
+    sbatch --account=nnXXXXk multinode_job.sh --epochs 10    # 2 nodes x 4 GPUs
+
+--batch-size is the global batch (split evenly over the processes); the recipe and every
+flag are shared with train.py.
+"""
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from device_utils import cleanup_distributed, setup_distributed
+from train_utils import build_model, fit, make_loaders, parse_args, run_cli
+
+
+def main():
+    args = parse_args(__doc__)
+    ctx = setup_distributed()  # reads RANK/LOCAL_RANK/WORLD_SIZE, picks the GPU, joins the group
+    try:
+        train_loader, test_loader = make_loaders(args, ctx)  # sharded by ctx.rank
+        model = build_model(args, ctx)
+        # Gradients live in the all-reduce buckets (no extra copy). DDP broadcasts rank 0's
+        # weights here, so every rank starts from the same model.
+        ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        fit(ddp_model, train_loader, test_loader, args, ctx)
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    run_cli(main)
