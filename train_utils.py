@@ -36,7 +36,12 @@ MAX_AUTO_WORKERS = 8
 # Command line: one definition of the flags for both entry points.
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the docstring's command examples as written and show every default."""
+    """Keep the docstring's command examples as written and show every default that has a value."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -72,30 +77,30 @@ below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 def build_parser(description):
     parser = _OneLineParser(description=description, formatter_class=_Formatter)
     stop = parser.add_argument_group("run length and early stopping")
-    stop.add_argument("--epochs", type=positive_int, default=100,
+    stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
                       help="maximum number of passes over the training set")
-    stop.add_argument("--target-accuracy", type=fraction, default=0.95,
+    stop.add_argument("--target-accuracy", metavar="FRACTION", type=fraction, default=0.95,
                       help="stop early once validation accuracy (fraction 0-1) has been at or above "
                            "this for --patience consecutive epochs")
-    stop.add_argument("--patience", type=positive_int, default=2,
+    stop.add_argument("--patience", metavar="EPOCHS", type=positive_int, default=2,
                       help="consecutive epochs (count) at or above --target-accuracy before stopping")
 
     recipe = parser.add_argument_group("recipe (identical for train.py and train_ddp.py)")
-    recipe.add_argument("--batch-size", type=positive_int, default=256,
+    recipe.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
                         help="global batch in images per optimizer step, split evenly over all processes")
-    recipe.add_argument("--base-lr", type=positive_float, default=0.01,
+    recipe.add_argument("--base-lr", metavar="LR", type=positive_float, default=0.01,
                         help="peak learning rate, used as given (not scaled with batch size or GPU count)")
     recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                         help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
-    recipe.add_argument("--warmup-epochs", type=non_negative_float, default=2.0,
+    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=2.0,
                         help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr")
-    recipe.add_argument("--momentum", type=below_one, default=0.9,
+    recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=0.9,
                         help="SGD momentum coefficient (0 = plain SGD)")
     recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
                         help="Nesterov momentum (needs --momentum > 0)")
-    recipe.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
+    recipe.add_argument("--weight-decay", metavar="COEFF", type=non_negative_float, default=5e-4,
                         help="SGD L2 weight-decay coefficient, applied to all parameters")
-    recipe.add_argument("--label-smoothing", type=below_one, default=0.1,
+    recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
                         help="label smoothing of the training loss (fraction of probability mass); "
                              "the reported validation loss is plain cross-entropy")
     recipe.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -104,28 +109,28 @@ def build_parser(description):
                              "(CUDA only); fp32 = strict fp32")
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data-dir", default=None,
+    data.add_argument("--data-dir", metavar="DIR", default=None,
                       help="directory holding cifar-100-python/ (default: datasets/ beside the scripts)")
     data.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
                       help="download CIFAR-100 (~160 MB, global rank 0 only) if it is missing")
     data.add_argument("--synthetic", action="store_true",
                       help="random images and labels of CIFAR-100's shape and size instead of the data "
                            "set: for smoke tests and throughput; accuracy is meaningless")
-    data.add_argument("--num-workers", type=non_negative_int, default=None,
+    data.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
                       help="data-loader worker processes per training process (default: CPU cores per "
                            f"process - 1, at most {MAX_AUTO_WORKERS})")
-    data.add_argument("--seed", type=non_negative_int, default=0,
+    data.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
 
     run = parser.add_argument_group("run control and output")
-    run.add_argument("--limit-batches", type=positive_int, default=None,
+    run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
                      help="at most this many training and this many evaluation batches per epoch "
                           "and process (smoke runs, tests)")
-    run.add_argument("--metrics-file", default=None,
+    run.add_argument("--metrics-file", metavar="PATH", default=None,
                      help="append one JSON line per epoch to this file (global rank 0)")
-    run.add_argument("--weights", default=None,
+    run.add_argument("--weights", metavar="PATH", default=None,
                      help="start from these model weights (a state_dict file, e.g. from the guide's model)")
-    run.add_argument("--save-weights", default=None,
+    run.add_argument("--save-weights", metavar="PATH", default=None,
                      help="write the final model's state_dict here (global rank 0, atomically)")
     run.add_argument("--eval-only", action="store_true",
                      help="evaluate the model (see --weights) on the test set once and exit")
