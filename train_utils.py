@@ -205,8 +205,9 @@ class Precision:
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
 
-def resolve_precision(requested, device):
-    """Resolve --precision for ``device``; refuse combinations that cannot work."""
+def configure_precision(requested, device):
+    """Resolve --precision for ``device`` and set the TF32 switches; refuse combinations that
+    cannot work."""
     cuda = device.type == "cuda"
     if requested == "auto":
         requested = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
@@ -438,7 +439,7 @@ def fit(model, train_loader, test_loader, args, ctx):
     """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each
     epoch, stopping early at --target-accuracy. Returns the per-epoch metric records."""
     module = unwrap(model)
-    precision = resolve_precision(args.precision, ctx.device)
+    precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file)
     if args.save_weights and ctx.is_main:
         check_writable(args.save_weights, "--save-weights")

@@ -131,13 +131,13 @@ def test_eval_summary_weighs_every_image_equally():
 
 def test_precision_on_cpu():
     cpu = torch.device("cpu")
-    assert tu.resolve_precision("auto", cpu).name == "fp32"
-    assert tu.resolve_precision("fp32", cpu).autocast_dtype is None
-    assert tu.resolve_precision("bf16", cpu).autocast_dtype == torch.bfloat16
+    assert tu.configure_precision("auto", cpu).name == "fp32"
+    assert tu.configure_precision("fp32", cpu).autocast_dtype is None
+    assert tu.configure_precision("bf16", cpu).autocast_dtype == torch.bfloat16
     for mode in ("fp16", "tf32"):
         with pytest.raises(UserError, match=f"--precision {mode} needs a CUDA GPU"):
-            tu.resolve_precision(mode, cpu)
-    with tu.resolve_precision("bf16", cpu).autocast(cpu):
+            tu.configure_precision(mode, cpu)
+    with tu.configure_precision("bf16", cpu).autocast(cpu):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
