@@ -213,9 +213,10 @@ def load_cifar100(batch_size, num_workers=0, sampler=None, data_dir=None, *, ran
     if sampler is None:
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=seed, drop_last=True)
+    # Workers are started anew each epoch (not persistent): they take their seeds from the
+    # global RNG, which the loop reseeds per epoch, so a resumed run augments identically.
     common = dict(batch_size=batch_size, num_workers=num_workers,
-                  pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-                  persistent_workers=num_workers > 0)
+                  pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
     train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
     test_loader = DataLoader(test_set, sampler=ShardSampler(len(test_set), rank, world_size), **common)
     return train_loader, test_loader

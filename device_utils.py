@@ -14,16 +14,25 @@ import torch.distributed as dist
 
 class UserError(Exception):
     """A mistake in the command line, the environment or the data: the entry points print it
-    as one line and exit with status 2, without a traceback.
+    as one line and exit with status ``exit_code`` (2), without a traceback.
 
     ``same_on_every_rank``: every process hits the same error (a bad flag, say), so only
     global rank 0 prints it. Errors that may strike one node alone (a file missing on its
     disk) set it to False and are printed by every rank that hits them.
     """
 
+    exit_code = 2
+
     def __init__(self, message, same_on_every_rank=True):
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+
+
+class RunAborted(UserError):
+    """Training must stop and nothing from its current state may be saved: a non-finite
+    loss, or ranks whose parameters differ. One line, exit status 3."""
+
+    exit_code = 3
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class DistContext:
     world_size: int = 1
     local_world_size: int = 1
     process_group: bool = False
+    control_group: object = None  # gloo group for small CPU-side collectives (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -102,8 +112,11 @@ def setup_distributed() -> DistContext:
                 "--nproc_per_node must not exceed the GPUs per node")
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
+    # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
+    control_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
     return DistContext(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
-                       local_world_size=local_world_size, process_group=True)
+                       local_world_size=local_world_size, process_group=True, control_group=control_group)
 
 
 def cleanup_distributed():
@@ -125,11 +138,30 @@ def broadcast_from_rank0(obj):
     return box[0]
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place sum over all ranks (no-op with one process). Enqueued on the GPU stream:
-    the host only waits when it reads the result."""
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank when ``flag`` is True on any rank. A one-element all-reduce of a CPU
+    tensor (pass the gloo control group): no GPU sync, a few tens of microseconds."""
+    if not _group_active():
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if not _group_active():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def all_reduce(tensor: torch.Tensor, op="sum") -> torch.Tensor:
+    """In-place "sum" or "min" over all ranks (no-op with one process). Enqueued on the GPU
+    stream: the host only waits when it reads the result."""
     if _group_active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
     return tensor
 
 
@@ -149,3 +181,64 @@ def synchronize(device: torch.device):
     """Wait for queued GPU work, so that a clock read afterwards measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def parameter_checksums(module: torch.nn.Module) -> torch.Tensor:
+    """One float64 value per parameter tensor (sum plus a position-weighted sum, so that
+    swapped or shifted values change it too). Shape (2 * number of parameter tensors,)."""
+    sums = []
+    for param in module.parameters():
+        flat = param.detach().flatten().double()
+        positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+        sums += [flat.sum(), (flat * positions).sum() / flat.numel()]
+    return torch.stack(sums)
+
+
+def check_replicas_in_sync(module: torch.nn.Module, where: str):
+    """Raise RunAborted when any rank's parameters differ from rank 0's.
+
+    DDP keeps the replicas bitwise identical (same averaged gradients, same optimizer), so
+    any difference is corruption, e.g. NCCL's LL128 protocol between GH200 nodes. Costs one
+    all-gather of a few hundred numbers and a GPU sync: call it at checkpoints, not per step.
+    """
+    if not _group_active():
+        return
+    local = parameter_checksums(module)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
+    if differing:
+        raise RunAborted(f"model parameters on rank(s) {differing} differ from rank 0 {where}: the replicas "
+                         "are out of sync (silent data corruption in communication; check NCCL_PROTO=^LL128 and "
+                         "the network settings); stopping without writing a checkpoint")
+
+
+# HPE's recommended settings for NCCL over Slingshot between GH200 nodes, and the LL128
+# workaround for NVIDIA/nccl issue 2001 (see README).
+MULTINODE_SETTINGS = {
+    "FI_PROVIDER": "cxi", "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_MR_CACHE_MONITOR": "userfaultfd",
+    "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_CXI_DEFAULT_CQ_SIZE": "131072", "FI_CXI_DEFAULT_TX_SIZE": "2048",
+    "FI_CXI_RDZV_PROTO": "alt_read", "FI_CXI_RDZV_EAGER_SIZE": "0", "FI_CXI_RDZV_THRESHOLD": "0",
+    "FI_CXI_RDZV_GET_MIN": "0", "NCCL_CROSS_NIC": "1", "NCCL_NET_GDR_LEVEL": "PHB",
+    "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO": "^LL128",
+}
+
+
+def network_report(ctx: DistContext, environ=None) -> list:
+    """Lines for rank 0 to print at start: NCCL version, network variables in effect, and a
+    warning for each recommended multi-node setting that is missing."""
+    environ = os.environ if environ is None else environ
+    lines = []
+    if ctx.device.type == "cuda":
+        version = torch.cuda.nccl.version()  # a tuple in recent PyTorch, an int in old ones
+        lines.append("NCCL version: " + (".".join(map(str, version)) if isinstance(version, tuple) else str(version)))
+    in_effect = [f"{name}={environ[name]}" for name in sorted(environ)
+                 if name.startswith(("NCCL_", "FI_")) or name in ("MASTER_ADDR", "MASTER_PORT")]
+    lines.append("Network settings: " + (" ".join(in_effect) or "none"))
+    if ctx.num_nodes > 1:
+        missing = [name for name in MULTINODE_SETTINGS if name not in environ]
+        if missing:
+            lines.append(f"WARNING: multi-node run without the recommended settings {', '.join(missing)} "
+                         "(see README: without NCCL_PROTO=^LL128 NCCL can silently corrupt gradients "
+                         "between GH200 nodes)")
+    return lines

@@ -9,6 +9,8 @@
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
 # overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE (default: the GPUs Slurm gave this
 # node), PER_GPU_BATCH (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE.
+# Training checkpoints into CHECKPOINT_DIR; 300 s before the time limit it is stopped with a
+# checkpoint and the job requeues itself, and the requeued job resumes (see README).
 #SBATCH --job-name=resnet_multigpu
 #SBATCH --output=multigpu_%j.out
 #SBATCH --error=multigpu_%j.err
@@ -19,6 +21,9 @@
 #SBATCH --cpus-per-task=72
 #SBATCH --mem=440G
 #SBATCH --gpus-per-node=4
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -30,6 +35,7 @@ PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
 BASE_LR="${BASE_LR:-0.04}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
@@ -37,12 +43,38 @@ GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 
-# Sample GPU utilization in the background; stop exactly this monitor (by PID) on any exit.
-nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >"$GPU_LOG_FILE" &
+# Sample GPU utilization in the background (appending: a requeued job keeps the first
+# run's samples); stop exactly this monitor (by PID) on any exit.
+nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$GPU_LOG_FILE" &
 monitor_pid=$!
 trap 'kill "$monitor_pid" 2>/dev/null || true' EXIT
+
+# A requeued job (SLURM_RESTART_COUNT > 0) continues from its newest checkpoint.
+resume=()
+if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then resume=(--resume); fi
+
+# Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
+# runs in the background so the trap fires at once: it asks training to checkpoint and stop
+# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is requeued once training has exited.
+training_pid=""
+stop_requested=""
+trap 'stop_requested=1; kill -TERM "$training_pid" 2>/dev/null || true' USR1
 
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
-    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 "$@"
+    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" \
+    "${resume[@]}" "$@" &
+training_pid=$!
+status=0
+wait "$training_pid" || status=$?
+while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the trap
+    status=0
+    wait "$training_pid" || status=$?
+done
+if [[ -n "$stop_requested" && "$status" -ne 0 ]]; then
+    echo "Stopped before the time limit; checkpoint in $CHECKPOINT_DIR; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

@@ -12,6 +12,8 @@
 # guide's). Environment overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE, PER_GPU_BATCH,
 # BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths, GPU_LOG_INTERVAL,
 # GPU_LOG_PREFIX, and every network setting in NETWORK_DEFAULTS below (export it before sbatch).
+# Training checkpoints into CHECKPOINT_DIR; 300 s before the time limit it is stopped with a
+# checkpoint and the job requeues itself, and the requeued job resumes (see README).
 #SBATCH --job-name=resnet_multinode
 #SBATCH --output=multinode_%j.out
 #SBATCH --error=multinode_%j.err
@@ -22,6 +24,9 @@
 #SBATCH --gpus-per-node=4
 #SBATCH --cpus-per-task=72
 #SBATCH --mem=440G
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -34,6 +39,7 @@ BASE_LR="${BASE_LR:-0.04}"
 TORCHRUN_PATH="${TORCHRUN_PATH:-/usr/local/bin/torchrun}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
 HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/1.22.0/include}"
@@ -84,16 +90,26 @@ RDZV_PORT="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 3000))}"
 echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, $SLURM_JOB_NUM_NODES nodes x $NPROC_PER_NODE GPUs"
 
 # Runs once per node (host side): sample this node's GPUs into its own file, run the
-# container, then stop exactly this monitor by its PID.
-# shellcheck disable=SC2016  # expanded by the node's shell, not here
-node_task='
+# container, then stop exactly this monitor by its PID. srun passes USR1 on to this task as
+# it is (TERM it would turn into SIGKILL); torchrun needs TERM to pass a stop on to its ranks.
+node_task=$(cat <<'EOF'
 monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
-nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >"$monitor_log" &
+nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$monitor_log" &
 monitor_pid=$!
+child=""
+trap 'kill -TERM "$child" 2>/dev/null || true' USR1
+"$@" &
+child=$!
 status=0
-"$@" || status=$?
+wait "$child" || status=$?
+while kill -0 "$child" 2>/dev/null; do
+    status=0
+    wait "$child" || status=$?
+done
 kill "$monitor_pid" 2>/dev/null || true
-exit "$status"'
+exit "$status"
+EOF
+)
 # Runs inside the container: find the bound host libraries first.
 # shellcheck disable=SC2016
 container_task='
@@ -103,6 +119,18 @@ exec "$@"'
 export GPU_LOG_PREFIX GPU_LOG_INTERVAL GPU_QUERY
 export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nccl \
     APPTAINERENV_NVIDIA_HPC_HOME=/opt/nvidia/hpc_sdk
+
+# A requeued job (SLURM_RESTART_COUNT > 0) continues from its newest checkpoint.
+resume=()
+if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then resume=(--resume); fi
+
+# Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
+# runs in the background so the trap fires at once: it asks training to checkpoint and stop
+# (srun passes USR1 to each node's task, which sends TERM to torchrun, which passes it to
+# every rank), and the job is requeued once training has exited.
+training_pid=""
+stop_requested=""
+trap 'stop_requested=1; kill -USR1 "$training_pid" 2>/dev/null || true' USR1
 
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
     apptainer exec --nv \
@@ -116,4 +144,18 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
     "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
-        --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 "$@"
+        --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 \
+        --checkpoint-dir "$CHECKPOINT_DIR" "${resume[@]}" "$@" &
+training_pid=$!
+status=0
+wait "$training_pid" || status=$?
+while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the trap
+    status=0
+    wait "$training_pid" || status=$?
+done
+if [[ -n "$stop_requested" && "$status" -ne 0 ]]; then
+    echo "Stopped before the time limit; checkpoint in $CHECKPOINT_DIR; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

@@ -5,8 +5,10 @@
 #   sbatch --account=nnXXXXk singlegpu_job.sh
 #   sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10 --metrics-file metrics.jsonl
 #
-# Environment overrides: CONTAINER_PATH, PROJECT_DIR (where train.py is), PER_GPU_BATCH
+# Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train.py is), PER_GPU_BATCH
 # (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE.
+# Training checkpoints into CHECKPOINT_DIR; 300 s before the time limit it is stopped with a
+# checkpoint and the job requeues itself, and the requeued job resumes (see README).
 #SBATCH --job-name=resnet_singleGpu
 #SBATCH --output=singlegpu_%j.out
 #SBATCH --error=singlegpu_%j.err
@@ -17,6 +19,9 @@
 #SBATCH --cpus-per-task=72
 #SBATCH --mem=110G
 #SBATCH --gpus-per-node=1
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -27,6 +32,7 @@ PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
 BASE_LR="${BASE_LR:-0.01}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-singlegpu_${SLURM_JOB_ID:-local}_gpu.csv}"
+CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/singlegpu_${SLURM_JOB_ID:-local}}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
@@ -35,11 +41,36 @@ GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,
 apptainer exec --nv "$CONTAINER_PATH" python -c \
     'import torch; print(f"CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")'
 
-# Sample GPU utilization in the background; stop exactly this monitor (by PID) on any exit.
-nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >"$GPU_LOG_FILE" &
+# Sample GPU utilization in the background (appending: a requeued job keeps the first
+# run's samples); stop exactly this monitor (by PID) on any exit.
+nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$GPU_LOG_FILE" &
 monitor_pid=$!
 trap 'kill "$monitor_pid" 2>/dev/null || true' EXIT
 
+# A requeued job (SLURM_RESTART_COUNT > 0) continues from its newest checkpoint.
+resume=()
+if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then resume=(--resume); fi
+
+# Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
+# runs in the background so the trap fires at once: it asks training to checkpoint and stop
+# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is requeued once training has exited.
+training_pid=""
+stop_requested=""
+trap 'stop_requested=1; kill -TERM "$training_pid" 2>/dev/null || true' USR1
+
 apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node=1 \
     "$PROJECT_DIR/train.py" --batch-size "$PER_GPU_BATCH" --epochs 100 --base-lr "$BASE_LR" \
-    --target-accuracy 0.95 --patience 2 "$@"
+    --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" "${resume[@]}" "$@" &
+training_pid=$!
+status=0
+wait "$training_pid" || status=$?
+while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the trap
+    status=0
+    wait "$training_pid" || status=$?
+done
+if [[ -n "$stop_requested" && "$status" -ne 0 ]]; then
+    echo "Stopped before the time limit; checkpoint in $CHECKPOINT_DIR; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

@@ -7,29 +7,40 @@ needs to know. Only global rank 0 prints and writes files.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
+import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dataset_utils import NUM_CLASSES, load_cifar100, set_loader_epoch
-from device_utils import UserError, all_reduce_sum, broadcast_buffers, env_rank, synchronize
+from device_utils import (RunAborted, UserError, all_reduce, any_rank, broadcast_buffers, broadcast_from_rank0,
+                          check_replicas_in_sync, env_rank, gather_objects, network_report, synchronize)
 from model import WideResNet
 
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_AUTO_WORKERS = 8
+EXIT_STOPPED = 75  # stopped by SIGUSR1/SIGTERM after writing a checkpoint: run again with --resume
+CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
+# Flags that define the run: a resumed run must keep them, or it would not be the same run.
+RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
+                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic")
+NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +145,18 @@ def build_parser(description):
                      help="write the final model's state_dict here (global rank 0, atomically)")
     run.add_argument("--eval-only", action="store_true",
                      help="evaluate the model (see --weights) on the test set once and exit")
+
+    resilience = parser.add_argument_group("checkpoints and resilience")
+    resilience.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                            help="write a checkpoint here after every epoch and on SIGUSR1/SIGTERM (global rank 0, "
+                                 f"atomically, keeping the newest {KEEP_CHECKPOINTS}); a stopped run exits with "
+                                 f"status {EXIT_STOPPED}")
+    resilience.add_argument("--resume", action="store_true",
+                            help="continue from the newest readable checkpoint in --checkpoint-dir, on any number "
+                                 "of GPUs (same recipe and data)")
+    resilience.add_argument("--check-sync-every", metavar="STEPS", type=non_negative_int, default=0,
+                            help="DDP: check that all ranks hold identical parameters every this many optimizer "
+                                 "steps (0 = once per epoch, before its checkpoint)")
     return parser
 
 
@@ -142,6 +165,8 @@ def parse_args(description, argv=None):
     args = parser.parse_args(argv)
     if args.nesterov and args.momentum == 0:
         parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
     return args
 
 
@@ -253,10 +278,7 @@ def build_model(args, ctx):
     model = WideResNet(num_classes=NUM_CLASSES)
     if args.weights:
         load_weights(model, args.weights)
-    model.to(ctx.device)
-    # From here on each rank draws its own dropout masks and augmentations.
-    torch.manual_seed(args.seed + ctx.rank)
-    return model
+    return model.to(ctx.device)  # each epoch then reseeds per rank (epoch_seed)
 
 
 def _strip_prefixes(state):
@@ -280,26 +302,36 @@ def load_weights(model, path):
         state = state["model"]
     if not isinstance(state, dict):
         raise UserError(f"--weights {path} holds a {type(state).__name__}, not a state_dict")
-    state, own = _strip_prefixes(state), model.state_dict()
+    state = _strip_prefixes(state)
+    _check_state_fits(model, state, f"--weights {path}")
+    model.load_state_dict(state)
+
+
+def _check_state_fits(model, state, source):
+    """One clear line instead of load_state_dict's multi-line error for another model shape."""
+    own = model.state_dict()
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     reshaped = [k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or reshaped:
         example = sorted(missing or unexpected or reshaped)[0]
-        raise UserError(f"--weights {path} does not fit WideResNet(num_classes={NUM_CLASSES}): "
+        raise UserError(f"{source} does not fit WideResNet(num_classes={NUM_CLASSES}): "
                         f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
                         f"differently shaped tensors (e.g. {example})")
-    model.load_state_dict(state)
 
 
-def save_weights(model, path):
-    """Write the state_dict atomically: a crash mid-write never leaves a truncated file."""
+def atomic_save(obj, path):
+    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(model.state_dict(), f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def save_weights(model, path):
+    atomic_save(model.state_dict(), path)
 
 
 def check_writable(path, flag):
@@ -337,6 +369,30 @@ class RunLogger:
         if self.metrics_path:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def reconcile(self, run_id, records):
+        """On resume: make the file hold each finished epoch of run ``run_id`` exactly once.
+        Lines of epochs the checkpoint does not have (they run again) are dropped, records the
+        file lost are appended; other runs' lines and unparsable lines are kept as they are."""
+        if not self.metrics_path:
+            return
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        done, seen, kept = {r["epoch"] for r in records}, set(), []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = None
+            if isinstance(entry, dict) and entry.get("run_id") == run_id:
+                if entry.get("epoch") not in done or entry.get("epoch") in seen:
+                    continue
+                seen.add(entry["epoch"])
+            kept.append(line)
+        kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
+        if kept != lines:
+            tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.metrics_path)
 
 
 class Progress:
@@ -383,35 +439,245 @@ def describe_run(args, ctx, precision, train_loader, test_loader, steps):
 
 
 # ---------------------------------------------------------------------------------------------
+# Checkpoints: everything needed to continue a run exactly, on any number of GPUs.
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved in every checkpoint; the loop updates it in place."""
+    run_id: str                                  # tags this run's lines in --metrics-file
+    epoch: int = 1                               # the epoch in progress (1-based)
+    step: int = 0                                # optimizer steps done in it
+    partial: tuple = (0.0, 0, 0.0)               # loss sum, images, seconds of those steps (all ranks)
+    history: list = field(default_factory=list)  # validation accuracy of each finished epoch
+    records: list = field(default_factory=list)  # --metrics-file record of each finished epoch
+
+
+def checkpoint_paths(directory):
+    """Checkpoints in ``directory``, newest first (the names sort by optimizer step)."""
+    return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt"), reverse=True)
+
+
+def data_fingerprint(train_loader, test_loader, synthetic):
+    """Identifies the data set in a checkpoint, so a resume on other data is refused."""
+    labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
+    return {"synthetic": synthetic, "train_images": len(train_loader.dataset),
+            "test_images": len(test_loader.dataset), "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
+
+
+def save_checkpoint(run, state, rng_states=None):
+    """Global rank 0 writes the checkpoint atomically and keeps the newest two. Every rank
+    returns its path only once it is on disk (so no rank exits while rank 0 still writes)."""
+    path = Path(run.args.checkpoint_dir) / f"{CHECKPOINT_PREFIX}{run.scheduler.last_epoch:09d}.pt"
+    if run.ctx.is_main:
+        atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
+                     "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                     "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
+                     "data": run.fingerprint, "world_size": run.ctx.world_size}, path)
+        for old in checkpoint_paths(path.parent)[KEEP_CHECKPOINTS:]:
+            old.unlink()
+    return broadcast_from_rank0(str(path))
+
+
+def load_checkpoint(directory, device, log):
+    """(path, checkpoint) of the newest readable checkpoint; unreadable newer ones are skipped
+    with a warning. Never a silent fresh start: no readable checkpoint is an error."""
+    problems = []
+    for path in checkpoint_paths(directory):
+        try:
+            checkpoint = torch.load(path, map_location=device, weights_only=True)
+            if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError("not a checkpoint of these scripts")
+            return path, checkpoint
+        except Exception as err:  # truncated, corrupted, or foreign
+            problems.append(f"{path.name}: {type(err).__name__}")
+            log.info(f"WARNING: checkpoint {path} is unreadable ({type(err).__name__}: "
+                     f"{' '.join(str(err).split())[:160]}); trying the previous one")
+    found = f" ({'; '.join(problems)})" if problems else ""
+    raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
+
+
+def check_resumable(checkpoint, args, fingerprint, module):
+    """Refuse to continue a run with another model, data set or recipe (it would not be the same run)."""
+    _check_state_fits(module, checkpoint["model"], "the checkpoint")
+    if checkpoint["data"] != fingerprint:
+        old, new = checkpoint["data"], fingerprint
+        raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
+                        f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
+                        f"{', different labels' if old['train_images'] == new['train_images'] else ''})")
+    changed = [f"--{name.replace('_', '-')} {checkpoint['args'].get(name)} (now {getattr(args, name)})"
+               for name in RECIPE_FLAGS if checkpoint["args"].get(name) != getattr(args, name)]
+    if changed:
+        raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
+                        + "; rerun with its values or start a new --checkpoint-dir")
+
+
+def resume(run):
+    """Restore the newest checkpoint on every rank; returns (state, this rank's RNG states or None)."""
+    path, checkpoint = load_checkpoint(run.args.checkpoint_dir, run.ctx.device, run.log)
+    check_resumable(checkpoint, run.args, run.fingerprint, run.module)
+    run.module.load_state_dict(checkpoint["model"])
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
+    run.scheduler.load_state_dict(checkpoint["scheduler"])
+    run.scaler.load_state_dict(checkpoint["scaler"])
+    state = TrainState(**checkpoint["state"])
+    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
+                 f"(saved by {checkpoint['world_size']} process(es), now {run.ctx.world_size})")
+    run.log.reconcile(state.run_id, state.records)
+    rng = checkpoint["rng"]
+    return state, (rng[run.ctx.rank] if rng and len(rng) == run.ctx.world_size else None)
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, preemption, or
+    torchrun passing either on) only set a flag; the loop stops after the current step."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+
+class TrainingStopped(Exception):
+    """Raised after the stop checkpoint is written; the entry point exits with EXIT_STOPPED."""
+
+
+def epoch_seed(seed, epoch, rank):
+    """Seed of the global RNG for one epoch on one rank. Augmentation (also in loader workers,
+    which draw their seeds from it) and dropout become a function of (seed, epoch, rank), so a
+    run resumed at an epoch boundary repeats the uninterrupted one exactly."""
+    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def rng_snapshot():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_rng(snapshot):
+    torch.set_rng_state(snapshot["cpu"].cpu())
+    if snapshot["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(snapshot["cuda"].cpu())
+
+
+# ---------------------------------------------------------------------------------------------
 # The loop.
 
-def train_one_epoch(model, loader, optimizer, scheduler, scaler, loss_fn, precision, device, steps, progress):
-    """One pass over (at most ``steps`` batches of) this rank's shard.
+@dataclass
+class Run:
+    """What the loop works with, built once by ``fit``."""
+    model: nn.Module       # what trains: DDP-wrapped in train_ddp.py
+    module: nn.Module      # the plain model: evaluated, checked and checkpointed
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    loss_fn: nn.Module
+    precision: Precision
+    ctx: object
+    args: argparse.Namespace
+    log: "RunLogger"
+    steps: int             # optimizer steps per epoch
+    fingerprint: dict      # the data set, as recorded in checkpoints
+    stop: StopSignal = None
 
-    Returns (mean training loss, images processed, LR of the last step), all over every rank.
-    The per-step loss stays on the device: the host waits for the GPU only in the all-reduce
-    at the end (and at progress refreshes on a terminal).
+
+def train_steps(run, batches, state):
+    """Train on ``batches`` (steps state.step + 1 ... of epoch state.epoch), stopping early
+    when any rank received a stop signal.
+
+    Returns (loss sum, images, first non-finite step or 0, last LR, stopped), over all ranks.
+    The loss stays on the device; the host waits for the GPU only in the final all-reduce.
     """
-    model.train()
+    device, start = run.ctx.device, state.step
+    run.model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    images, lr = 0, optimizer.param_groups[0]["lr"]
-    for step, (x, y) in enumerate(islice(loader, steps), start=1):
+    first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
+    images, lr, stopped = 0, run.optimizer.param_groups[0]["lr"], False
+    progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.ctx.world_size)
+    for step, (x, y) in enumerate(batches, start=start + 1):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, 3, 32, 32), (B,)
-        lr = optimizer.param_groups[0]["lr"]  # a Python float: no sync
-        with precision.autocast(device):
-            loss = loss_fn(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
+        with run.precision.autocast(device):
+            loss = run.loss_fn(run.model(x), y)
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.scheduler.step()
         loss_sum += loss.detach() * y.size(0)
+        first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
         images += y.size(0)
-        progress.update(step, images, loss_sum)
+        state.step = step
+        progress.update(step - start, images, loss_sum)
+        if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
+            check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
+        # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
+        stopped = any_rank(run.stop.received is not None, run.ctx.control_group)
+        if stopped:
+            break
     progress.close()
-    totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
-    loss_total, images_total = totals.tolist()  # host sync, once per epoch
-    return loss_total / max(images_total, 1.0), int(images_total), lr
+    totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
+    first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
+    loss_total, images_total = totals.tolist()
+    return loss_total, int(images_total), (0 if first_bad == NO_STEP else first_bad), lr, stopped
+
+
+def run_epoch(run, train_loader, test_loader, state, rng_state=None):
+    """Train epoch state.epoch from step state.step on, evaluate, checkpoint, log. On a stop
+    signal: checkpoint mid-epoch and raise TrainingStopped."""
+    set_loader_epoch(train_loader, state.epoch - 1)
+    torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
+    batches = islice(train_loader, run.steps)
+    for _ in range(state.step):  # resuming mid-epoch: the same batches in the same order, skipped
+        next(batches)
+    if rng_state is not None:
+        restore_rng(rng_state)  # where the interrupted run was after those steps
+    synchronize(run.ctx.device)
+    start = time.perf_counter()
+    loss_sum, images, bad_step, lr, stopped = train_steps(run, batches, state)
+    synchronize(run.ctx.device)
+    train_end = time.perf_counter()
+    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (loss_sum, images, train_end - start)))
+    if bad_step:
+        kept = checkpoint_paths(run.args.checkpoint_dir)[:1] if run.args.checkpoint_dir else []
+        raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {bad_step}; stopping "
+                         + (f"(last good checkpoint: {kept[0]})" if kept else "without saving the model")
+                         + "; try a lower --base-lr or --precision fp32")
+    if stopped:
+        state.partial = (loss_sum, images, seconds)
+        check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
+        rng_states = gather_objects(rng_snapshot(), run.ctx.control_group)
+        path = save_checkpoint(run, state, rng_states) if run.args.checkpoint_dir else None
+        raise TrainingStopped(f"Stopped by {run.stop.received or 'a signal to another rank'} after step "
+                              f"{state.step} of epoch {state.epoch}; "
+                              + (f"checkpoint {path}: continue with --resume" if path else "nothing saved "
+                                 "(no --checkpoint-dir)"))
+    broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
+    result = evaluate(run.module, test_loader, run.precision, run.ctx.device, run.args.limit_batches)
+    record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
+                          time.perf_counter() - train_end, lr)
+    if not run.args.check_sync_every:
+        check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
+    state.history.append(result.accuracy)
+    state.records.append(record)
+    state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
+    if run.args.checkpoint_dir:
+        save_checkpoint(run, state)  # before the metrics line, so a line is never written twice
+    run.log.record(record)
+    run.log.info(f"Epoch {record['epoch']}/{run.args.epochs}: Time={seconds:.3f}s, "
+                 f"Train Loss={record['train_loss']:.4f}, Val Loss={result.loss:.4f}, "
+                 f"Val Accuracy={result.accuracy:.4f}, Throughput={record['images_per_sec']:.1f} img/s, LR={lr:.5g}")
+    return record
 
 
 @torch.no_grad()
@@ -431,82 +697,77 @@ def evaluate(model, loader, precision, device, limit_batches=None):
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         count += y.size(0)
-    totals = all_reduce_sum(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
+    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
     return eval_summary(*totals.tolist())
 
 
-def fit(model, train_loader, test_loader, args, ctx):
-    """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each
-    epoch, stopping early at --target-accuracy. Returns the per-epoch metric records."""
-    module = unwrap(model)
+def prepare_run(model, train_loader, test_loader, args, ctx):
+    """Build the optimizer, schedule, scaler and loss, and print the derived values once."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file)
-    if args.save_weights and ctx.is_main:
+    if ctx.is_main and args.save_weights:
         check_writable(args.save_weights, "--save-weights")
+    if ctx.is_main and args.checkpoint_dir:
+        check_writable(Path(args.checkpoint_dir) / f"{CHECKPOINT_PREFIX}0.pt", "--checkpoint-dir")
     steps = min(len(train_loader), args.limit_batches or len(train_loader))
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
                         f"{train_loader.batch_size} per process; lower --batch-size")
     for line in describe_run(args, ctx, precision, train_loader, test_loader, steps):
         log.info(line)
+    if ctx.process_group:
+        for line in network_report(ctx):
+            log.info(line)
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
-    if args.eval_only:
-        return [evaluate_once(module, test_loader, args, ctx, precision, log)]
-
     optimizer = make_optimizer(model, args)
-    scheduler = make_scheduler(optimizer, args, steps)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    records, history = [], []
-    for epoch in range(1, args.epochs + 1):
-        set_loader_epoch(train_loader, epoch - 1)
-        progress = Progress(ctx.is_main, f"Epoch {epoch}/{args.epochs}", steps, ctx.world_size)
-        synchronize(ctx.device)
-        start = time.perf_counter()
-        train_loss, images, lr = train_one_epoch(model, train_loader, optimizer, scheduler, scaler, loss_fn,
-                                                 precision, ctx.device, steps, progress)
-        synchronize(ctx.device)
-        train_time = time.perf_counter() - start
-        broadcast_buffers(module)  # evaluate exactly the model rank 0 holds (and saves)
-        result = evaluate(module, test_loader, precision, ctx.device, args.limit_batches)
-        record = epoch_record(epoch, args, ctx, precision, train_loss, result, images, train_time,
-                              time.perf_counter() - start - train_time, lr)
-        records.append(record)
-        log.record(record)
-        log.info(f"Epoch {epoch}/{args.epochs}: Time={train_time:.3f}s, Train Loss={train_loss:.4f}, "
-                 f"Val Loss={result.loss:.4f}, Val Accuracy={result.accuracy:.4f}, "
-                 f"Throughput={record['images_per_sec']:.1f} img/s, LR={lr:.5g}")
-        history.append(result.accuracy)
-        if target_reached(history, args.target_accuracy, args.patience):
-            log.info(f"Target accuracy reached. Early stopping after epoch {epoch}.")
-            break
-    for line in summarize(records, ctx):
-        log.info(line)
+    return Run(model=model, module=unwrap(model), optimizer=optimizer,
+               scheduler=make_scheduler(optimizer, args, steps),
+               scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
+               loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
+               ctx=ctx, args=args, log=log, steps=steps,
+               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic))
+
+
+def fit(model, train_loader, test_loader, args, ctx):
+    """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating and checkpointing
+    after each epoch, stopping early at --target-accuracy. Returns the per-epoch records."""
+    run = prepare_run(model, train_loader, test_loader, args, ctx)
+    if args.eval_only:
+        return [evaluate_once(run, test_loader)]
+    state, rng_state = resume(run) if args.resume else (TrainState(run_id=uuid.uuid4().hex[:12]), None)
+    with StopSignal() as run.stop:
+        while state.epoch <= args.epochs and not target_reached(state.history, args.target_accuracy, args.patience):
+            run_epoch(run, train_loader, test_loader, state, rng_state)
+            rng_state = None
+            if target_reached(state.history, args.target_accuracy, args.patience):
+                run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
+    for line in summarize(state.records, ctx):
+        run.log.info(line)
     if args.save_weights and ctx.is_main:
-        save_weights(module, args.save_weights)
-        log.info(f"Model weights written to {args.save_weights}")
-    return records
+        save_weights(run.module, args.save_weights)
+        run.log.info(f"Model weights written to {args.save_weights}")
+    return state.records
 
 
-def evaluate_once(module, test_loader, args, ctx, precision, log):
-    result = evaluate(module, test_loader, precision, ctx.device, args.limit_batches)
-    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy,
-              "val_samples": result.samples, "world_size": ctx.world_size, "precision": precision.name}
-    log.record(record)
-    log.info(f"Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} on {result.samples} test images")
+def evaluate_once(run, test_loader):
+    result = evaluate(run.module, test_loader, run.precision, run.ctx.device, run.args.limit_batches)
+    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
+              "world_size": run.ctx.world_size, "precision": run.precision.name}
+    run.log.record(record)
+    run.log.info(f"Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} on {result.samples} test images")
     return record
 
 
-def epoch_record(epoch, args, ctx, precision, train_loss, result, images, train_time, eval_time, lr):
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr):
     """One line of --metrics-file. Times in seconds; throughput counts training images
     actually processed on all ranks during the training phase (evaluation excluded)."""
-    return {"epoch": epoch, "train_loss": train_loss, "val_loss": result.loss,
+    return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
             "val_accuracy": result.accuracy, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
-            "world_size": ctx.world_size, "precision": precision.name, "synthetic": args.synthetic,
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "world_size": run.ctx.world_size, "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def throughput(records):
@@ -540,13 +801,18 @@ def _rank_or_zero():
 
 
 def run_cli(main):
-    """Run an entry point: a UserError becomes one line on stderr and exit status 2."""
+    """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
+    for an aborted run); a stop on SIGUSR1/SIGTERM exits with EXIT_STOPPED after its checkpoint."""
+    rank = _rank_or_zero()
     try:
         main()
+    except TrainingStopped as stop:
+        if rank == 0:
+            print(stop, flush=True)
+        sys.exit(EXIT_STOPPED)
     except UserError as err:
-        rank = _rank_or_zero()
         if rank == 0 or not err.same_on_every_rank:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

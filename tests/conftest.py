@@ -10,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,23 @@ def run(cmd, cwd, env=None, timeout=300):
     """Run a command; returns the CompletedProcess with text stdout/stderr."""
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def start(cmd, cwd, log, env=None):
+    """Start a command in the background, its output going to ``log``."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for(path, text, process, timeout=120):
+    """Wait until ``text`` appears in the file ``path`` while ``process`` runs."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if Path(path).exists() and text in Path(path).read_text():
+            return
+        assert process.poll() is None, f"exited before {text!r}:\n" + Path(path).read_text()
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} did not appear in {path}")
 
 
 def python_cmd(script, *args):

@@ -3,16 +3,17 @@ nvidia-smi (tests/stubs) on PATH. Every fake node is this machine: traffic stays
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics, run
+from conftest import REPO, clean_env, read_metrics, run, start, wait_for
 
 STUBS = REPO / "tests" / "stubs"
 JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
-TRAIN_ARGS = ("--synthetic", "--epochs", "1", "--limit-batches", "1", "--num-workers", "0",
+TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "2", "--num-workers", "0",
               "--metrics-file", "metrics.jsonl")
 JOB_ID = 4242
 
@@ -47,6 +48,27 @@ def run_job(script, tmp_path, env, *args):
     return run(["bash", REPO / script, *args], cwd=tmp_path, env=env)
 
 
+def stopped_requeued_and_resumed(script, tmp_path, env):
+    """The life of a job that meets its time limit: Slurm's USR1 warning arrives during
+    epoch 2, training checkpoints and stops, the script requeues the job; the requeued job
+    (SLURM_RESTART_COUNT=1) resumes by itself and finishes. Returns both runs' output."""
+    job = start(["bash", REPO / script, *TRAIN_ARGS], tmp_path, tmp_path / "first.log", env=env)
+    wait_for(tmp_path / "first.log", "Epoch 1/3:", job)
+    job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 does
+    assert job.wait(timeout=120) == 0
+    first = (tmp_path / "first.log").read_text()
+    assert "Stopped by SIG" in first and f"requeueing job {JOB_ID}" in first
+    assert f"scontrol requeue {JOB_ID}" in (tmp_path / "stub.log").read_text()
+    assert list((tmp_path / "checkpoints").glob("*/checkpoint_*.pt"))
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) < 3
+    second = run_job(script, tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}, *TRAIN_ARGS)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Resuming from checkpoints/" in second.stdout and "Training complete." in second.stdout
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2, 3]  # every epoch exactly once
+    return first, second.stdout, records
+
+
 def assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count):
     pids = [int(p) for p in (tmp_path / "monitor.pids").read_text().split()]
     ours = [pid for pid in pids if pid != other_jobs_monitor.pid]
@@ -55,44 +77,39 @@ def assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count):
     assert other_jobs_monitor.poll() is None, "the job killed another job's GPU monitor"
 
 
-def assert_gpu_log(path):
+def assert_gpu_log(path, runs=2):
     lines = path.read_text().splitlines()
-    assert lines[0].startswith("timestamp,") and len(lines) >= 2
+    headers = [line for line in lines if line.startswith("timestamp,")]
+    assert len(headers) == runs and len(lines) > runs  # appended: the first run's samples stay
 
 
 def test_single_gpu_job(tmp_path, other_jobs_monitor):
-    result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path), *TRAIN_ARGS)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "CUDA available: False, GPUs: 0" in result.stdout
-    assert "Batch Size: 4 (4 per process x 1 CPU processes" in result.stdout  # PER_GPU_BATCH
-    [record] = read_metrics(tmp_path / "metrics.jsonl")  # --epochs 1 overrode the default 100
-    assert record["world_size"] == 1 and record["lr"] == pytest.approx(0.01 * 0.5)  # BASE_LR, warm-up
+    first, second, records = stopped_requeued_and_resumed("singlegpu_job.sh", tmp_path, job_env(tmp_path))
+    assert "CUDA available: False, GPUs: 0" in first
+    assert "Batch Size: 4 (4 per process x 1 CPU processes" in first  # PER_GPU_BATCH
+    assert records[0]["world_size"] == 1 and records[0]["lr"] == pytest.approx(0.01 * 0.5)  # BASE_LR, warm-up
     assert_gpu_log(tmp_path / f"singlegpu_{JOB_ID}_gpu.csv")
-    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=1)
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
 
 
 def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08)
-    result = run_job("multigpu_job.sh", tmp_path, env, *TRAIN_ARGS)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in result.stdout
-    [record] = read_metrics(tmp_path / "metrics.jsonl")
-    assert record["world_size"] == 2 and record["lr"] == pytest.approx(0.08 * 0.5)
+    first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in first
+    assert all(r["world_size"] == 2 for r in records) and records[0]["lr"] == pytest.approx(0.08 * 0.5)
     assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")
-    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=1)
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
 
 
 def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     nodes = ("localhost", "127.0.0.1")  # two names for this machine, so the two "nodes" really meet
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="x1000c0s0b0n[0-1]",
                   FAKE_NODES=" ".join(nodes), FI_CXI_DEFAULT_TX_SIZE=1024)
-    result = run_job("multinode_job.sh", tmp_path, env, *TRAIN_ARGS)
-    assert result.returncode == 0, result.stdout + result.stderr
+    first, second, records = stopped_requeued_and_resumed("multinode_job.sh", tmp_path, env)
     port = 29500 + JOB_ID % 3000
-    assert f"Head node: localhost, rendezvous port {port}, 2 nodes x 1 GPUs" in result.stdout
-    assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in result.stdout
-    [record] = read_metrics(tmp_path / "metrics.jsonl")
-    assert record["world_size"] == 2
+    assert f"Head node: localhost, rendezvous port {port}, 2 nodes x 1 GPUs" in first
+    assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in second
+    assert all(r["world_size"] == 2 for r in records)
     log = (tmp_path / "stub.log").read_text()
     assert f"--rdzv_endpoint=localhost:{port}" in log and f"--rdzv_id={JOB_ID}" in log
     assert "--bind /cluster/work/support/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
@@ -103,9 +120,16 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
            "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO=^LL128"}
     assert hpe <= seen
     assert "FI_CXI_DEFAULT_TX_SIZE=1024" in seen and "FI_CXI_DEFAULT_TX_SIZE=2048" not in seen  # override wins
+    assert "Network settings: " in first and "NCCL_PROTO=^LL128" in first and "WARNING: multi-node" not in first
     for node in nodes:  # every node logs its own GPUs
         assert_gpu_log(tmp_path / f"multinode_{JOB_ID}_gpu_{node}.csv")
-    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
+    assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=4)
+
+
+def test_a_job_that_fails_is_not_requeued(tmp_path):
+    result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path), "--synthetic", "--precision", "fp16")
+    assert result.returncode != 0 and "--precision fp16 needs a CUDA GPU" in result.stderr
+    assert "requeue" not in (tmp_path / "stub.log").read_text()
 
 
 def test_multi_node_job_fails_fast_without_a_head_node(tmp_path):
