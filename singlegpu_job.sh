@@ -47,9 +47,13 @@ nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$GPU_
 monitor_pid=$!
 trap 'kill "$monitor_pid" 2>/dev/null || true' EXIT
 
-# A requeued job (SLURM_RESTART_COUNT > 0) continues from its newest checkpoint.
+# A requeued job continues from its newest checkpoint. (Slurm may also requeue a job after a
+# node failure, before any checkpoint exists: that run starts afresh.)
 resume=()
-if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]]; then resume=(--resume); fi
+if compgen -G "$CHECKPOINT_DIR/checkpoint_*.pt" >/dev/null; then
+    echo "Resuming from the checkpoints in $CHECKPOINT_DIR (restart ${SLURM_RESTART_COUNT:-0})"
+    resume=(--resume)
+fi
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once: it asks training to checkpoint and stop

@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 import dataset_utils as du
-from conftest import python_cmd, run, write_cifar100
+from conftest import run_main, write_cifar100
 
 
 def test_reader_matches_torchvision(cifar_dir, monkeypatch):
@@ -185,12 +185,11 @@ def test_synthetic_data_has_cifar_shape_and_is_reproducible():
     assert not np.array_equal(du.synthetic_split("test", seed=3)[0], du.synthetic_split("test", seed=4)[0])
 
 
-def test_fetch_command_checks_present_data(cifar_dir, tmp_path):
-    result = run(python_cmd("dataset_utils.py", "--data-dir", cifar_dir), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "64 training and 40 test images" in result.stdout
+def test_fetch_command_checks_present_data(cifar_dir, capsys):
+    assert run_main("dataset_utils.py", "--data-dir", cifar_dir) == 0
+    assert "64 training and 40 test images" in capsys.readouterr().out
     (cifar_dir / "cifar-100-python" / "test").write_bytes(b"\x80\x02}q")  # truncated pickle
-    result = run(python_cmd("dataset_utils.py", "--data-dir", cifar_dir), cwd=tmp_path)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "test is truncated or corrupted" in result.stderr
+    assert run_main("dataset_utils.py", "--data-dir", cifar_dir) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "test is truncated or corrupted" in err
 

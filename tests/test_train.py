@@ -4,7 +4,7 @@ stopping, and bad input (one line, exit 2, nothing lost)."""
 import pytest
 import torch
 
-from conftest import FAST, clean_env, error_lines, python_cmd, read_metrics, run, write_cifar100
+from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
 from model import WideResNet
 
 REQUIRED = {"epoch", "train_loss", "val_loss", "val_accuracy", "epoch_time_s", "images_per_sec", "lr", "world_size"}
@@ -69,22 +69,25 @@ def test_synthetic_run_needs_no_files_and_says_accuracy_is_meaningless(tmp_path)
     assert "accuracy is meaningless" in result.stdout and not (tmp_path / "none").exists()
 
 
-def assert_one_line_error(result, expected):
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    lines = error_lines(result.stderr)
-    assert len(lines) == 1 and expected in lines[0], result.stderr
+def assert_one_line_error(returncode, stderr, expected):
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and expected in lines[0], stderr
 
 
-def test_missing_data_offline(tmp_path):
+def test_missing_data_offline_as_a_real_process(tmp_path):
     result = run(python_cmd("train.py", "--no-download", "--data-dir", tmp_path / "empty"), cwd=tmp_path)
-    assert_one_line_error(result, f"fetch it first with: python dataset_utils.py --data-dir {tmp_path / 'empty'}")
+    assert_one_line_error(result.returncode, result.stderr,
+                          f"fetch it first with: python dataset_utils.py --data-dir {tmp_path / 'empty'}")
+    assert result.stdout == ""
 
 
-def test_truncated_data_file_is_named(tmp_path, cifar_dir):
+def test_truncated_data_file_is_named(cifar_dir, capsys):
     path = cifar_dir / "cifar-100-python" / "test"
     path.write_bytes(path.read_bytes()[:-100])
-    assert_one_line_error(train(tmp_path, cifar_dir), f"{path} is truncated or corrupted")
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST)
+    assert_one_line_error(code, capsys.readouterr().err, f"{path} is truncated or corrupted")
 
 
 @pytest.mark.parametrize("args, env, expected", [
@@ -93,11 +96,14 @@ def test_truncated_data_file_is_named(tmp_path, cifar_dir):
     (["--batch-size", "64"], {}, "the 32 training images give no full batch of 64 per process"),
     ([], {"WORLD_SIZE": "2"}, "train.py trains with one process but WORLD_SIZE=2"),
 ])
-def test_bad_input(tmp_path, cifar_dir, args, env, expected):
-    assert_one_line_error(train(tmp_path, cifar_dir, *args, env=clean_env(**env)), expected)
+def test_bad_input(cifar_dir, capsys, monkeypatch, args, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, *args)
+    assert_one_line_error(code, capsys.readouterr().err, expected)
 
 
-def test_metrics_file_is_appended_and_a_bad_path_fails_before_training(tmp_path, cifar_dir):
+def test_metrics_file_is_appended_and_a_bad_path_fails_before_training(tmp_path, cifar_dir, capsys):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"epoch": 7}\n')  # an earlier run's line
     result = train(tmp_path, cifar_dir, "--epochs", "1", "--batch-size", "4", "--limit-batches", "1",
@@ -105,6 +111,7 @@ def test_metrics_file_is_appended_and_a_bad_path_fails_before_training(tmp_path,
     assert result.returncode == 0, result.stderr
     records = read_metrics(metrics)
     assert records[0] == {"epoch": 7} and [r["epoch"] for r in records[1:]] == [1]
-    result = train(tmp_path, cifar_dir, "--metrics-file", tmp_path)  # a directory
-    assert_one_line_error(result, "not a writable file path")
-    assert "Epoch 1/" not in result.stdout
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, "--metrics-file", tmp_path)  # a directory
+    captured = capsys.readouterr()
+    assert_one_line_error(code, captured.err, "not a writable file path")
+    assert "Epoch 1/" not in captured.out
