@@ -39,7 +39,8 @@ CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ -f "$PROJECT_DIR/train_ddp.py" ]] || die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+[[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
+    die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 
@@ -59,7 +60,8 @@ fi
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once: it asks training to checkpoint and stop
-# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is requeued once training has exited.
+# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is
+# requeued once training has exited.
 training_pid=""
 stop_requested=""
 trap 'stop_requested=1; kill -TERM "$training_pid" 2>/dev/null || true' USR1

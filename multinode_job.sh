@@ -74,7 +74,8 @@ for setting in "${NETWORK_DEFAULTS[@]}"; do
 done
 
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ -f "$PROJECT_DIR/train_ddp.py" ]] || die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+[[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
+    die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 [[ -n "${SLURM_JOB_NODELIST:-}" && -n "${SLURM_JOB_NUM_NODES:-}" && -n "${SLURM_JOB_ID:-}" ]] ||
@@ -113,7 +114,8 @@ EOF
 # Runs inside the container: find the bound host libraries first.
 # shellcheck disable=SC2016
 container_task='
-export LD_LIBRARY_PATH="$LIBFABRIC_HOME/lib:$NCCL_HOME/lib:$NVIDIA_HPC_HOME/lib:/usr/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+host_libs="$LIBFABRIC_HOME/lib:$NCCL_HOME/lib:$NVIDIA_HPC_HOME/lib:/usr/lib64"
+export LD_LIBRARY_PATH="$host_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CPATH="$LIBFABRIC_HOME/include${CPATH:+:$CPATH}"
 exec "$@"'
 export GPU_LOG_PREFIX GPU_LOG_INTERVAL GPU_QUERY

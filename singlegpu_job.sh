@@ -36,7 +36,8 @@ CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/singlegpu_${SLURM_JOB_ID:-local}}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ -f "$PROJECT_DIR/train.py" ]] || die "no train.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+[[ -f "$PROJECT_DIR/train.py" ]] ||
+    die "no train.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
 
 apptainer exec --nv "$CONTAINER_PATH" python -c \
     'import torch; print(f"CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")'
@@ -57,7 +58,8 @@ fi
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once: it asks training to checkpoint and stop
-# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is requeued once training has exited.
+# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is
+# requeued once training has exited.
 training_pid=""
 stop_requested=""
 trap 'stop_requested=1; kill -TERM "$training_pid" 2>/dev/null || true' USR1

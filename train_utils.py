@@ -638,7 +638,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     batches = islice(train_loader, run.steps)
-    for _ in range(state.step):  # resuming mid-epoch: the same batches in the same order, skipped
+    for _ in range(min(state.step, run.steps)):  # resuming mid-epoch: the same batches, skipped
         next(batches)
     if rng_state is not None:
         restore_rng(rng_state)  # where the interrupted run was after those steps
