@@ -50,7 +50,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Keep the docstring's command examples as written and show every default that has a value."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False):
+        if action.default is None or action.default is False:  # not `in`: 0 == False
             return action.help
         return super()._get_help_string(action)
 

@@ -73,6 +73,12 @@ def test_bad_flags_are_one_line_and_exit_2(flags, capsys):
     assert err.count("\n") == 1 and BAD_FLAGS[flags] in err
 
 
+def test_help_shows_every_real_default():
+    text = " ".join(tu.build_parser("x").format_help().split())
+    assert "--seed N seed for weights" in text and "(default: 0)" in text  # 0 is a default, not "none"
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
 def test_bad_flags_are_printed_by_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):
