@@ -230,7 +230,7 @@ def set_loader_epoch(loader, epoch):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Download CIFAR-100 (~160 MB) and check it can be read.")
+    parser = argparse.ArgumentParser(description="Download CIFAR-100 and check it can be read.")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="directory that gets cifar-100-python/ (default: datasets/ beside this script)")
     args = parser.parse_args(argv)

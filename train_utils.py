@@ -123,7 +123,7 @@ def build_parser(description):
     data.add_argument("--data-dir", metavar="DIR", default=None,
                       help="directory holding cifar-100-python/ (default: datasets/ beside the scripts)")
     data.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                      help="download CIFAR-100 (~160 MB, global rank 0 only) if it is missing")
+                      help="download CIFAR-100 (global rank 0 only) if it is missing")
     data.add_argument("--synthetic", action="store_true",
                       help="random images and labels of CIFAR-100's shape and size instead of the data "
                            "set: for smoke tests and throughput; accuracy is meaningless")
@@ -656,8 +656,9 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     if stopped:
         state.partial = (loss_sum, images, seconds)
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
-        rng_states = gather_objects(rng_snapshot(), run.ctx.control_group)
-        path = save_checkpoint(run, state, rng_states) if run.args.checkpoint_dir else None
+        path = None
+        if run.args.checkpoint_dir:  # the same on every rank, so every rank joins the gather or none
+            path = save_checkpoint(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
         raise TrainingStopped(f"Stopped by {run.stop.received or 'a signal to another rank'} after step "
                               f"{state.step} of epoch {state.epoch}; "
                               + (f"checkpoint {path}: continue with --resume" if path else "nothing saved "
@@ -736,12 +737,13 @@ def fit(model, train_loader, test_loader, args, ctx):
     if args.eval_only:
         return [evaluate_once(run, test_loader)]
     state, rng_state = resume(run) if args.resume else (TrainState(run_id=uuid.uuid4().hex[:12]), None)
+    reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
     with StopSignal() as run.stop:
-        while state.epoch <= args.epochs and not target_reached(state.history, args.target_accuracy, args.patience):
+        while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None
-            if target_reached(state.history, args.target_accuracy, args.patience):
-                run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
+    if reached():
+        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
     for line in summarize(state.records, ctx):
         run.log.info(line)
     if args.save_weights and ctx.is_main:
