@@ -8,6 +8,19 @@ The training scripts download only when the data is missing, and then only globa
 downloads while the other ranks wait. Files are read from CIFAR-100's own on-disk format
 (``cifar-100-python/{train,test,meta}``, Python pickles) by this module, which checks their
 shape and size and names the file when one is truncated or corrupted.
+
+Two loaders serve the same batches of (float32 images (B, 3, 32, 32), int64 labels (B,)):
+
+- ``device`` (the training scripts' default): the whole data set is copied to the device
+  once as uint8 (150 MB for the training set); each batch is a gather plus random crop,
+  flip and normalization as batched tensor operations there. No worker processes, no
+  host-to-device copies and no CPU time per image.
+- ``torchvision``: the guide's DataLoader of PIL transforms, for data that does not fit on
+  the device or for comparison; with ``num_workers`` persistent worker processes.
+
+Both shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank),
+and both draw their augmentation from generators seeded by (seed, epoch, rank) or (seed,
+epoch), never from what ran before: a resumed run augments identically.
 """
 
 import argparse
@@ -20,7 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import torchvision.transforms as transforms
+import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
@@ -32,6 +47,13 @@ IMAGE_SHAPE = (32, 32, 3)  # H, W, C as stored: uint8 RGB
 SPLIT_SIZES = {"train": 50_000, "test": 10_000}
 CIFAR100_MEAN = (0.5071, 0.4867, 0.4408)
 CIFAR100_STD = (0.2675, 0.2565, 0.2761)
+PADDING = 4  # pixels of zero padding around the image before the random 32x32 crop
+LOADERS = ("device", "torchvision")
+# Seeds: dropout (seed, epoch, rank) in train_utils.epoch_seed; device-loader augmentation
+# (seed, epoch, rank, BATCH_STREAM); torchvision-loader augmentation (seed, epoch, 0,
+# IMAGE_STREAM), the same on every rank. The non-zero last entries keep the three apart
+# (SeedSequence ignores trailing zeros).
+BATCH_STREAM, IMAGE_STREAM = 1, 2
 FOLDER = "cifar-100-python"  # what the official archive unpacks to
 FILES = ("train", "test", "meta")
 
@@ -148,17 +170,139 @@ def eval_transform():
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR100_MEAN, CIFAR100_STD)])
 
 
+def derived_seed(*values):
+    """A 63-bit seed from integers such as (seed, epoch, rank): statistically independent
+    streams for different tuples (numpy's SeedSequence), the same on every machine."""
+    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
 class CIFAR100Images(Dataset):
-    """In-memory uint8 images (N, 32, 32, 3) and labels; items are (float tensor (3, 32, 32), int)."""
+    """In-memory uint8 images (N, 32, 32, 3) and labels; items are (float tensor (3, 32, 32), int).
+
+    A key is an index (``transform`` applies, as in the guide) or, from CropFlipSampler, an
+    (index, top, left, flip) tuple: the guide's flip and crop with exactly these parameters,
+    then normalization. Then no worker process draws random numbers of its own.
+    """
 
     def __init__(self, images, labels, transform):
         self.images, self.labels, self.transform = images, labels, transform
+        self.to_tensor = eval_transform()
 
     def __len__(self):
         return len(self.labels)
 
-    def __getitem__(self, index):
-        return self.transform(Image.fromarray(self.images[index])), int(self.labels[index])
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, top, left, flip = key
+            image = crop_flip_pil(Image.fromarray(self.images[index]), top, left, flip)
+            return self.to_tensor(image), int(self.labels[index])
+        return self.transform(Image.fromarray(self.images[key])), int(self.labels[key])
+
+
+def crop_flip_pil(image, top, left, flip, padding=PADDING):
+    """RandomHorizontalFlip, then RandomCrop(32, padding), with given parameters, on a PIL image."""
+    width, height = image.size
+    return TF.crop(TF.pad(TF.hflip(image) if flip else image, padding), top, left, height, width)
+
+
+class CropFlipSampler(Sampler):
+    """The indices of ``sampler``, as (index, top, left, flip) keys for CIFAR100Images.
+
+    The parameters of every image of the data set are drawn at the start of each epoch in one
+    vectorized call, from a generator seeded by (seed, epoch): image i is augmented the same
+    in epoch e whichever process or worker loads it and whatever ran before, and persistent
+    workers, which never see ``set_epoch``, need no RNG of their own.
+    """
+
+    def __init__(self, sampler, size, seed=0):
+        self.sampler, self.size, self.seed, self.epoch = sampler, size, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0, IMAGE_STREAM))
+        offsets, flips = draw_crop_flip(self.size, generator, "cpu")  # (size, 2), (size,)
+        offsets, flips = offsets.tolist(), flips.tolist()
+        return ((index, *offsets[index], flips[index]) for index in self.sampler)
+
+    def __len__(self):
+        return len(self.sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device loader: augmentation as batched tensor operations.
+
+def draw_crop_flip(n, generator, device, padding=PADDING):
+    """Parameters of the guide's RandomHorizontalFlip + RandomCrop(32, padding) for n images:
+    offsets int64 (n, 2) = (top, left) in the padded image, uniform over 0..2*padding, and
+    flips bool (n,) with probability 0.5."""
+    offsets = torch.randint(0, 2 * padding + 1, (n, 2), generator=generator, device=device)
+    flips = torch.randint(0, 2, (n,), generator=generator, device=device).bool()
+    return offsets, flips
+
+
+def crop_flip(images, offsets, flips, padding=PADDING):
+    """Flip, then crop from the zero-padded image, as the guide's transforms do, for a batch.
+
+    images: uint8 (B, H, W, C); offsets, flips: from draw_crop_flip. Returns uint8 (B, H, W, C),
+    computed as one gather on the images' device (no loop over images, no host sync).
+    """
+    b, h, w, _ = images.shape
+    padded = F.pad(images, (0, 0, padding, padding, padding, padding))  # (B, H + 2p, W + 2p, C), zeros
+    rows = offsets[:, :1] + torch.arange(h, device=images.device)  # (B, H)
+    cols = offsets[:, 1:] + torch.arange(w, device=images.device)  # (B, W)
+    # Column c of the flipped padded image is column (W + 2p - 1 - c) of the unflipped one.
+    cols = torch.where(flips[:, None], w + 2 * padding - 1 - cols, cols)
+    batch = torch.arange(b, device=images.device)[:, None, None]
+    return padded[batch, rows[:, :, None], cols[:, None, :]]
+
+
+def normalize(images, mean, std):
+    """uint8 (B, H, W, C) -> float32 (B, C, H, W), bit for bit what ToTensor + Normalize compute.
+    ``mean`` and ``std`` are float32 (1, C, 1, 1). The result is channels-last in memory (the
+    permute is a view), which is the layout the model wants on the GPU."""
+    return images.permute(0, 3, 1, 2).float().div(255).sub(mean).div(std)
+
+
+class DeviceLoader:
+    """Batches of (images float32 (B, 3, 32, 32), labels int64 (B,)) cut from a data set that
+    lives on ``device`` as uint8. Indices come from ``sampler`` (a DistributedSampler for
+    training, so the order and sharding are exactly the torchvision loader's); training
+    batches are augmented with parameters drawn once per epoch from a generator seeded by
+    (seed, epoch, rank), so batch k of an epoch is the same whether or not batches before it
+    were drawn (mid-epoch resume skips them)."""
+
+    num_workers = 0  # for describe_run: no worker processes
+
+    def __init__(self, dataset, batch_size, sampler, device, augment, drop_last, seed=0, rank=0):
+        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
+        self.device, self.augment, self.drop_last, self.seed, self.rank = device, augment, drop_last, seed, rank
+        self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, 32, 32, 3); a view on the CPU
+        self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
+        self.mean = torch.tensor(CIFAR100_MEAN, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(CIFAR100_STD, device=device).view(1, -1, 1, 1)
+
+    def __len__(self):
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (rest > 0 and not self.drop_last)
+
+    def __iter__(self):
+        # One small host-to-device copy per epoch: this rank's indices (N / world_size int64).
+        indices = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.device)
+        if self.augment:
+            epoch = getattr(self.sampler, "epoch", 0)
+            seed = derived_seed(self.seed, epoch, self.rank, BATCH_STREAM)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            offsets, flips = draw_crop_flip(len(indices), generator, self.device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            images = self.images[batch]  # (B, 32, 32, 3) uint8
+            if self.augment:
+                images = crop_flip(images, offsets[start:start + self.batch_size], flips[start:start + self.batch_size])
+            yield normalize(images, self.mean, self.std), self.labels[batch]
 
 
 class ShardSampler(Sampler):
@@ -200,26 +344,44 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
             CIFAR100Images(*splits["test"], eval_transform()))
 
 
-def load_cifar100(batch_size, num_workers=0, sampler=None, data_dir=None, *, rank=0, world_size=1,
-                  seed=0, download=True, synthetic=False, pin_memory=None):
+def load_cifar100(batch_size, num_workers=0, sampler=None, data_dir=None, *, loader="torchvision", device=None,
+                  rank=0, world_size=1, seed=0, download=True, synthetic=False, pin_memory=None):
     """(train_loader, test_loader), as in the guide; ``batch_size`` is per process.
 
+    ``loader``: "torchvision" (the guide's DataLoader, the default of this function) or
+    "device" (data set and augmentation on ``device``, the training scripts' default).
     Training: shuffled by a DistributedSampler seeded by (seed, epoch) and sharded by rank
     (with one rank it is a seeded shuffle), incomplete last batches dropped so every rank
     runs the same number of steps. Call ``set_loader_epoch`` before each epoch.
     Evaluation: every test image exactly once across ranks, in order, no augmentation.
     """
     train_set, test_set = build_datasets(data_dir, download, synthetic, seed, rank)
+    return build_loaders(train_set, test_set, batch_size, loader=loader, num_workers=num_workers,
+                         sampler=sampler, device=device, rank=rank, world_size=world_size, seed=seed,
+                         pin_memory=pin_memory)
+
+
+def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_workers=0, sampler=None,
+                  device=None, rank=0, world_size=1, seed=0, pin_memory=None):
+    """(train_loader, test_loader) over data sets from ``build_datasets``; see load_cifar100."""
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {LOADERS}, not {loader!r}")
     if sampler is None:
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=seed, drop_last=True)
-    # Workers are started anew each epoch (not persistent): they take their seeds from the
-    # global RNG, which the loop reseeds per epoch, so a resumed run augments identically.
-    common = dict(batch_size=batch_size, num_workers=num_workers,
+    test_sampler = ShardSampler(len(test_set), rank, world_size)
+    if loader == "device":
+        device = torch.device(device or "cpu")
+        return (DeviceLoader(train_set, batch_size, sampler, device, augment=True, drop_last=True,
+                             seed=seed, rank=rank),
+                DeviceLoader(test_set, batch_size, test_sampler, device, augment=False, drop_last=False))
+    # Workers persist across epochs (no restart cost); CropFlipSampler draws their augmentation.
+    common = dict(batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0,
                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
-    test_loader = DataLoader(test_set, sampler=ShardSampler(len(test_set), rank, world_size), **common)
-    return train_loader, test_loader
+    # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
+    return (DataLoader(train_set, sampler=CropFlipSampler(sampler, len(train_set), seed), drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **common),
+            DataLoader(test_set, sampler=test_sampler, **common))
 
 
 def set_loader_epoch(loader, epoch):

@@ -3,6 +3,7 @@
     python train.py --epochs 10                       # downloads CIFAR-100 to ./datasets if missing
     python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
     python train.py --epochs 100 --checkpoint-dir ckpt [--resume]  # survives kills and time limits
+    python train.py --loader torchvision --num-workers 8   # the guide's DataLoader instead of data on the GPU
     torchrun --standalone --nnodes=1 --nproc_per_node=1 train.py --batch-size 256 --epochs 100 \\
         --base-lr 0.01 --target-accuracy 0.95 --patience 2
     sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dataset_utils import NUM_CLASSES, load_cifar100, set_loader_epoch
+from dataset_utils import LOADERS, NUM_CLASSES, derived_seed, load_cifar100, set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, any_rank, broadcast_buffers, broadcast_from_rank0,
                           check_replicas_in_sync, env_rank, gather_objects, network_report, synchronize)
 from model import WideResNet
@@ -55,7 +55,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         return super()._get_help_string(action)
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line, printed by global rank 0 only
     (every rank parses the same flags, so the others would only repeat it)."""
 
@@ -86,7 +86,7 @@ below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def build_parser(description):
-    parser = _OneLineParser(description=description, formatter_class=_Formatter)
+    parser = OneLineParser(description=description, formatter_class=_Formatter)
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
                       help="maximum number of passes over the training set")
@@ -127,11 +127,23 @@ def build_parser(description):
     data.add_argument("--synthetic", action="store_true",
                       help="random images and labels of CIFAR-100's shape and size instead of the data "
                            "set: for smoke tests and throughput; accuracy is meaningless")
+    data.add_argument("--loader", choices=LOADERS, default="device",
+                      help="device = the data set (uint8, 150 MB) lives on the GPU (or in CPU memory) and is "
+                           "cropped, flipped and normalized there in batches, no CPU time per image; "
+                           "torchvision = the guide's DataLoader with --num-workers worker processes")
     data.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
-                      help="data-loader worker processes per training process (default: CPU cores per "
-                           f"process - 1, at most {MAX_AUTO_WORKERS})")
+                      help="--loader torchvision: worker processes per training process (default: CPU "
+                           f"cores per process - 1, at most {MAX_AUTO_WORKERS})")
     data.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
+
+    speed = parser.add_argument_group("speed (no effect on the recipe)")
+    speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep activations and weights in NHWC memory layout, which GPU tensor-core "
+                            "convolutions use (default: on with CUDA, off on the CPU)")
+    speed.add_argument("--compile", action="store_true",
+                       help="torch.compile the training model (the first steps then take minutes; the first "
+                            "epoch's throughput is reported separately)")
 
     run = parser.add_argument_group("run control and output")
     run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
@@ -248,9 +260,20 @@ def configure_precision(requested, device):
     return Precision(requested, AUTOCAST_DTYPES.get(requested))
 
 
-def make_optimizer(model, args):
-    return torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum,
-                           nesterov=args.nesterov, weight_decay=args.weight_decay)
+def memory_format(args, device):
+    """channels_last (NHWC) on CUDA unless --no-channels-last; contiguous (NCHW) on the CPU."""
+    wanted = args.channels_last if args.channels_last is not None else device.type == "cuda"
+    return torch.channels_last if wanted else torch.contiguous_format
+
+
+def optimizer_kernels(device):
+    """SGD implementation: one fused kernel for all parameters on CUDA, for-each on the CPU."""
+    return {"fused": True, "foreach": None} if device.type == "cuda" else {"fused": None, "foreach": None}
+
+
+def make_optimizer(model, args, device):
+    return torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
+                           weight_decay=args.weight_decay, **optimizer_kernels(device))
 
 
 def make_scheduler(optimizer, args, steps_per_epoch):
@@ -265,11 +288,13 @@ def make_scheduler(optimizer, args, steps_per_epoch):
 
 def make_loaders(args, ctx):
     """This rank's (train_loader, test_loader) for the flags."""
-    workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
+    workers = 0
+    if args.loader == "torchvision":
+        workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
     return load_cifar100(per_process_batch(args.batch_size, ctx.world_size), num_workers=workers,
-                         data_dir=args.data_dir, rank=ctx.rank, world_size=ctx.world_size, seed=args.seed,
-                         download=args.download, synthetic=args.synthetic,
-                         pin_memory=ctx.device.type == "cuda")
+                         data_dir=args.data_dir, loader=args.loader, device=ctx.device, rank=ctx.rank,
+                         world_size=ctx.world_size, seed=args.seed, download=args.download,
+                         synthetic=args.synthetic, pin_memory=ctx.device.type == "cuda")
 
 
 def build_model(args, ctx):
@@ -278,7 +303,8 @@ def build_model(args, ctx):
     model = WideResNet(num_classes=NUM_CLASSES)
     if args.weights:
         load_weights(model, args.weights)
-    return model.to(ctx.device)  # each epoch then reseeds per rank (epoch_seed)
+    # Each epoch then reseeds per rank (epoch_seed).
+    return model.to(ctx.device, memory_format=memory_format(args, ctx.device))
 
 
 def _strip_prefixes(state):
@@ -427,10 +453,15 @@ def describe_run(args, ctx, precision, train_loader, test_loader, steps):
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     data = "SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic else "CIFAR-100"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
+    layout = "channels_last" if memory_format(args, ctx.device) == torch.channels_last else "contiguous (NCHW)"
+    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
+              else f"torchvision DataLoader, {train_loader.num_workers} worker process"
+                   f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
     return [
         f"Training WideResNet on CIFAR-100 with Batch Size: {args.batch_size} "
         f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
-        f"Device: {ctx.device}, precision {precision.name}, {train_loader.num_workers} loader workers per process",
+        f"Device: {ctx.device}, precision {precision.name}, {layout}{', torch.compile' if args.compile else ''}",
+        f"Loader: {loader}",
         f"Data: {data}, {len(train_loader.dataset)} training / {len(test_loader.dataset)} test images, "
         f"{steps} steps per epoch",
         f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
@@ -517,6 +548,8 @@ def resume(run):
     check_resumable(checkpoint, run.args, run.fingerprint, run.module)
     run.module.load_state_dict(checkpoint["model"])
     run.optimizer.load_state_dict(checkpoint["optimizer"])
+    for group in run.optimizer.param_groups:  # this device's SGD kernels, not the saving run's
+        group.update(optimizer_kernels(run.ctx.device))
     run.scheduler.load_state_dict(checkpoint["scheduler"])
     run.scaler.load_state_dict(checkpoint["scaler"])
     state = TrainState(**checkpoint["state"])
@@ -554,10 +587,10 @@ class TrainingStopped(Exception):
 
 
 def epoch_seed(seed, epoch, rank):
-    """Seed of the global RNG for one epoch on one rank. Augmentation (also in loader workers,
-    which draw their seeds from it) and dropout become a function of (seed, epoch, rank), so a
-    run resumed at an epoch boundary repeats the uninterrupted one exactly."""
-    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    """Seed of the global RNG (dropout) for one epoch on one rank, so a run resumed at an epoch
+    boundary repeats the uninterrupted one exactly. The loaders seed their augmentation
+    themselves, also from (seed, epoch, ...)."""
+    return derived_seed(seed, epoch, rank)
 
 
 def rng_snapshot():
@@ -583,6 +616,7 @@ class Run:
     scaler: torch.amp.GradScaler
     loss_fn: nn.Module
     precision: Precision
+    memory_format: torch.memory_format  # of the input batches: the model's layout
     ctx: object
     args: argparse.Namespace
     log: "RunLogger"
@@ -605,7 +639,9 @@ def train_steps(run, batches, state):
     images, lr, stopped = 0, run.optimizer.param_groups[0]["lr"], False
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.ctx.world_size)
     for step, (x, y) in enumerate(batches, start=start + 1):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (B, 3, 32, 32), (B,)
+        # (B, 3, 32, 32), (B,). Asynchronous from pinned memory; no-ops for the device loader.
+        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
         with run.precision.autocast(device):
             loss = run.loss_fn(run.model(x), y)
@@ -664,7 +700,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
                               + (f"checkpoint {path}: continue with --resume" if path else "nothing saved "
                                  "(no --checkpoint-dir)"))
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
-    result = evaluate(run.module, test_loader, run.precision, run.ctx.device, run.args.limit_batches)
+    result = evaluate(run, test_loader)
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
                           time.perf_counter() - train_end, lr)
     if not run.args.check_sync_every:
@@ -682,17 +718,19 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
 
 
 @torch.no_grad()
-def evaluate(model, loader, precision, device, limit_batches=None):
+def evaluate(run, loader):
     """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
 
-    Pass the unwrapped model: a DDP forward may broadcast buffers, a collective that would
-    hang when the shards have different numbers of batches.
+    Runs the unwrapped, uncompiled model: a DDP forward may broadcast buffers, a collective
+    that would hang when the shards have different numbers of batches.
     """
+    model, device, precision = run.module, run.ctx.device, run.precision
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, loss sum]
     count = 0
-    for x, y in islice(loader, limit_batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for x, y in islice(loader, run.args.limit_batches):
+        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
         with precision.autocast(device):
             logits = model(x)  # (B, 100)
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
@@ -721,12 +759,15 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
             log.info(line)
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
-    optimizer = make_optimizer(model, args)
-    return Run(model=model, module=unwrap(model), optimizer=optimizer,
+    optimizer = make_optimizer(model, args, ctx.device)
+    module = unwrap(model)
+    if args.compile:
+        model = torch.compile(model)  # compiles lazily, during the first steps
+    return Run(model=model, module=module, optimizer=optimizer,
                scheduler=make_scheduler(optimizer, args, steps),
                scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
-               ctx=ctx, args=args, log=log, steps=steps,
+               memory_format=memory_format(args, ctx.device), ctx=ctx, args=args, log=log, steps=steps,
                fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic))
 
 
@@ -753,7 +794,7 @@ def fit(model, train_loader, test_loader, args, ctx):
 
 
 def evaluate_once(run, test_loader):
-    result = evaluate(run.module, test_loader, run.precision, run.ctx.device, run.args.limit_batches)
+    result = evaluate(run, test_loader)
     record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
               "world_size": run.ctx.world_size, "precision": run.precision.name}
     run.log.record(record)

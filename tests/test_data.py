@@ -154,7 +154,7 @@ def test_every_test_image_is_evaluated_once_across_ranks(tmp_path):
 
 def _epoch_indices(loader, epoch):
     du.set_loader_epoch(loader, epoch)
-    return list(loader.sampler)
+    return [key[0] for key in loader.sampler]  # keys are (index, top, left, flip)
 
 
 def test_training_shards_are_disjoint_and_reshuffled_each_epoch(cifar_dir):

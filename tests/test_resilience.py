@@ -63,14 +63,19 @@ def test_kill_9_mid_epoch_then_resume_repeats_the_uninterrupted_run(tmp_path, re
     assert_same_run(*reference, tmp_path / "m.jsonl", tmp_path / "w.pt")
 
 
-def test_sigusr1_checkpoints_mid_epoch_and_resume_is_exact(tmp_path, reference):
-    args = (*RUN, "--metrics-file", tmp_path / "m.jsonl", "--save-weights", tmp_path / "w.pt",
-            "--checkpoint-dir", tmp_path / "ckpt")
+def stop_with_sigusr1(args, tmp_path):
+    """Start train.py, send it SIGUSR1 once epoch 1 has finished; returns its output."""
     process = start(python_cmd("train.py", *args), tmp_path, tmp_path / "log")
     wait_for(tmp_path / "log", "Epoch 1/3:", process)
     process.send_signal(signal.SIGUSR1)
     assert process.wait(timeout=60) == tu.EXIT_STOPPED
-    log = (tmp_path / "log").read_text()
+    return (tmp_path / "log").read_text()
+
+
+def test_sigusr1_checkpoints_mid_epoch_and_resume_is_exact(tmp_path, reference):
+    args = (*RUN, "--metrics-file", tmp_path / "m.jsonl", "--save-weights", tmp_path / "w.pt",
+            "--checkpoint-dir", tmp_path / "ckpt")
+    log = stop_with_sigusr1(args, tmp_path)
     assert "Stopped by SIGUSR1 after step" in log and "continue with --resume" in log
     assert len(read_metrics(tmp_path / "m.jsonl")) < 3
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)
@@ -235,3 +240,19 @@ def test_job_script_passes_exactly_the_recommended_settings():
     block = text[text.index("NETWORK_DEFAULTS=(") + len("NETWORK_DEFAULTS=("):text.index(")", text.index("NETWORK_DEFAULTS=("))]
     defaults = dict(line.strip().strip('"').split("=", 1) for line in block.strip().splitlines())
     assert defaults == MULTINODE_SETTINGS
+
+
+def test_torchvision_loader_with_a_persistent_worker_resumes_exactly(tmp_path):
+    """The same guarantee for --loader torchvision: CropFlipSampler hands the worker its
+    augmentation, so neither the worker's life nor the restart changes a pixel."""
+    tv_run = (*RUN, "--loader", "torchvision", "--num-workers", "1")
+    reference = run(python_cmd("train.py", *tv_run, "--metrics-file", tmp_path / "m_ref.jsonl",
+                               "--save-weights", tmp_path / "w_ref.pt"), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    args = (*tv_run, "--metrics-file", tmp_path / "m.jsonl", "--save-weights", tmp_path / "w.pt",
+            "--checkpoint-dir", tmp_path / "ckpt")
+    assert "Stopped by SIGUSR1" in stop_with_sigusr1(args, tmp_path)
+    result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Loader: torchvision DataLoader, 1 worker process per" in result.stdout
+    assert_same_run(tmp_path / "m_ref.jsonl", tmp_path / "w_ref.pt", tmp_path / "m.jsonl", tmp_path / "w.pt")

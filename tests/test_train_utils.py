@@ -6,11 +6,13 @@ import json
 import math
 import shlex
 
+import numpy as np
 import pytest
 import torch
 
+import dataset_utils as du
 import train_utils as tu
-from device_utils import DistContext, UserError
+from device_utils import DistContext, UserError, single_process_context
 from model import WideResNet
 
 GUIDE_LINES = {
@@ -33,7 +35,7 @@ def test_one_recipe_by_default():
     args = tu.parse_args("test", [])
     assert (args.momentum, args.nesterov, args.weight_decay) == (0.9, True, 5e-4)
     assert (args.lr_schedule, args.warmup_epochs, args.label_smoothing, args.precision) == ("cosine", 2.0, 0.1, "auto")
-    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args)
+    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
     group = optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (0.01, 0.9, True, 5e-4)
 
@@ -41,7 +43,7 @@ def test_one_recipe_by_default():
 def test_guide_recipes_are_reachable_by_flags():
     part1 = tu.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
                                               "--warmup-epochs 0 --label-smoothing 0 --precision fp32"))
-    group = tu.make_optimizer(torch.nn.Linear(2, 2), part1).param_groups[0]
+    group = tu.make_optimizer(torch.nn.Linear(2, 2), part1, torch.device("cpu")).param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0, False, 0)
     assert tu.lr_factor(0, 100, 0, "constant") == tu.lr_factor(99, 100, 0, "constant") == 1.0
 
@@ -107,7 +109,7 @@ def test_warmup_then_cosine():
 
 def test_scheduler_steps_per_optimizer_step():
     args = tu.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
-    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args)
+    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
     scheduler = tu.make_scheduler(optimizer, args, steps_per_epoch=4)
     lrs = []
     for _ in range(12):
@@ -218,3 +220,42 @@ def test_summary_separates_the_warm_up_epoch():
     assert "Final Accuracy: 0.2000 (best 0.3000 at epoch 2)" in text
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
+
+
+def test_fast_settings_by_default():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    args = tu.parse_args("test", [])
+    assert args.loader == "device" and not args.compile
+    assert tu.memory_format(args, cuda) == torch.channels_last  # tensor cores want NHWC
+    assert tu.memory_format(args, cpu) == torch.contiguous_format
+    assert tu.memory_format(tu.parse_args("test", ["--no-channels-last"]), cuda) == torch.contiguous_format
+    assert tu.memory_format(tu.parse_args("test", ["--channels-last"]), cpu) == torch.channels_last
+    assert tu.optimizer_kernels(cuda)["fused"] is True and not tu.optimizer_kernels(cpu)["fused"]
+    assert tu.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
+
+
+def _train_two_steps(flags):
+    """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
+    rng = np.random.default_rng(0)
+    data = du.CIFAR100Images(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
+                             du.train_transform())
+    args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *flags])
+    train_loader, test_loader = du.build_loaders(data, data, 8, loader="device")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 100))
+    run = tu.prepare_run(model, train_loader, test_loader, args, single_process_context())
+    run.stop = tu.StopSignal()
+    loss_sum, images, *_ = tu.train_steps(run, iter(train_loader), tu.TrainState(run_id="test"))
+    assert images == 16
+    return run, loss_sum
+
+
+def test_compiled_training_matches_eager():
+    eager, eager_loss = _train_two_steps([])
+    compiled, compiled_loss = _train_two_steps(["--compile"])
+    assert type(compiled.model).__name__ == "OptimizedModule" and compiled.module is compiled.model._orig_mod
+    assert list(compiled.module.state_dict()) == list(eager.module.state_dict())  # checkpoints keep plain keys
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+    for name, value in eager.module.state_dict().items():
+        assert torch.allclose(compiled.module.state_dict()[name].float(), value.float(), atol=1e-5), name

@@ -1,0 +1,215 @@
+"""Throughput of the guide's recipe against this project's defaults, measured in one run on
+one device (a GPU when there is one, else the CPU):
+
+    python benchmark.py                        # stable GPU figures, a few minutes
+    python benchmark.py --quick                # about a minute on 2 CPU cores
+    python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
+    python benchmark.py --compile              # the project's recipe with torch.compile
+    srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python benchmark.py --json bench.json  # on Olivia
+
+Recipes:
+    guide    the guide's part 1: its DataLoader (PIL transforms in the main process,
+             num_workers=0), plain SGD, fp32 (with PyTorch's default TF32 convolutions on CUDA,
+             as the guide ran), NCHW.
+    project  train.py's defaults: device loader, bf16 autocast where the GPU supports it,
+             channels_last and fused SGD on CUDA.
+Measures:
+    pipeline  images per second the input pipeline alone delivers, on the device, ready for
+              the model; also the main process's CPU time per image.
+    train     images per second of whole training steps (forward, backward, optimizer)
+              through train.py's own loop (train_utils.train_steps), timed after warm-up
+              steps, with the device synchronized before each clock reading.
+
+Data: CIFAR-100 from --data-dir when it is there, otherwise synthetic images of the same
+size (throughput does not depend on pixel values).
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from itertools import count, islice
+
+import torch
+from torch.utils.data import DataLoader
+
+from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, is_downloaded,
+                           set_loader_epoch, train_transform)
+from device_utils import single_process_context, synchronize
+from train_utils import (OneLineParser, StopSignal, TrainState, build_model, check_writable, configure_precision,
+                         default_num_workers, memory_format, parse_args, positive_int, prepare_run, run_cli,
+                         train_steps)
+
+# train.py flags of each recipe; both get --batch-size from the command line.
+RECIPES = {
+    "guide": ["--loader", "torchvision", "--num-workers", "0", "--precision", "fp32", "--no-channels-last",
+              "--momentum", "0", "--no-nesterov", "--weight-decay", "0", "--lr-schedule", "constant",
+              "--warmup-epochs", "0", "--label-smoothing", "0"],
+    "project": [],
+}
+
+
+def build_parser():
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a few steps only (about a minute on 2 CPU cores): checks, not figures to quote")
+    parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=None,
+                        help="images per step for every measurement (default: 256; 32 with --quick on the CPU)")
+    parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=None,
+                        help="timed training steps per recipe (default: 100; 2 with --quick)")
+    parser.add_argument("--warmup-steps", metavar="STEPS", type=positive_int, default=None,
+                        help="untimed training steps first (cuDNN autotuning, compilation; default: 30; "
+                             "1 with --quick)")
+    parser.add_argument("--pipeline-batches", metavar="BATCHES", type=positive_int, default=None,
+                        help="timed batches of each input pipeline (default: 100; 50 with --quick)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the project's recipe")
+    parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
+                        help="use CIFAR-100 from here when present, else synthetic data")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the result rows to this file")
+    return parser
+
+
+def settings(opts, device):
+    """(batch size, warm-up steps, timed steps, pipeline batches) for the options."""
+    quick = opts.quick
+    batch = opts.batch_size or (32 if quick and device.type == "cpu" else 256)
+    return (batch, opts.warmup_steps or (1 if quick else 30), opts.steps or (2 if quick else 100),
+            opts.pipeline_batches or (50 if quick else 100))
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor() or platform.machine()) if os.path.exists("/proc/cpuinfo") else platform.machine()
+    return f"CPU: {model}, {torch.get_num_threads()} threads"
+
+
+def endless(loader):
+    """The loader's batches, epoch after epoch."""
+    for epoch in count():
+        set_loader_epoch(loader, epoch)
+        yield from loader
+
+
+def guide_loader(train_set, batch_size, device):
+    """The guide's training DataLoader, as written in its dataset_utils.py."""
+    images = CIFAR100Images(train_set.images, train_set.labels, train_transform())
+    return DataLoader(images, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
+                      pin_memory=device.type == "cuda")
+
+
+def measure_pipeline(loader, device, layout, batches):
+    """(images/s, main-process CPU microseconds per image) of ``loader`` delivering batches to ``device``."""
+    source = endless(loader)
+    next(source)  # worker start-up and first-batch costs are not throughput
+    synchronize(device)
+    wall, cpu, images = time.perf_counter(), time.process_time(), 0
+    for x, y in islice(source, batches):
+        x = x.to(device, memory_format=layout, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        images += y.size(0)
+    synchronize(device)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return images / wall, 1e6 * cpu / images
+
+
+def measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, tf32_convolutions=False):
+    """(images/s, warm-up seconds) of ``steps`` training steps after ``warmup_steps``."""
+    model = build_model(args, ctx)
+    run = prepare_run(model, train_loader, test_loader, args, ctx)
+    if tf32_convolutions:
+        torch.backends.cudnn.allow_tf32 = True  # PyTorch's default, under which the guide ran
+    run.stop = StopSignal()  # not installed: nothing stops a benchmark but Ctrl-C
+    state, source = TrainState(run_id="benchmark"), endless(train_loader)
+    synchronize(ctx.device)
+    start = time.perf_counter()
+    train_steps(run, islice(source, warmup_steps), state)  # returns after a host sync
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    _, images, *_ = train_steps(run, islice(source, steps), state)
+    return images / (time.perf_counter() - start), warmup_s
+
+
+def benchmark(opts):
+    ctx = single_process_context()
+    device = ctx.device
+    batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
+    real = is_downloaded(opts.data_dir)
+    train_set, test_set = build_datasets(opts.data_dir, download=False, synthetic=not real)
+    common = {"device": device_name(device), "batch_size": batch, "data": "CIFAR-100" if real else "synthetic",
+              "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
+    rows = []
+    for recipe, flags in RECIPES.items():
+        flags = [*flags, "--batch-size", str(batch), *(["--compile"] if opts.compile and recipe == "project" else [])]
+        args = parse_args("benchmark", flags + (["--synthetic"] if not real else []))
+        print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
+        if recipe == "guide":
+            train_loader = guide_loader(train_set, batch, device)
+            _, test_loader = build_loaders(train_set, test_set, batch, loader="torchvision")
+        else:
+            train_loader, test_loader = build_loaders(train_set, test_set, batch, loader=args.loader, device=device)
+        layout = memory_format(args, device)
+        guide_tf32 = recipe == "guide" and device.type == "cuda"
+        precision = configure_precision(args.precision, device).name + (" (TF32 convolutions)" if guide_tf32 else "")
+        described = {"recipe": recipe, "loader": args.loader, "workers": train_loader.num_workers,
+                     "precision": precision, "channels_last": layout == torch.channels_last, "compile": args.compile}
+        rate, cpu_us = measure_pipeline(train_loader, device, layout, pipeline_batches)
+        rows.append({**described, "measure": "pipeline", "images_per_sec": rate, "main_cpu_us_per_image": cpu_us,
+                     "batches": pipeline_batches, **common})
+        rate, warmup_s = measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, guide_tf32)
+        rows.append({**described, "measure": "train", "images_per_sec": rate, "steps": steps,
+                     "warmup_steps": warmup_steps, "warmup_s": warmup_s, **common})
+    for workers in sorted({0, default_num_workers(1)}):
+        rows.append(torchvision_pipeline_row(train_set, test_set, batch, device, workers, pipeline_batches, common))
+    return rows
+
+
+def torchvision_pipeline_row(train_set, test_set, batch, device, workers, batches, common):
+    """This project's torchvision loader (``--loader torchvision``) with ``workers`` worker processes."""
+    loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
+                              pin_memory=device.type == "cuda")
+    rate, cpu_us = measure_pipeline(loader, device, torch.contiguous_format, batches)
+    return {"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None, "channels_last": False,
+            "compile": False, "measure": "pipeline", "images_per_sec": rate, "main_cpu_us_per_image": cpu_us,
+            "batches": batches, **common}
+
+
+def table(rows):
+    """Lines of the table: each measure of the guide against the project's default."""
+    pick = {(r["recipe"], r["measure"], r["loader"]): r for r in rows}
+    lines = [f"\nDevice: {rows[0]['device']}, torch {rows[0]['torch']}, batch {rows[0]['batch_size']}, "
+             f"{rows[0]['data']} data",
+             f"{'measure':<10}{'guide img/s':>14}{'project img/s':>16}{'ratio':>9}"]
+    for measure in ("pipeline", "train"):
+        guide, project = pick[("guide", measure, "torchvision")], pick[("project", measure, "device")]
+        lines.append(f"{measure:<10}{guide['images_per_sec']:>14,.1f}{project['images_per_sec']:>16,.1f}"
+                     f"{project['images_per_sec'] / guide['images_per_sec']:>8.1f}x")
+    guide = pick[("guide", "pipeline", "torchvision")]["images_per_sec"]
+    for row in rows:
+        if row["recipe"] == "project" and row["loader"] == "torchvision":
+            lines.append(f"pipeline of project --loader torchvision --num-workers {row['workers']}: "
+                         f"{row['images_per_sec']:,.1f} img/s ({row['images_per_sec'] / guide:.1f}x the guide's)")
+    train = [r for r in rows if r["measure"] == "train"]
+    lines.append("warm-up (not timed): " + ", ".join(f"{r['recipe']} {r['warmup_steps']} steps in "
+                                                      f"{r['warmup_s']:.1f} s" for r in train))
+    return lines
+
+
+def main():
+    opts = build_parser().parse_args()
+    if opts.json:
+        check_writable(opts.json, "--json")  # before minutes of measuring, not after
+    rows = benchmark(opts)
+    for line in table(rows):
+        print(line)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"Rows written to {opts.json}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,158 @@
+"""The two loaders: order and sharding exactly as DistributedSampler, augmentation with the
+guide's distribution and pixels, and augmentation that a restarted run repeats exactly."""
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+from torch.utils.data.distributed import DistributedSampler
+
+import dataset_utils as du
+
+CPU = torch.device("cpu")
+MEAN = torch.tensor(du.CIFAR100_MEAN).view(1, 3, 1, 1)
+STD = torch.tensor(du.CIFAR100_STD).view(1, 3, 1, 1)
+
+
+def indexed_sets(n_train, n_test=10, images=None):
+    """Data sets whose label is the image's index, so a batch's labels say which images it holds."""
+    if images is None:
+        images = np.random.default_rng(0).integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8)
+    train = du.CIFAR100Images(images, np.arange(n_train), du.train_transform())
+    test = du.CIFAR100Images(images[:n_test], np.arange(n_test), du.eval_transform())
+    return train, test
+
+
+def device_loader(train_set, batch_size, rank=0, world_size=1, seed=0):
+    return du.build_loaders(train_set, train_set, batch_size, loader="device", device=CPU, rank=rank,
+                            world_size=world_size, seed=seed)[0]
+
+
+def epoch_labels(loader, epoch):
+    du.set_loader_epoch(loader, epoch)
+    return [labels.tolist() for _, labels in loader]
+
+
+def to_uint8(images):
+    """Undo the normalization: float (B, 3, H, W) -> the uint8 pixels (B, H, W, 3) they came from."""
+    return ((images * STD + MEAN) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_device_loader_orders_and_shards_exactly_like_distributed_sampler(world_size):
+    train_set, _ = indexed_sets(50)
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(world_size):
+            loader = device_loader(train_set, 4, rank, world_size, seed=7)
+            sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=7, drop_last=True)
+            sampler.set_epoch(epoch)
+            expected = list(sampler)[:len(loader) * 4]  # full batches only, as drop_last
+            assert len(loader) == len(sampler) // 4
+            batches = epoch_labels(loader, epoch)
+            assert [i for batch in batches for i in batch] == expected and all(len(b) == 4 for b in batches)
+            shards.append(expected)
+        every = [i for shard in shards for i in shard]
+        assert len(every) == len(set(every))  # no image twice in an epoch, across all ranks
+
+
+def test_device_loader_order_depends_on_seed_and_epoch_only():
+    train_set, _ = indexed_sets(48)
+    first = epoch_labels(device_loader(train_set, 8, seed=1), 0)
+    assert epoch_labels(device_loader(train_set, 8, seed=1), 0) == first
+    assert epoch_labels(device_loader(train_set, 8, seed=1), 1) != first
+    assert epoch_labels(device_loader(train_set, 8, seed=2), 0) != first
+    assert sorted(i for batch in first for i in batch) == list(range(48))
+
+
+def test_both_loaders_serve_the_same_images_in_the_same_order(cifar_dir):
+    (device_train, device_test), (tv_train, tv_test) = (
+        du.load_cifar100(8, data_dir=cifar_dir, loader=kind, device=CPU, rank=1, world_size=2, seed=4)
+        for kind in ("device", "torchvision"))
+    assert epoch_labels(device_train, 2) == epoch_labels(tv_train, 2)
+    for (x, y), (x_ref, y_ref) in zip(device_test, tv_test, strict=True):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)  # evaluation: bit for bit
+
+
+def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
+    image = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    pil = Image.fromarray(image)
+    combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
+    offsets = torch.tensor([(top, left) for top, left, _ in combos])
+    flips = torch.tensor([flip for _, _, flip in combos])
+    on_device = du.normalize(du.crop_flip(torch.from_numpy(image).expand(len(combos), -1, -1, -1), offsets, flips),
+                             MEAN, STD)
+    dataset = du.CIFAR100Images(image[None], np.zeros(1), du.train_transform())
+    for k, (top, left, flip) in enumerate(combos):
+        # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).
+        cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, du.PADDING), top, left, 32, 32)
+        reference = TF.normalize(TF.to_tensor(cropped), du.CIFAR100_MEAN, du.CIFAR100_STD)
+        assert torch.equal(on_device[k], reference), ("device", top, left, flip)
+        assert torch.equal(dataset[(0, top, left, flip)][0], reference), ("torchvision", top, left, flip)
+
+
+def test_device_augmentation_has_the_guides_distribution():
+    # Pixel (r, c) holds (r + 1, c + 1, 0): every output pixel says where it came from, 0 = padding.
+    n, size = 10_000, 32
+    rows, cols = np.meshgrid(np.arange(1, size + 1), np.arange(1, size + 1), indexing="ij")
+    image = np.stack([rows, cols, np.zeros_like(rows)], axis=-1).astype(np.uint8)
+    train_set, _ = indexed_sets(n, images=np.tile(image, (n, 1, 1, 1)))
+    out = torch.cat([to_uint8(x) for x, _ in device_loader(train_set, 500, seed=5)]).long()  # (n, 32, 32, 3)
+    assert len(out) == n
+    # The centre pixel always comes from the image: it gives the crop offset in the padded image.
+    src_row, src_col = out[:, 16, 16, 0] - 1, out[:, 16, 16, 1] - 1
+    flipped = out[:, 16, 17, 1] < out[:, 16, 16, 1]
+    top = src_row - 16 + du.PADDING
+    # Flipped: output column j shows source column (31 - (left - PADDING) - j).
+    left = torch.where(flipped, 31 - 16 + du.PADDING - src_col, src_col - 16 + du.PADDING)
+    for offset in (top, left):
+        counts = torch.bincount(offset, minlength=9).double()
+        assert len(counts) == 9  # nothing outside 0..8
+        chi2 = ((counts - n / 9) ** 2 / (n / 9)).sum().item()
+        assert chi2 < 37.0  # uniform over 0..8 (8 degrees of freedom, p = 1e-5)
+    assert abs(flipped.double().mean().item() - 0.5) < 0.025  # 5 standard deviations
+    # Zero padding: a crop offset by d rows from the centre shows |d| rows of zeros.
+    zero_rows = (out[..., 0] == 0).all(dim=2).sum(dim=1)
+    assert torch.equal(zero_rows, (top - du.PADDING).abs())
+
+
+def test_device_augmentation_is_a_function_of_seed_epoch_and_rank():
+    """What makes a mid-epoch resume exact: a fresh loader (a restarted run) serves epoch 2
+    exactly as a loader that has already served epochs 0 and 1."""
+    train_set, _ = indexed_sets(40)
+    used = device_loader(train_set, 8, seed=9)
+    for epoch in (0, 1):
+        epoch_labels(used, epoch)
+    du.set_loader_epoch(used, 2)
+    fresh = device_loader(train_set, 8, seed=9)
+    du.set_loader_epoch(fresh, 2)
+    for (x, y), (x_ref, y_ref) in zip(used, fresh, strict=True):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    du.set_loader_epoch(fresh, 1)
+    other_epoch = torch.cat([x for x, _ in fresh])
+    assert not torch.equal(torch.cat([x for x, _ in used]), other_epoch)
+
+
+def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_dir):
+    def epoch_batches(workers, skip_epochs):
+        train_loader, _ = du.load_cifar100(8, workers, data_dir=cifar_dir, seed=2)
+        for epoch in skip_epochs:  # persistent workers live through these epochs
+            epoch_labels(train_loader, epoch)
+        du.set_loader_epoch(train_loader, 2)
+        return [x for x, _ in train_loader]
+
+    rng_before = torch.get_rng_state()
+    reference = epoch_batches(0, [])
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the dropout RNG is not consumed
+    for batches in (epoch_batches(0, [0, 1]), epoch_batches(2, [0, 1])):
+        assert all(torch.equal(x, x_ref) for x, x_ref in zip(batches, reference, strict=True))
+
+    def parameters(epoch):
+        sampler = du.CropFlipSampler(range(64), 64, seed=2)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert parameters(1) == parameters(1) != parameters(2)  # each epoch augments anew
+    offsets = torch.tensor([key[1:3] for key in parameters(1)])
+    assert offsets.min() == 0 and offsets.max() == 2 * du.PADDING
