@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, is_downloaded,
                            set_loader_epoch, train_transform)
 from device_utils import single_process_context, synchronize
-from train_utils import (OneLineParser, StopSignal, TrainState, build_model, check_writable, configure_precision,
+from train_utils import (OneLineParser, StopSignal, TrainState, build_model, check_writable,
                          default_num_workers, memory_format, parse_args, positive_int, prepare_run, run_cli,
                          train_steps)
 
@@ -82,8 +82,10 @@ def settings(opts, device):
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor() or platform.machine()) if os.path.exists("/proc/cpuinfo") else platform.machine()
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model there
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return f"CPU: {model}, {torch.get_num_threads()} threads"
 
 
@@ -99,6 +101,12 @@ def guide_loader(train_set, batch_size, device):
     images = CIFAR100Images(train_set.images, train_set.labels, train_transform())
     return DataLoader(images, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
                       pin_memory=device.type == "cuda")
+
+
+def pipeline_row(loader, device, layout, batches):
+    """The pipeline measures of ``loader`` delivering ``batches`` batches to ``device``."""
+    rate, cpu_us = measure_pipeline(loader, device, layout, batches)
+    return {"measure": "pipeline", "images_per_sec": rate, "main_cpu_us_per_image": cpu_us, "batches": batches}
 
 
 def measure_pipeline(loader, device, layout, batches):
@@ -117,7 +125,7 @@ def measure_pipeline(loader, device, layout, batches):
 
 
 def measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, tf32_convolutions=False):
-    """(images/s, warm-up seconds) of ``steps`` training steps after ``warmup_steps``."""
+    """(images/s, warm-up seconds, precision) of ``steps`` training steps after ``warmup_steps``."""
     model = build_model(args, ctx)
     run = prepare_run(model, train_loader, test_loader, args, ctx)
     if tf32_convolutions:
@@ -130,7 +138,8 @@ def measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, 
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     _, images, *_ = train_steps(run, islice(source, steps), state)
-    return images / (time.perf_counter() - start), warmup_s
+    precision = run.precision.name + (" (TF32 convolutions)" if tf32_convolutions else "")
+    return images / (time.perf_counter() - start), warmup_s, precision
 
 
 def benchmark(opts):
@@ -152,29 +161,24 @@ def benchmark(opts):
         else:
             train_loader, test_loader = build_loaders(train_set, test_set, batch, loader=args.loader, device=device)
         layout = memory_format(args, device)
-        guide_tf32 = recipe == "guide" and device.type == "cuda"
-        precision = configure_precision(args.precision, device).name + (" (TF32 convolutions)" if guide_tf32 else "")
+        pipeline = pipeline_row(train_loader, device, layout, pipeline_batches)
+        rate, warmup_s, precision = measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps,
+                                                     tf32_convolutions=recipe == "guide" and device.type == "cuda")
         described = {"recipe": recipe, "loader": args.loader, "workers": train_loader.num_workers,
-                     "precision": precision, "channels_last": layout == torch.channels_last, "compile": args.compile}
-        rate, cpu_us = measure_pipeline(train_loader, device, layout, pipeline_batches)
-        rows.append({**described, "measure": "pipeline", "images_per_sec": rate, "main_cpu_us_per_image": cpu_us,
-                     "batches": pipeline_batches, **common})
-        rate, warmup_s = measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, guide_tf32)
-        rows.append({**described, "measure": "train", "images_per_sec": rate, "steps": steps,
-                     "warmup_steps": warmup_steps, "warmup_s": warmup_s, **common})
+                     "precision": precision, "channels_last": layout == torch.channels_last, "compile": args.compile,
+                     **common}
+        rows += [{**described, **pipeline},
+                 {**described, "measure": "train", "images_per_sec": rate, "steps": steps,
+                  "warmup_steps": warmup_steps, "warmup_s": warmup_s}]
+    # This project's --loader torchvision: with the guide's 0 workers (the cost per image) and
+    # with train.py's default worker count.
     for workers in sorted({0, default_num_workers(1)}):
-        rows.append(torchvision_pipeline_row(train_set, test_set, batch, device, workers, pipeline_batches, common))
+        loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
+                                  pin_memory=device.type == "cuda")
+        rows.append({"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None,
+                     "channels_last": False, "compile": False, **common,
+                     **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
     return rows
-
-
-def torchvision_pipeline_row(train_set, test_set, batch, device, workers, batches, common):
-    """This project's torchvision loader (``--loader torchvision``) with ``workers`` worker processes."""
-    loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
-                              pin_memory=device.type == "cuda")
-    rate, cpu_us = measure_pipeline(loader, device, torch.contiguous_format, batches)
-    return {"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None, "channels_last": False,
-            "compile": False, "measure": "pipeline", "images_per_sec": rate, "main_cpu_us_per_image": cpu_us,
-            "batches": batches, **common}
 
 
 def table(rows):

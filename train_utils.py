@@ -448,19 +448,20 @@ class Progress:
             self.stream.flush()
 
 
-def describe_run(args, ctx, precision, train_loader, test_loader, steps):
+def describe_run(args, ctx, precision, layout, train_loader, test_loader, steps):
     """The derived values, printed once at the start."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     data = "SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic else "CIFAR-100"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
-    layout = "channels_last" if memory_format(args, ctx.device) == torch.channels_last else "contiguous (NCHW)"
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
               else f"torchvision DataLoader, {train_loader.num_workers} worker process"
                    f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
     return [
         f"Training WideResNet on CIFAR-100 with Batch Size: {args.batch_size} "
         f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
-        f"Device: {ctx.device}, precision {precision.name}, {layout}{', torch.compile' if args.compile else ''}",
+        f"Device: {ctx.device}, precision {precision.name}, "
+        f"{'channels_last' if layout == torch.channels_last else 'contiguous (NCHW)'}"
+        f"{', torch.compile' if args.compile else ''}",
         f"Loader: {loader}",
         f"Data: {data}, {len(train_loader.dataset)} training / {len(test_loader.dataset)} test images, "
         f"{steps} steps per epoch",
@@ -752,7 +753,8 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
                         f"{train_loader.batch_size} per process; lower --batch-size")
-    for line in describe_run(args, ctx, precision, train_loader, test_loader, steps):
+    layout = memory_format(args, ctx.device)  # the model's, from build_model
+    for line in describe_run(args, ctx, precision, layout, train_loader, test_loader, steps):
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):
@@ -767,7 +769,7 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                scheduler=make_scheduler(optimizer, args, steps),
                scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
-               memory_format=memory_format(args, ctx.device), ctx=ctx, args=args, log=log, steps=steps,
+               memory_format=layout, ctx=ctx, args=args, log=log, steps=steps,
                fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic))
 
 
