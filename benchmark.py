@@ -9,15 +9,15 @@ one device (a GPU when there is one, else the CPU):
 
 Recipes:
     guide    the guide's part 1: its DataLoader (PIL transforms in the main process,
-             num_workers=0), plain SGD, fp32 (with PyTorch's default TF32 convolutions on CUDA,
-             as the guide ran), NCHW.
+             num_workers=0), plain SGD, NCHW; fp32 on the CPU and --precision tf32 on CUDA
+             (PyTorch's defaults gave the guide TF32 convolutions).
     project  train.py's defaults: device loader, bf16 autocast where the GPU supports it,
              channels_last and fused SGD on CUDA.
 Measures:
     pipeline  images per second the input pipeline alone delivers, on the device, ready for
               the model; also the main process's CPU time per image.
     train     images per second of whole training steps (forward, backward, optimizer)
-              through train.py's own loop (train_utils.train_steps), timed after warm-up
+              through train.py's own loop (train_utils.time_training_steps), timed after warm-up
               steps, with the device synchronized before each clock reading.
 
 Data: CIFAR-100 from --data-dir when it is there, otherwise synthetic images of the same
@@ -38,9 +38,8 @@ from torch.utils.data import DataLoader
 from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, is_downloaded,
                            set_loader_epoch, train_transform)
 from device_utils import single_process_context, synchronize
-from train_utils import (OneLineParser, StopSignal, TrainState, build_model, check_writable,
-                         default_num_workers, memory_format, parse_args, positive_int, prepare_run, run_cli,
-                         train_steps)
+from train_utils import (OneLineParser, build_model, check_writable, default_num_workers, memory_format, parse_args,
+                         positive_int, run_cli, time_training_steps)
 
 # train.py flags of each recipe; both get --batch-size from the command line.
 RECIPES = {
@@ -124,24 +123,6 @@ def measure_pipeline(loader, device, layout, batches):
     return images / wall, 1e6 * cpu / images
 
 
-def measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps, tf32_convolutions=False):
-    """(images/s, warm-up seconds, precision) of ``steps`` training steps after ``warmup_steps``."""
-    model = build_model(args, ctx)
-    run = prepare_run(model, train_loader, test_loader, args, ctx)
-    if tf32_convolutions:
-        torch.backends.cudnn.allow_tf32 = True  # PyTorch's default, under which the guide ran
-    run.stop = StopSignal()  # not installed: nothing stops a benchmark but Ctrl-C
-    state, source = TrainState(run_id="benchmark"), endless(train_loader)
-    synchronize(ctx.device)
-    start = time.perf_counter()
-    train_steps(run, islice(source, warmup_steps), state)  # returns after a host sync
-    warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    _, images, *_ = train_steps(run, islice(source, steps), state)
-    precision = run.precision.name + (" (TF32 convolutions)" if tf32_convolutions else "")
-    return images / (time.perf_counter() - start), warmup_s, precision
-
-
 def benchmark(opts):
     ctx = single_process_context()
     device = ctx.device
@@ -153,6 +134,8 @@ def benchmark(opts):
     rows = []
     for recipe, flags in RECIPES.items():
         flags = [*flags, "--batch-size", str(batch), *(["--compile"] if opts.compile and recipe == "project" else [])]
+        if recipe == "guide" and device.type == "cuda":
+            flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
         args = parse_args("benchmark", flags + (["--synthetic"] if not real else []))
         print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
         if recipe == "guide":
@@ -162,14 +145,14 @@ def benchmark(opts):
             train_loader, test_loader = build_loaders(train_set, test_set, batch, loader=args.loader, device=device)
         layout = memory_format(args, device)
         pipeline = pipeline_row(train_loader, device, layout, pipeline_batches)
-        rate, warmup_s, precision = measure_training(args, train_loader, test_loader, ctx, warmup_steps, steps,
-                                                     tf32_convolutions=recipe == "guide" and device.type == "cuda")
+        timing = time_training_steps(build_model(args, ctx), train_loader, test_loader, args, ctx,
+                                     endless(train_loader), warmup_steps, steps)
         described = {"recipe": recipe, "loader": args.loader, "workers": train_loader.num_workers,
-                     "precision": precision, "channels_last": layout == torch.channels_last, "compile": args.compile,
-                     **common}
+                     "precision": timing.precision, "channels_last": layout == torch.channels_last,
+                     "compile": args.compile, **common}
         rows += [{**described, **pipeline},
-                 {**described, "measure": "train", "images_per_sec": rate, "steps": steps,
-                  "warmup_steps": warmup_steps, "warmup_s": warmup_s}]
+                 {**described, "measure": "train", "images_per_sec": timing.images_per_sec, "steps": steps,
+                  "warmup_steps": warmup_steps, "warmup_s": timing.warmup_s}]
     # This project's --loader torchvision: with the guide's 0 workers (the cost per image) and
     # with train.py's default worker count.
     for workers in sorted({0, default_num_workers(1)}):

@@ -26,6 +26,7 @@ epoch), never from what ran before: a resumed run augments identically.
 import argparse
 import os
 import pickle
+import signal
 import sys
 import tarfile
 import tempfile
@@ -40,7 +41,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from device_utils import UserError, broadcast_from_rank0
+from device_utils import UserError, from_rank0
 
 NUM_CLASSES = 100
 IMAGE_SHAPE = (32, 32, 3)  # H, W, C as stored: uint8 RGB
@@ -330,15 +331,8 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
         splits = {split: synthetic_split(split, seed) for split in SPLIT_SIZES}
     else:
         root = Path(data_dir).expanduser() if data_dir else default_data_dir()
-        failure = None
-        if rank == 0:
-            try:
-                prepare_cifar100(root, download)
-            except DatasetError as err:
-                failure = str(err)
-        failure = broadcast_from_rank0(failure)
-        if failure:
-            raise DatasetError(failure)
+        # Global rank 0 fetches what is missing; the others wait, and get its error if any.
+        from_rank0(lambda: prepare_cifar100(root, download) if rank == 0 else None)
         splits = {split: read_split(root, split) for split in SPLIT_SIZES}
     return (CIFAR100Images(*splits["train"], train_transform()),
             CIFAR100Images(*splits["test"], eval_transform()))
@@ -377,11 +371,19 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
                 DeviceLoader(test_set, batch_size, test_sampler, device, augment=False, drop_last=False))
     # Workers persist across epochs (no restart cost); CropFlipSampler draws their augmentation.
     common = dict(batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0,
-                  pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+                  pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+                  worker_init_fn=ignore_ctrl_c if num_workers else None)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
     return (DataLoader(train_set, sampler=CropFlipSampler(sampler, len(train_set), seed), drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **common),
             DataLoader(test_set, sampler=test_sampler, **common))
+
+
+def ignore_ctrl_c(worker_id):
+    """Loader workers leave Ctrl-C (SIGINT to the terminal's whole process group) to the
+    training process, which checkpoints and stops; a worker killed by it would fail the
+    next batch instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def set_loader_epoch(loader, epoch):

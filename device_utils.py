@@ -128,24 +128,46 @@ def _group_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def broadcast_from_rank0(obj):
+def broadcast_from_rank0(obj, group=None):
     """Rank 0's (picklable) ``obj`` on every rank. Every rank blocks here until rank 0
-    arrives, so it doubles as a barrier that carries rank 0's outcome."""
+    arrives, so it doubles as a barrier that carries rank 0's outcome. Pass the gloo control
+    group to keep the GPU out of it."""
     if not _group_active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def any_rank(flag: bool, group=None) -> bool:
-    """True on every rank when ``flag`` is True on any rank. A one-element all-reduce of a CPU
+def from_rank0(decide, group=None):
+    """Call ``decide()`` on global rank 0 only; every rank returns its result, or raises the
+    UserError it raised, once rank 0 is done. For what one process must decide or do for all
+    (which checkpoint to load, writing a file) while the others wait."""
+    outcome = None
+    if not _group_active() or dist.get_rank() == 0:
+        try:
+            outcome = (True, decide())
+        except UserError as err:
+            outcome = (False, err)
+    ok, value = broadcast_from_rank0(outcome, group)
+    if not ok:
+        raise value
+    return value
+
+
+def max_over_ranks(value: int, group=None) -> int:
+    """The largest of every rank's ``value``, on every rank. A one-element all-reduce of a CPU
     tensor (pass the gloo control group): no GPU sync, a few tens of microseconds."""
     if not _group_active():
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+        return value
+    tensor = torch.tensor([int(value)])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank when ``flag`` is True on any rank (see max_over_ranks)."""
+    return bool(max_over_ranks(int(flag), group))
 
 
 def gather_objects(obj, group=None) -> list:

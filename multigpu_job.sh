@@ -7,10 +7,13 @@
 #   sbatch --account=nnXXXXk multigpu_job.sh --epochs 10 --metrics-file metrics.jsonl
 #
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
-# overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE (default: the GPUs Slurm gave this
-# node), PER_GPU_BATCH (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE.
-# Training checkpoints into CHECKPOINT_DIR; 300 s before the time limit it is stopped with a
-# checkpoint and the job requeues itself, and the requeued job resumes (see README).
+# overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train_ddp.py is),
+# NPROC_PER_NODE (default: the GPUs Slurm gave this node), PER_GPU_BATCH (images), BASE_LR,
+# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE.
+# Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
+# the arguments); 300 s before the time limit it is stopped with a checkpoint, the job
+# requeues itself and the requeued job resumes from that folder (see README). The final
+# weights are written to weights.pt in the same folder.
 #SBATCH --job-name=resnet_multigpu
 #SBATCH --output=multigpu_%j.out
 #SBATCH --error=multigpu_%j.err
@@ -36,41 +39,47 @@ BASE_LR="${BASE_LR:-0.04}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
+STOP_FILE="${STOP_FILE:-$PWD/.multigpu_${SLURM_JOB_ID:-local}.stop}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
+[[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
+[[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
     die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 
+# The folder training really uses: a --checkpoint-dir among the arguments overrides
+# CHECKPOINT_DIR (the training scripts accept no abbreviation of it).
+args=("$@")
+for i in "${!args[@]}"; do
+    case "${args[i]}" in
+        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
+        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+    esac
+done
+
 # Sample GPU utilization in the background (appending: a requeued job keeps the first
-# run's samples); stop exactly this monitor (by PID) on any exit.
+# run's samples); on any exit stop exactly this monitor (by PID) and drop the stop file.
+rm -f "$STOP_FILE"
 nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$GPU_LOG_FILE" &
 monitor_pid=$!
-trap 'kill "$monitor_pid" 2>/dev/null || true' EXIT
-
-# A requeued job continues from its newest checkpoint. (Slurm may also requeue a job after a
-# node failure, before any checkpoint exists: that run starts afresh.)
-resume=()
-if compgen -G "$CHECKPOINT_DIR/checkpoint_*.pt" >/dev/null; then
-    echo "Resuming from the checkpoints in $CHECKPOINT_DIR (restart ${SLURM_RESTART_COUNT:-0})"
-    resume=(--resume)
-fi
+trap 'kill "$monitor_pid" 2>/dev/null || true; rm -f "$STOP_FILE"' EXIT
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
-# runs in the background so the trap fires at once: it asks training to checkpoint and stop
-# (apptainer passes TERM to torchrun, which passes it to every rank), and the job is
-# requeued once training has exited.
-training_pid=""
+# runs in the background so the trap fires at once. It creates STOP_FILE: training sees it,
+# checkpoints and exits 0 (no signal reaches torchrun, which would report a crash). The
+# job is then requeued, and training continues from the checkpoint (--resume=auto).
 stop_requested=""
-trap 'stop_requested=1; kill -TERM "$training_pid" 2>/dev/null || true' USR1
+trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
-    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" \
-    "${resume[@]}" "$@" &
+    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
+    --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!
 status=0
 wait "$training_pid" || status=$?
@@ -78,9 +87,8 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     status=0
     wait "$training_pid" || status=$?
 done
-if [[ -n "$stop_requested" && "$status" -ne 0 ]]; then
-    echo "Stopped before the time limit; checkpoint in $CHECKPOINT_DIR; requeueing job $SLURM_JOB_ID"
+if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
+    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
     scontrol requeue "$SLURM_JOB_ID"
-    exit 0
 fi
 exit "$status"

@@ -9,11 +9,14 @@
 #   sbatch --account=nnXXXXk --nodes=4 multinode_job.sh --epochs 10
 #
 # The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
-# guide's). Environment overrides: CONTAINER_PATH, PROJECT_DIR, NPROC_PER_NODE, PER_GPU_BATCH,
-# BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths, GPU_LOG_INTERVAL,
-# GPU_LOG_PREFIX, and every network setting in NETWORK_DEFAULTS below (export it before sbatch).
-# Training checkpoints into CHECKPOINT_DIR; 300 s before the time limit it is stopped with a
-# checkpoint and the job requeues itself, and the requeued job resumes (see README).
+# guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
+# PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths,
+# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, and every network setting in NETWORK_DEFAULTS
+# below (export it before sbatch).
+# Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
+# the arguments; on a shared file system); 300 s before the time limit it is stopped with a
+# checkpoint, the job requeues itself and the requeued job resumes from that folder (see
+# README). The final weights are written to weights.pt in the same folder.
 #SBATCH --job-name=resnet_multinode
 #SBATCH --output=multinode_%j.out
 #SBATCH --error=multinode_%j.err
@@ -40,6 +43,7 @@ TORCHRUN_PATH="${TORCHRUN_PATH:-/usr/local/bin/torchrun}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
+STOP_FILE="${STOP_FILE:-$PWD/.multinode_${SLURM_JOB_ID:-local}.stop}"  # shared: rank 0 may be on any node
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
 HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/1.22.0/include}"
@@ -73,6 +77,9 @@ for setting in "${NETWORK_DEFAULTS[@]}"; do
     export "APPTAINERENV_${name}=${!name:-${setting#*=}}"
 done
 
+[[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
+[[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
     die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
@@ -88,25 +95,17 @@ nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" ||
 RDZV_HOST="${RDZV_HOST:-${nodes%%$'\n'*}}"
 [[ -n "$RDZV_HOST" ]] || die "could not resolve the head node from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 RDZV_PORT="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 3000))}"
+[[ "$RDZV_PORT" =~ ^[1-9][0-9]*$ && "$RDZV_PORT" -lt 65536 ]] || die "RDZV_PORT=$RDZV_PORT is not a port number"
 echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, $SLURM_JOB_NUM_NODES nodes x $NPROC_PER_NODE GPUs"
 
 # Runs once per node (host side): sample this node's GPUs into its own file, run the
-# container, then stop exactly this monitor by its PID. srun passes USR1 on to this task as
-# it is (TERM it would turn into SIGKILL); torchrun needs TERM to pass a stop on to its ranks.
+# container, then stop exactly this monitor by its PID.
 node_task=$(cat <<'EOF'
 monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
 nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$monitor_log" &
 monitor_pid=$!
-child=""
-trap 'kill -TERM "$child" 2>/dev/null || true' USR1
-"$@" &
-child=$!
 status=0
-wait "$child" || status=$?
-while kill -0 "$child" 2>/dev/null; do
-    status=0
-    wait "$child" || status=$?
-done
+"$@" || status=$?
 kill "$monitor_pid" 2>/dev/null || true
 exit "$status"
 EOF
@@ -122,21 +121,25 @@ export GPU_LOG_PREFIX GPU_LOG_INTERVAL GPU_QUERY
 export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nccl \
     APPTAINERENV_NVIDIA_HPC_HOME=/opt/nvidia/hpc_sdk
 
-# A requeued job continues from its newest checkpoint. (Slurm may also requeue a job after a
-# node failure, before any checkpoint exists: that run starts afresh.)
-resume=()
-if compgen -G "$CHECKPOINT_DIR/checkpoint_*.pt" >/dev/null; then
-    echo "Resuming from the checkpoints in $CHECKPOINT_DIR (restart ${SLURM_RESTART_COUNT:-0})"
-    resume=(--resume)
-fi
+# The folder training really uses: a --checkpoint-dir among the arguments overrides
+# CHECKPOINT_DIR (the training scripts accept no abbreviation of it).
+args=("$@")
+for i in "${!args[@]}"; do
+    case "${args[i]}" in
+        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
+        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+    esac
+done
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
-# runs in the background so the trap fires at once: it asks training to checkpoint and stop
-# (srun passes USR1 to each node's task, which sends TERM to torchrun, which passes it to
-# every rank), and the job is requeued once training has exited.
-training_pid=""
+# runs in the background so the trap fires at once. It creates STOP_FILE: global rank 0
+# sees it, all ranks checkpoint and exit 0 (no signal reaches srun or torchrun, which would
+# report a crash). The job is then requeued, and training continues from the checkpoint
+# (--resume=auto).
+rm -f "$STOP_FILE"
+trap 'rm -f "$STOP_FILE"' EXIT
 stop_requested=""
-trap 'stop_requested=1; kill -USR1 "$training_pid" 2>/dev/null || true' USR1
+trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
     apptainer exec --nv \
@@ -151,7 +154,8 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 \
-        --checkpoint-dir "$CHECKPOINT_DIR" "${resume[@]}" "$@" &
+        --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
+        --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!
 status=0
 wait "$training_pid" || status=$?
@@ -159,9 +163,8 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     status=0
     wait "$training_pid" || status=$?
 done
-if [[ -n "$stop_requested" && "$status" -ne 0 ]]; then
-    echo "Stopped before the time limit; checkpoint in $CHECKPOINT_DIR; requeueing job $SLURM_JOB_ID"
+if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
+    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
     scontrol requeue "$SLURM_JOB_ID"
-    exit 0
 fi
 exit "$status"

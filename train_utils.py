@@ -1,46 +1,44 @@
 """The one training loop behind train.py and train_ddp.py: flags, recipe, LR schedule,
-training, evaluation, metrics and logging.
+training, evaluation and logging, read top down.
 
 Both entry points build the data loaders and the model and call ``fit``. train_ddp.py also
 joins a process group, shards the data by rank and wraps the model in DDP; nothing here
-needs to know. Only global rank 0 prints and writes files.
+needs to know. Only global rank 0 prints and writes files. Checkpoints, resume and stop
+requests live in checkpoint_utils.py.
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import signal
 import sys
 import time
-import uuid
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dataset_utils import LOADERS, NUM_CLASSES, derived_seed, load_cifar100, set_loader_epoch
-from device_utils import (RunAborted, UserError, all_reduce, any_rank, broadcast_buffers, broadcast_from_rank0,
-                          check_replicas_in_sync, env_rank, gather_objects, network_report, synchronize)
+from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, StopRequests, TrainingStopped, TrainState,
+                              atomic_save, check_resumable, check_writable, continues_run, data_fingerprint,
+                              epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics, restore, restore_rng,
+                              rng_snapshot)
+from dataset_utils import LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
+from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, env_rank,
+                          from_rank0, gather_objects, network_report, synchronize)
 from model import WideResNet
 
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_AUTO_WORKERS = 8
-EXIT_STOPPED = 75  # stopped by SIGUSR1/SIGTERM after writing a checkpoint: run again with --resume
-CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
-# Flags that define the run: a resumed run must keep them, or it would not be the same run.
-RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
-                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic")
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +84,8 @@ below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def build_parser(description):
-    parser = OneLineParser(description=description, formatter_class=_Formatter)
+    # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
+    parser = OneLineParser(description=description, formatter_class=_Formatter, allow_abbrev=False)
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
                       help="maximum number of passes over the training set")
@@ -156,16 +155,26 @@ def build_parser(description):
     run.add_argument("--save-weights", metavar="PATH", default=None,
                      help="write the final model's state_dict here (global rank 0, atomically)")
     run.add_argument("--eval-only", action="store_true",
-                     help="evaluate the model (see --weights) on the test set once and exit")
+                     help="evaluate the model of --weights (a state_dict or a checkpoint file) on the test set "
+                          "once and exit")
 
     resilience = parser.add_argument_group("checkpoints and resilience")
     resilience.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                            help="write a checkpoint here after every epoch and on SIGUSR1/SIGTERM (global rank 0, "
-                                 f"atomically, keeping the newest {KEEP_CHECKPOINTS}); a stopped run exits with "
-                                 f"status {EXIT_STOPPED}")
-    resilience.add_argument("--resume", action="store_true",
-                            help="continue from the newest readable checkpoint in --checkpoint-dir, on any number "
-                                 "of GPUs (same recipe and data)")
+                            help="this run's folder: checkpoints are written here (global rank 0, atomically, "
+                                 f"keeping this run's newest {KEEP_CHECKPOINTS}); a new run refuses a folder that "
+                                 "holds another run's checkpoints")
+    resilience.add_argument("--checkpoint-interval", metavar="MINUTES", type=non_negative_float, default=5.0,
+                            help="checkpoint at the end of an epoch at most every this many minutes (0 = every "
+                                 "epoch); always on a stop request and at the end of training. A crash (kill -9, "
+                                 "node failure) loses at most this much training")
+    resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
+                            help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
+                                 "number of GPUs (same recipe and data); error if there is none. --resume=auto: "
+                                 "continue it if there is a checkpoint, else start a new run there (the job scripts)")
+    resilience.add_argument("--stop-file", metavar="PATH", default=None,
+                            help="stop as on SIGTERM (checkpoint, then exit) when this file appears, but with exit "
+                                 f"status 0 (global rank 0 looks about once a second); signals exit with status "
+                                 f"{EXIT_STOPPED}. The job scripts use it so that torchrun sees a normal exit")
     resilience.add_argument("--check-sync-every", metavar="STEPS", type=non_negative_int, default=0,
                             help="DDP: check that all ranks hold identical parameters every this many optimizer "
                                  "steps (0 = once per epoch, before its checkpoint)")
@@ -179,6 +188,9 @@ def parse_args(description, argv=None):
         parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.eval_only and not args.weights:
+        parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
+                     "model would be random")
     return args
 
 
@@ -329,11 +341,11 @@ def load_weights(model, path):
     if not isinstance(state, dict):
         raise UserError(f"--weights {path} holds a {type(state).__name__}, not a state_dict")
     state = _strip_prefixes(state)
-    _check_state_fits(model, state, f"--weights {path}")
+    check_state_fits(model, state, f"--weights {path}")
     model.load_state_dict(state)
 
 
-def _check_state_fits(model, state, source):
+def check_state_fits(model, state, source):
     """One clear line instead of load_state_dict's multi-line error for another model shape."""
     own = model.state_dict()
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
@@ -345,30 +357,9 @@ def _check_state_fits(model, state, source):
                         f"differently shaped tensors (e.g. {example})")
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_weights(model, path):
     atomic_save(model.state_dict(), path)
 
-
-def check_writable(path, flag):
-    """Fail at start, not after hours of training, when an output file cannot be written."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"{flag} {path}: cannot create {path.parent} ({err.strerror})") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not a writable file path")
 
 
 def unwrap(model):
@@ -395,30 +386,6 @@ class RunLogger:
         if self.metrics_path:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-
-    def reconcile(self, run_id, records):
-        """On resume: make the file hold each finished epoch of run ``run_id`` exactly once.
-        Lines of epochs the checkpoint does not have (they run again) are dropped, records the
-        file lost are appended; other runs' lines and unparsable lines are kept as they are."""
-        if not self.metrics_path:
-            return
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
-        done, seen, kept = {r["epoch"] for r in records}, set(), []
-        for line in lines:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                entry = None
-            if isinstance(entry, dict) and entry.get("run_id") == run_id:
-                if entry.get("epoch") not in done or entry.get("epoch") in seen:
-                    continue
-                seen.add(entry["epoch"])
-            kept.append(line)
-        kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
-        if kept != lines:
-            tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp{os.getpid()}")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.metrics_path)
 
 
 class Progress:
@@ -467,141 +434,10 @@ def describe_run(args, ctx, precision, layout, train_loader, test_loader, steps)
         f"{steps} steps per epoch",
         f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
         f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
-    ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: everything needed to continue a run exactly, on any number of GPUs.
-
-@dataclass
-class TrainState:
-    """Where the run is. Saved in every checkpoint; the loop updates it in place."""
-    run_id: str                                  # tags this run's lines in --metrics-file
-    epoch: int = 1                               # the epoch in progress (1-based)
-    step: int = 0                                # optimizer steps done in it
-    partial: tuple = (0.0, 0, 0.0)               # loss sum, images, seconds of those steps (all ranks)
-    history: list = field(default_factory=list)  # validation accuracy of each finished epoch
-    records: list = field(default_factory=list)  # --metrics-file record of each finished epoch
-
-
-def checkpoint_paths(directory):
-    """Checkpoints in ``directory``, newest first (the names sort by optimizer step)."""
-    return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt"), reverse=True)
-
-
-def data_fingerprint(train_loader, test_loader, synthetic):
-    """Identifies the data set in a checkpoint, so a resume on other data is refused."""
-    labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
-    return {"synthetic": synthetic, "train_images": len(train_loader.dataset),
-            "test_images": len(test_loader.dataset), "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
-
-
-def save_checkpoint(run, state, rng_states=None):
-    """Global rank 0 writes the checkpoint atomically and keeps the newest two. Every rank
-    returns its path only once it is on disk (so no rank exits while rank 0 still writes)."""
-    path = Path(run.args.checkpoint_dir) / f"{CHECKPOINT_PREFIX}{run.scheduler.last_epoch:09d}.pt"
-    if run.ctx.is_main:
-        atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
-                     "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-                     "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
-                     "data": run.fingerprint, "world_size": run.ctx.world_size}, path)
-        for old in checkpoint_paths(path.parent)[KEEP_CHECKPOINTS:]:
-            old.unlink()
-    return broadcast_from_rank0(str(path))
-
-
-def load_checkpoint(directory, device, log):
-    """(path, checkpoint) of the newest readable checkpoint; unreadable newer ones are skipped
-    with a warning. Never a silent fresh start: no readable checkpoint is an error."""
-    problems = []
-    for path in checkpoint_paths(directory):
-        try:
-            checkpoint = torch.load(path, map_location=device, weights_only=True)
-            if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError("not a checkpoint of these scripts")
-            return path, checkpoint
-        except Exception as err:  # truncated, corrupted, or foreign
-            problems.append(f"{path.name}: {type(err).__name__}")
-            log.info(f"WARNING: checkpoint {path} is unreadable ({type(err).__name__}: "
-                     f"{' '.join(str(err).split())[:160]}); trying the previous one")
-    found = f" ({'; '.join(problems)})" if problems else ""
-    raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
-
-
-def check_resumable(checkpoint, args, fingerprint, module):
-    """Refuse to continue a run with another model, data set or recipe (it would not be the same run)."""
-    _check_state_fits(module, checkpoint["model"], "the checkpoint")
-    if checkpoint["data"] != fingerprint:
-        old, new = checkpoint["data"], fingerprint
-        raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
-                        f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
-                        f"{', different labels' if old['train_images'] == new['train_images'] else ''})")
-    changed = [f"--{name.replace('_', '-')} {checkpoint['args'].get(name)} (now {getattr(args, name)})"
-               for name in RECIPE_FLAGS if checkpoint["args"].get(name) != getattr(args, name)]
-    if changed:
-        raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
-                        + "; rerun with its values or start a new --checkpoint-dir")
-
-
-def resume(run):
-    """Restore the newest checkpoint on every rank; returns (state, this rank's RNG states or None)."""
-    path, checkpoint = load_checkpoint(run.args.checkpoint_dir, run.ctx.device, run.log)
-    check_resumable(checkpoint, run.args, run.fingerprint, run.module)
-    run.module.load_state_dict(checkpoint["model"])
-    run.optimizer.load_state_dict(checkpoint["optimizer"])
-    for group in run.optimizer.param_groups:  # this device's SGD kernels, not the saving run's
-        group.update(optimizer_kernels(run.ctx.device))
-    run.scheduler.load_state_dict(checkpoint["scheduler"])
-    run.scaler.load_state_dict(checkpoint["scaler"])
-    state = TrainState(**checkpoint["state"])
-    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
-                 f"(saved by {checkpoint['world_size']} process(es), now {run.ctx.world_size})")
-    run.log.reconcile(state.run_id, state.records)
-    rng = checkpoint["rng"]
-    return state, (rng[run.ctx.rank] if rng and len(rng) == run.ctx.world_size else None)
-
-
-class StopSignal:
-    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (scancel, preemption, or
-    torchrun passing either on) only set a flag; the loop stops after the current step."""
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    def __init__(self):
-        self.received = None
-        self._previous = {}
-
-    def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-
-class TrainingStopped(Exception):
-    """Raised after the stop checkpoint is written; the entry point exits with EXIT_STOPPED."""
-
-
-def epoch_seed(seed, epoch, rank):
-    """Seed of the global RNG (dropout) for one epoch on one rank, so a run resumed at an epoch
-    boundary repeats the uninterrupted one exactly. The loaders seed their augmentation
-    themselves, also from (seed, epoch, ...)."""
-    return derived_seed(seed, epoch, rank)
-
-
-def rng_snapshot():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-
-def restore_rng(snapshot):
-    torch.set_rng_state(snapshot["cpu"].cpu())
-    if snapshot["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(snapshot["cuda"].cpu())
+    ] + ([f"Checkpoints: {args.checkpoint_dir}, "
+          + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
+             if args.checkpoint_interval else "after every epoch")
+          + ", on a stop request and at the end"] if args.checkpoint_dir and not args.eval_only else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,7 +445,7 @@ def restore_rng(snapshot):
 
 @dataclass
 class Run:
-    """What the loop works with, built once by ``fit``."""
+    """What the loop works with, built once by ``prepare_run``."""
     model: nn.Module       # what trains: DDP-wrapped in train_ddp.py
     module: nn.Module      # the plain model: evaluated, checked and checkpointed
     optimizer: torch.optim.Optimizer
@@ -623,21 +459,28 @@ class Run:
     log: "RunLogger"
     steps: int             # optimizer steps per epoch
     fingerprint: dict      # the data set, as recorded in checkpoints
-    stop: StopSignal = None
+    checkpointer: Checkpointer
+    stop: StopRequests = None
+
+
+class StepTotals(NamedTuple):
+    """What ``train_steps`` did, summed over all ranks."""
+    loss_sum: float  # training loss times images
+    images: int
+    first_bad: int   # first step with a non-finite loss, 0 if none
+    lr: float        # of the last step
+    stop: int        # the agreed stop request (checkpoint_utils.NO_STOP, STOP_FILE or STOP_SIGNAL)
 
 
 def train_steps(run, batches, state):
     """Train on ``batches`` (steps state.step + 1 ... of epoch state.epoch), stopping early
-    when any rank received a stop signal.
-
-    Returns (loss sum, images, first non-finite step or 0, last LR, stopped), over all ranks.
-    The loss stays on the device; the host waits for the GPU only in the final all-reduce.
-    """
+    when any rank has a stop request. The loss stays on the device; the host waits for the
+    GPU only in the final all-reduce."""
     device, start = run.ctx.device, state.step
     run.model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
-    images, lr, stopped = 0, run.optimizer.param_groups[0]["lr"], False
+    images, lr, stop = 0, run.optimizer.param_groups[0]["lr"], 0
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.ctx.world_size)
     for step, (x, y) in enumerate(batches, start=start + 1):
         # (B, 3, 32, 32), (B,). Asynchronous from pinned memory; no-ops for the device loader.
@@ -659,19 +502,19 @@ def train_steps(run, batches, state):
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
             check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
         # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
-        stopped = any_rank(run.stop.received is not None, run.ctx.control_group)
-        if stopped:
+        stop = run.stop.agreed()
+        if stop:
             break
     progress.close()
     totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
     first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
     loss_total, images_total = totals.tolist()
-    return loss_total, int(images_total), (0 if first_bad == NO_STEP else first_bad), lr, stopped
+    return StepTotals(loss_total, int(images_total), 0 if first_bad == NO_STEP else first_bad, lr, stop)
 
 
 def run_epoch(run, train_loader, test_loader, state, rng_state=None):
-    """Train epoch state.epoch from step state.step on, evaluate, checkpoint, log. On a stop
-    signal: checkpoint mid-epoch and raise TrainingStopped."""
+    """Train epoch state.epoch from step state.step on, evaluate, log, and checkpoint when
+    one is due. On a stop request: checkpoint mid-epoch and raise TrainingStopped."""
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     batches = islice(train_loader, run.steps)
@@ -681,40 +524,38 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
         restore_rng(rng_state)  # where the interrupted run was after those steps
     synchronize(run.ctx.device)
     start = time.perf_counter()
-    loss_sum, images, bad_step, lr, stopped = train_steps(run, batches, state)
+    done = train_steps(run, batches, state)
     synchronize(run.ctx.device)
     train_end = time.perf_counter()
-    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (loss_sum, images, train_end - start)))
-    if bad_step:
-        kept = checkpoint_paths(run.args.checkpoint_dir)[:1] if run.args.checkpoint_dir else []
-        raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {bad_step}; stopping "
-                         + (f"(last good checkpoint: {kept[0]})" if kept else "without saving the model")
+    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
+    if done.first_bad:
+        kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
+        raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {done.first_bad}; stopping "
+                         + (f"(last good checkpoint: {kept})" if kept else "without saving the model")
                          + "; try a lower --base-lr or --precision fp32")
-    if stopped:
+    if done.stop:
         state.partial = (loss_sum, images, seconds)
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
         path = None
-        if run.args.checkpoint_dir:  # the same on every rank, so every rank joins the gather or none
-            path = save_checkpoint(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
-        raise TrainingStopped(f"Stopped by {run.stop.received or 'a signal to another rank'} after step "
-                              f"{state.step} of epoch {state.epoch}; "
-                              + (f"checkpoint {path}: continue with --resume" if path else "nothing saved "
-                                 "(no --checkpoint-dir)"))
+        if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
+            path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
+        raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
     result = evaluate(run, test_loader)
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, lr)
+                          time.perf_counter() - train_end, done.lr)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(result.accuracy)
     state.records.append(record)
     state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
-    if run.args.checkpoint_dir:
-        save_checkpoint(run, state)  # before the metrics line, so a line is never written twice
+    if run.checkpointer.due():
+        run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
     run.log.info(f"Epoch {record['epoch']}/{run.args.epochs}: Time={seconds:.3f}s, "
                  f"Train Loss={record['train_loss']:.4f}, Val Loss={result.loss:.4f}, "
-                 f"Val Accuracy={result.accuracy:.4f}, Throughput={record['images_per_sec']:.1f} img/s, LR={lr:.5g}")
+                 f"Val Accuracy={result.accuracy:.4f}, Throughput={record['images_per_sec']:.1f} img/s, "
+                 f"LR={done.lr:.5g}")
     return record
 
 
@@ -748,7 +589,7 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
     if ctx.is_main and args.save_weights:
         check_writable(args.save_weights, "--save-weights")
     if ctx.is_main and args.checkpoint_dir:
-        check_writable(Path(args.checkpoint_dir) / f"{CHECKPOINT_PREFIX}0.pt", "--checkpoint-dir")
+        check_writable(Path(args.checkpoint_dir) / "checkpoint_0.pt", "--checkpoint-dir")
     steps = min(len(train_loader), args.limit_batches or len(train_loader))
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
@@ -770,29 +611,65 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
                memory_format=layout, ctx=ctx, args=args, log=log, steps=steps,
-               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic))
+               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic),
+               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx))
 
 
 def fit(model, train_loader, test_loader, args, ctx):
-    """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating and checkpointing
-    after each epoch, stopping early at --target-accuracy. Returns the per-epoch records."""
+    """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each epoch
+    and checkpointing when due, stopping early at --target-accuracy. Returns the records."""
+    start = time.perf_counter()
     run = prepare_run(model, train_loader, test_loader, args, ctx)
     if args.eval_only:
         return [evaluate_once(run, test_loader)]
-    state, rng_state = resume(run) if args.resume else (TrainState(run_id=uuid.uuid4().hex[:12]), None)
+    state, rng_state = start_or_resume(run)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with StopSignal() as run.stop:
+    with StopRequests(ctx, args.stop_file) as run.stop:
         while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None
+            stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
+            if stop and state.epoch <= args.epochs and not reached():
+                path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
+                raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
+        if run.checkpointer.directory:
+            run.checkpointer.save(run, state)  # the finished run (no-op when just written)
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
     for line in summarize(state.records, ctx):
         run.log.info(line)
+    if run.checkpointer.count:
+        wall = time.perf_counter() - start
+        run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
+                     f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
+                     f"run's {wall:.1f}s)")
     if args.save_weights and ctx.is_main:
         save_weights(run.module, args.save_weights)
         run.log.info(f"Model weights written to {args.save_weights}")
     return state.records
+
+
+def start_or_resume(run):
+    """(TrainState, this rank's RNG states or None): a new run, or the run in --checkpoint-dir
+    continued from the checkpoint global rank 0 chose, loaded on every rank."""
+    args, ctx = run.args, run.ctx
+    if not from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume), ctx.control_group):
+        if args.resume == "auto":
+            run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
+        return TrainState(run_id=new_run_id()), None
+    path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
+    check_resumable(checkpoint, args, run.fingerprint, partial(check_state_fits, run.module))
+    state, rng_state = restore(run, checkpoint)
+    for group in run.optimizer.param_groups:  # this device's SGD kernels, not the saving run's
+        group.update(optimizer_kernels(ctx.device))
+    run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
+    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
+                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})")
+    if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
+        run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
+    if run.log.metrics_path:
+        reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
+    return state, rng_state
 
 
 def evaluate_once(run, test_loader):
@@ -823,6 +700,8 @@ def throughput(records):
 
 def summarize(records, ctx):
     """The guide's final summary, with the warm-up epoch separated from the steady state."""
+    if not records:
+        return []
     last = records[-1]
     best = max(records, key=lambda r: r["val_accuracy"])
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
@@ -838,6 +717,34 @@ def summarize(records, ctx):
     return lines
 
 
+# ---------------------------------------------------------------------------------------------
+# For benchmark.py: the loop's training steps, timed.
+
+class StepTiming(NamedTuple):
+    images_per_sec: float  # of the timed steps, over all ranks
+    warmup_s: float        # wall time of the untimed warm-up steps (cuDNN autotuning, compilation)
+    precision: str         # as resolved for this device
+
+
+def time_training_steps(model, train_loader, test_loader, args, ctx, batches, warmup_steps, steps):
+    """Train ``model`` on ``batches`` with this loop's steps (the flags' recipe, precision and
+    layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized before
+    each clock reading. No evaluation, checkpoints or stop requests."""
+    run = prepare_run(model, train_loader, test_loader, args, ctx)
+    run.stop = StopRequests(ctx)  # not entered: no handlers, so nothing but Ctrl-C stops it
+    state = TrainState(run_id="benchmark")
+    synchronize(ctx.device)
+    start = time.perf_counter()
+    train_steps(run, islice(batches, warmup_steps), state)  # returns after a host sync
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    images = train_steps(run, islice(batches, steps), state).images
+    return StepTiming(images / (time.perf_counter() - start), warmup_s, run.precision.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points.
+
 def _rank_or_zero():
     try:
         return env_rank()
@@ -847,17 +754,19 @@ def _rank_or_zero():
 
 def run_cli(main):
     """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
-    for an aborted run); a stop on SIGUSR1/SIGTERM exits with EXIT_STOPPED after its checkpoint."""
+    for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
     rank = _rank_or_zero()
     try:
         main()
     except TrainingStopped as stop:
         if rank == 0:
             print(stop, flush=True)
-        sys.exit(EXIT_STOPPED)
+        sys.exit(stop.exit_code)
     except UserError as err:
         if rank == 0 or not err.same_on_every_rank:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
+        if rank == 0:
+            print("Interrupted: nothing saved since the last checkpoint", file=sys.stderr)
         sys.exit(130)

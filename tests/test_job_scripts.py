@@ -4,6 +4,7 @@ nvidia-smi (tests/stubs) on PATH. Every fake node is this machine: traffic stays
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -15,15 +16,31 @@ STUBS = REPO / "tests" / "stubs"
 JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
 TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "2", "--num-workers", "0",
               "--metrics-file", "metrics.jsonl")
-JOB_ID = 4242
+
+
+def job_id_with_free_port():
+    """A job ID whose rendezvous port (29500 + ID % 3000, as multinode_job.sh derives it) is
+    free, so two test runs on one machine do not collide."""
+    for _ in range(100):
+        with socket.socket() as s:
+            port = 29500 + int.from_bytes(os.urandom(2), "little") % 3000
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 3000 * 7 + port - 29500
+    raise AssertionError("no free port in 29500..32499")
+
+
+JOB_ID = job_id_with_free_port()
 
 
 def job_env(tmp_path, **extra):
     (tmp_path / "pytorch.sif").touch()
-    return clean_env(PATH=f"{STUBS}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID,
-                     SLURM_SUBMIT_DIR=REPO, CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4,
-                     GPU_LOG_INTERVAL=1, STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids",
-                     TORCHRUN_PATH="torchrun", **extra)
+    defaults = dict(PATH=f"{STUBS}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID, SLURM_SUBMIT_DIR=REPO,
+                    CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4, GPU_LOG_INTERVAL=1,
+                    STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids", TORCHRUN_PATH="torchrun")
+    return clean_env(**{**defaults, **extra})
 
 
 def is_running(pid):
@@ -48,22 +65,32 @@ def run_job(script, tmp_path, env, *args):
     return run(["bash", REPO / script, *args], cwd=tmp_path, env=env)
 
 
-def stopped_requeued_and_resumed(script, tmp_path, env):
+def stopped_requeued_and_resumed(script, tmp_path, env, *extra_args, checkpoint_dir=None):
     """The life of a job that meets its time limit: Slurm's USR1 warning arrives during
     epoch 2, training checkpoints and stops, the script requeues the job; the requeued job
-    (SLURM_RESTART_COUNT=1) resumes by itself and finishes. Returns both runs' output."""
-    job = start(["bash", REPO / script, *TRAIN_ARGS], tmp_path, tmp_path / "first.log", env=env)
+    (SLURM_RESTART_COUNT=1) resumes by itself from the folder training used and finishes.
+    Neither run prints a traceback. Returns both runs' output and the metrics."""
+    checkpoint_dir = checkpoint_dir or f"checkpoints/{script.removesuffix('_job.sh')}_{JOB_ID}"
+    args = (*TRAIN_ARGS, *extra_args)
+    job = start(["bash", REPO / script, *args], tmp_path, tmp_path / "first.log", env=env)
     wait_for(tmp_path / "first.log", "Epoch 1/3:", job)
     job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 does
     assert job.wait(timeout=120) == 0
     first = (tmp_path / "first.log").read_text()
-    assert "Stopped by SIG" in first and f"requeueing job {JOB_ID}" in first
+    [stop_line] = [line for line in first.splitlines() if line.startswith("Stopped ")]
+    assert "(--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
+    assert f"Requeueing job {JOB_ID} before its time limit: it continues from {checkpoint_dir}" in first
+    assert "Traceback" not in first and "error" not in first.lower()
     assert f"scontrol requeue {JOB_ID}" in (tmp_path / "stub.log").read_text()
-    assert list((tmp_path / "checkpoints").glob("*/checkpoint_*.pt"))
+    assert (tmp_path / stop_line.split("checkpoint ")[1].split(":")[0]).exists()
     assert len(read_metrics(tmp_path / "metrics.jsonl")) < 3
-    second = run_job(script, tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}, *TRAIN_ARGS)
+    assert not list(tmp_path.glob(".*.stop"))  # the stop file is gone with the job
+    second = run_job(script, tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}, *args)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "Resuming from checkpoints/" in second.stdout and "Training complete." in second.stdout
+    assert f"Resuming from {checkpoint_dir}/checkpoint_" in second.stdout
+    assert "Training complete." in second.stdout and "Traceback" not in second.stdout + second.stderr
+    assert f"Model weights written to {checkpoint_dir}/weights.pt" in second.stdout
+    assert (tmp_path / checkpoint_dir / "weights.pt").exists()
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["epoch"] for r in records] == [1, 2, 3]  # every epoch exactly once
     return first, second.stdout, records
@@ -124,6 +151,25 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     for node in nodes:  # every node logs its own GPUs
         assert_gpu_log(tmp_path / f"multinode_{JOB_ID}_gpu_{node}.csv")
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=4)
+
+
+def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes(tmp_path):
+    env = job_env(tmp_path)
+    stopped_requeued_and_resumed("singlegpu_job.sh", tmp_path, env, "--checkpoint-dir", "myck",
+                                 checkpoint_dir="myck")
+    assert not (tmp_path / "checkpoints").exists()  # nothing went to the default folder
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("PER_GPU_BATCH", "abc", "PER_GPU_BATCH=abc is not a positive whole number of images"),
+    ("BASE_LR", "fast", "BASE_LR=fast is not a number"),
+    ("GPU_LOG_INTERVAL", "0", "GPU_LOG_INTERVAL=0 is not a positive whole number of seconds"),
+])
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_bad_setting_is_a_clear_error(tmp_path, script, variable, value, message):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: value})
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == f"error: {message}\n"
 
 
 def test_a_job_that_fails_is_not_requeued(tmp_path):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint_utils as cu
 import train_utils as tu
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd,
                       wait_for)
@@ -20,7 +21,7 @@ from device_utils import MULTINODE_SETTINGS, DistContext, RunAborted, UserError,
 from model import WideResNet
 
 # 3 epochs of 4 steps of 4 synthetic images: long enough to interrupt, short enough for CI.
-RUN = ("--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "4", *FAST)
+RUN = ("--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "4", "--checkpoint-interval", "0", *FAST)
 COMPARED = ("epoch", "train_loss", "val_loss", "val_accuracy", "val_samples", "train_images", "lr")
 
 
@@ -45,7 +46,7 @@ def reference(tmp_path_factory):
     result = run(python_cmd("train.py", *RUN, "--metrics-file", tmp / "m.jsonl", "--save-weights", tmp / "w.pt",
                             "--checkpoint-dir", tmp / "ckpt"), cwd=tmp)
     assert result.returncode == 0, result.stderr
-    assert len(list((tmp / "ckpt").glob("checkpoint_*.pt"))) == tu.KEEP_CHECKPOINTS  # the newest two kept
+    assert len(list((tmp / "ckpt").glob("checkpoint_*.pt"))) == cu.KEEP_CHECKPOINTS  # the newest two kept
     return tmp / "m.jsonl", tmp / "w.pt"
 
 
@@ -63,20 +64,24 @@ def test_kill_9_mid_epoch_then_resume_repeats_the_uninterrupted_run(tmp_path, re
     assert_same_run(*reference, tmp_path / "m.jsonl", tmp_path / "w.pt")
 
 
-def stop_with_sigusr1(args, tmp_path):
-    """Start train.py, send it SIGUSR1 once epoch 1 has finished; returns its output."""
+def stop_with_sigusr1(args, tmp_path, sig=signal.SIGUSR1):
+    """Start train.py, send it ``sig`` once epoch 1 has finished; returns its output."""
     process = start(python_cmd("train.py", *args), tmp_path, tmp_path / "log")
     wait_for(tmp_path / "log", "Epoch 1/3:", process)
-    process.send_signal(signal.SIGUSR1)
-    assert process.wait(timeout=60) == tu.EXIT_STOPPED
+    process.send_signal(sig)
+    assert process.wait(timeout=60) == cu.EXIT_STOPPED
     return (tmp_path / "log").read_text()
 
 
-def test_sigusr1_checkpoints_mid_epoch_and_resume_is_exact(tmp_path, reference):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])  # Slurm's warning; Ctrl-C
+def test_a_stop_signal_checkpoints_mid_epoch_and_resume_is_exact(tmp_path, reference, sig):
     args = (*RUN, "--metrics-file", tmp_path / "m.jsonl", "--save-weights", tmp_path / "w.pt",
             "--checkpoint-dir", tmp_path / "ckpt")
-    log = stop_with_sigusr1(args, tmp_path)
-    assert "Stopped by SIGUSR1 after step" in log and "continue with --resume" in log
+    log = stop_with_sigusr1(args, tmp_path, sig)
+    match = re.search(rf"^Stopped after step \d of epoch 2 \({sig.name}\); checkpoint (.*/checkpoint_\d+\.pt): "
+                      "continue with --resume$", log, re.M)
+    assert match and Path(match[1]).exists()  # the checkpoint the message names is there
+    assert "Traceback" not in log
     assert len(read_metrics(tmp_path / "m.jsonl")) < 3
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -113,8 +118,8 @@ def test_signal_to_one_rank_stops_every_rank_and_resumes_on_another_world_size(t
     os.kill(_rank_pid(process.pid, 1), signal.SIGUSR1)  # rank 0 gets nothing: it must still stop
     assert process.wait(timeout=90) != 0  # torchrun reports its workers' exit as a failure
     log = (tmp_path / "log").read_text()
-    assert "Stopped by a signal to another rank after step" in log
-    assert re.search(rf"exitcode\s*:\s*{tu.EXIT_STOPPED}", log)  # the workers' own exit status
+    assert re.search(r"Stopped after step \d of epoch 2 \(a signal to another rank\)", log)
+    assert re.search(rf"exitcode\s*:\s*{cu.EXIT_STOPPED}", log)  # the workers' own exit status
     newest = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))[-1]
     assert torch.load(newest, weights_only=True)["world_size"] == 2
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)  # 1 process now
@@ -130,7 +135,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     newest.write_bytes(newest.read_bytes()[:100_000])
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"WARNING: checkpoint {newest} is unreadable" in result.stdout
+    assert f"WARNING: checkpoint {newest} is unreadable (RuntimeError: " in result.stdout  # a zip without its end
+    assert f"renamed it to {newest.name}.unreadable and trying the previous one" in result.stdout
     assert f"Resuming from {older}: epoch 3" in result.stdout and "Epoch 3/3:" in result.stdout
     for path in (tmp_path / "ckpt").glob("checkpoint_*.pt"):
         path.write_bytes(b"garbage")
@@ -138,6 +144,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     assert error_lines(capsys.readouterr().err) == [
         f"error: --resume: no readable checkpoint in {tmp_path / 'ckpt'} (checkpoint_000000012.pt: "
         "UnpicklingError; checkpoint_000000008.pt: UnpicklingError)"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [  # nothing deleted
+        "checkpoint_000000008.pt.unreadable", "checkpoint_000000012.pt.unreadable",
+        "checkpoint_000000012.pt.unreadable.2"]
 
 
 def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path, capsys):
@@ -159,19 +168,23 @@ def _checkpoint_like(args, fingerprint, model):
     return {"model": model.state_dict(), "data": fingerprint, "args": vars(args)}
 
 
+def _fits(model):
+    return lambda state, source: tu.check_state_fits(model, state, source)
+
+
 def test_resume_refuses_another_model_data_set_or_recipe():
     args = tu.parse_args("x", ["--batch-size", "256"])
     data = {"synthetic": False, "train_images": 50000, "test_images": 10000, "train_labels_sha256": "a"}
     model = WideResNet(num_classes=100)
-    tu.check_resumable(_checkpoint_like(args, data, model), args, data, model)  # the same run: fine
+    cu.check_resumable(_checkpoint_like(args, data, model), args, data, _fits(model))  # the same run: fine
     with pytest.raises(UserError, match="does not fit WideResNet"):
-        tu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, model)
+        cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, _fits(model))
     with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "
                                         "50000, synthetic=False, different labels"):
-        tu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"}, model)
+        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"}, _fits(model))
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\)"):
-        tu.check_resumable(_checkpoint_like(args, data, model), other, data, model)
+        cu.check_resumable(_checkpoint_like(args, data, model), other, data, _fits(model))
 
 
 def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):
@@ -180,20 +193,20 @@ def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):
              {"run_id": "r", "epoch": 3}]  # epoch 3 was logged, but its checkpoint was lost
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
     records = [{"run_id": "r", "epoch": 1}, {"run_id": "r", "epoch": 2}]
-    tu.RunLogger(True, path).reconcile("r", records)
+    cu.reconcile_metrics(path, "r", records)
     assert path.read_text().splitlines() == [json.dumps(x) for x in lines[:3]] + ["not json"]
     path.write_text(json.dumps(lines[0]) + "\n")  # the file lost this run's lines
-    tu.RunLogger(True, path).reconcile("r", records)
+    cu.reconcile_metrics(path, "r", records)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [lines[0], *records]
     new_file = tmp_path / "new.jsonl"  # resuming into a new metrics file
-    tu.RunLogger(True, new_file).reconcile("r", records)
+    cu.reconcile_metrics(new_file, "r", records)
     assert [json.loads(line) for line in new_file.read_text().splitlines()] == records
 
 
 def test_epoch_seeds_differ_by_seed_epoch_and_rank():
-    seeds = {tu.epoch_seed(s, e, r) for s in range(3) for e in range(1, 4) for r in range(4)}
+    seeds = {cu.epoch_seed(s, e, r) for s in range(3) for e in range(1, 4) for r in range(4)}
     assert len(seeds) == 36 and all(0 <= s < 2**63 for s in seeds)
-    assert tu.epoch_seed(0, 1, 0) == tu.epoch_seed(0, 1, 0)
+    assert cu.epoch_seed(0, 1, 0) == cu.epoch_seed(0, 1, 0)
 
 
 def _replica_worker(rank, store, results, perturb):
@@ -251,8 +264,160 @@ def test_torchvision_loader_with_a_persistent_worker_resumes_exactly(tmp_path):
     assert reference.returncode == 0, reference.stderr
     args = (*tv_run, "--metrics-file", tmp_path / "m.jsonl", "--save-weights", tmp_path / "w.pt",
             "--checkpoint-dir", tmp_path / "ckpt")
-    assert "Stopped by SIGUSR1" in stop_with_sigusr1(args, tmp_path)
+    assert "(SIGUSR1); checkpoint" in stop_with_sigusr1(args, tmp_path)
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Loader: torchvision DataLoader, 1 worker process per" in result.stdout
     assert_same_run(tmp_path / "m_ref.jsonl", tmp_path / "w_ref.pt", tmp_path / "m.jsonl", tmp_path / "w.pt")
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing lost in everyday use.
+
+def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, reference, capsys):
+    folder = tmp_path / "ck"
+    shutil.copytree(reference[0].parent / "ckpt", folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    assert run_main("train.py", *RUN, "--seed", "1", "--checkpoint-dir", folder) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --checkpoint-dir {folder} already holds checkpoints of another run (newest: "
+        "checkpoint_000000012.pt); continue that run with --resume, or give this run another --checkpoint-dir"]
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # untouched
+
+
+@pytest.mark.parametrize("resume, has_checkpoint, expected", [
+    (None, False, False), ("auto", False, False), ("auto", True, True), ("required", False, True),
+    ("required", True, True)])
+def test_continues_run(tmp_path, resume, has_checkpoint, expected):
+    if has_checkpoint:
+        (tmp_path / "checkpoint_000000004.pt").touch()
+    assert cu.continues_run(tmp_path, resume) is expected
+
+
+def test_a_new_run_never_starts_over_checkpoints(tmp_path):
+    (tmp_path / "checkpoint_000000004.pt").touch()
+    with pytest.raises(UserError, match="already holds checkpoints of another run"):
+        cu.continues_run(tmp_path, None)
+
+
+class _TinyRun:
+    """What Checkpointer.save reads of a train_utils.Run, for a small model."""
+
+    def __init__(self, directory):
+        self.module = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.args, self.fingerprint = tu.parse_args("x", ["--checkpoint-dir", str(directory)]), {}
+        self.ctx = DistContext(device=torch.device("cpu"))
+
+
+def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_path):
+    foreign = [tmp_path / "checkpoint_000000001.pt", tmp_path / "checkpoint_000000099.pt"]
+    for path in foreign:
+        path.write_bytes(b"another run's")
+    run, state = _TinyRun(tmp_path), cu.TrainState(run_id="r")
+    checkpointer = cu.Checkpointer(tmp_path, 0, run.ctx)
+    paths = []
+    for _ in range(3):
+        run.optimizer.step()
+        run.scheduler.step()
+        paths.append(checkpointer.save(run, state))
+    assert [p.name for p in paths] == ["checkpoint_000000001.pt", "checkpoint_000000002.pt",
+                                       "checkpoint_000000003.pt"]
+    assert not paths[0].exists() and paths[1].exists() and paths[2].exists()
+    assert foreign[1].read_bytes() == b"another run's"  # a higher step of another run stays
+    assert state.checkpoints == ["checkpoint_000000002.pt", "checkpoint_000000003.pt"]
+    assert torch.load(paths[2], weights_only=True)["state"]["checkpoints"] == state.checkpoints
+    assert checkpointer.save(run, state) == paths[2] and checkpointer.count == 3  # the same step: not again
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_checkpoints_are_due_every_interval_at_most(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(cu.time, "monotonic", lambda: now[0])
+    checkpointer = cu.Checkpointer(tmp_path, 2, DistContext(device=torch.device("cpu")))  # 2 minutes
+    now[0] += 119
+    assert not checkpointer.due()
+    now[0] += 1
+    assert checkpointer.due()
+    assert cu.Checkpointer(tmp_path, 0, DistContext(device=torch.device("cpu"))).due()  # 0: every epoch
+    assert not cu.Checkpointer(None, 0, DistContext(device=torch.device("cpu"))).due()  # no folder
+
+
+def test_default_interval_checkpoints_at_the_end_and_on_stop_not_every_epoch(tmp_path):
+    i = RUN.index("--checkpoint-interval")
+    args = RUN[:i] + RUN[i + 2:]  # the default interval
+    result = run(python_cmd("train.py", *args, "--checkpoint-dir", tmp_path / "ck"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["checkpoint_000000012.pt"]  # the finished run
+    assert "Checkpoints: 1 written to" in result.stdout
+    assert "at the end of an epoch at most every 5 min, on a stop request and at the end" in result.stdout
+    again = run(python_cmd("train.py", *args, "--checkpoint-dir", tmp_path / "ck", "--resume=auto"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "is complete (epoch 3): nothing to train" in again.stdout and "Epoch 1/3" not in again.stdout
+
+
+def test_stop_file_stops_with_exit_status_0(tmp_path, monkeypatch):
+    monkeypatch.setattr(cu, "STOP_FILE_POLL_S", 0.0)
+    stop_file = tmp_path / "STOP"
+    ctx = DistContext(device=torch.device("cpu"))
+    with cu.StopRequests(ctx, stop_file) as stop:
+        assert stop.agreed() == cu.NO_STOP
+        stop_file.touch()
+        assert stop.agreed() == cu.STOP_FILE
+        stopped = stop.stopped(cu.STOP_FILE, "after step 3 of epoch 2", tmp_path / "checkpoint_000000007.pt")
+    assert stopped.exit_code == 0
+    assert str(stopped) == (f"Stopped after step 3 of epoch 2 (--stop-file {stop_file}); checkpoint "
+                            f"{tmp_path / 'checkpoint_000000007.pt'}: continue with --resume")
+    with cu.StopRequests(ctx, stop_file) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # a signal outranks the file
+        assert stop.agreed() == cu.STOP_SIGNAL
+        assert stop.stopped(cu.STOP_SIGNAL, "after epoch 1", None).exit_code == cu.EXIT_STOPPED
+
+
+def test_eval_only_needs_weights(capsys):
+    assert run_main("train.py", "--synthetic", "--eval-only") == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert "--eval-only needs --weights PATH" in line
+
+
+def _resume_worker(rank, store, folder, results, unreadable_rank):
+    """Rank ``unreadable_rank`` cannot read the newest checkpoint (a file system that lags, an
+    I/O error); every rank reports which file it loaded or the error it stopped with."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    newest = sorted(Path(folder).glob("checkpoint_*.pt"))[-1]
+    real_load = torch.load
+    if rank == unreadable_rank:
+        def flaky_load(path, *args, **kwargs):
+            if Path(path) == newest:
+                raise OSError(5, "Input/output error")
+            return real_load(path, *args, **kwargs)
+        cu.torch.load = flaky_load
+    ctx = DistContext(device=torch.device("cpu"), rank=rank, world_size=2, process_group=True)
+    try:
+        path, checkpoint = cu.load_agreed_checkpoint(folder, ctx, tu.RunLogger(rank == 0))
+        outcome = f"loaded {path.name} step {checkpoint['scheduler']['last_epoch']}"
+    except UserError as err:
+        outcome = f"error: {err}"
+    Path(results, f"rank{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unreadable_rank", [0, 1])
+def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path, reference, unreadable_rank):
+    folder = tmp_path / "ck"
+    shutil.copytree(reference[0].parent / "ckpt", folder)
+    context = mp.start_processes(_resume_worker, args=(tmp_path / "store", folder, tmp_path, unreadable_rank),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.time() + 120  # bounded: a hang fails the test instead of blocking CI
+    while not context.join(timeout=1):
+        assert time.time() < deadline, "the ranks hang"
+    outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    if unreadable_rank == 1:  # rank 0 reads the newest: rank 1 must not fall back on its own
+        assert outcomes[0] == outcomes[1]
+        assert outcomes[0].startswith("error: --resume: rank(s) [1] cannot read ")
+        assert "checkpoint_000000012.pt, the checkpoint rank 0 chose (rank 1: OSError" in outcomes[0]
+    else:  # rank 0 falls back (and renames the unreadable file aside); rank 1 loads the same file
+        assert outcomes == ["loaded checkpoint_000000008.pt step 8"] * 2
+        assert (folder / "checkpoint_000000012.pt.unreadable").exists()

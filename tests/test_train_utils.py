@@ -12,6 +12,7 @@ import torch
 
 import dataset_utils as du
 import train_utils as tu
+from checkpoint_utils import StopRequests, TrainState, check_writable
 from device_utils import DistContext, UserError, single_process_context
 from model import WideResNet
 
@@ -188,7 +189,7 @@ def test_unwritable_outputs_fail_at_start(tmp_path):
         tu.RunLogger(True, tmp_path / "a_dir")
     (tmp_path / "a_file").write_text("keep me")
     with pytest.raises(UserError, match="--save-weights .*cannot create"):
-        tu.check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
+        check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
     assert (tmp_path / "a_file").read_text() == "keep me"
 
 
@@ -245,10 +246,10 @@ def _train_two_steps(flags):
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 100))
     run = tu.prepare_run(model, train_loader, test_loader, args, single_process_context())
-    run.stop = tu.StopSignal()
-    loss_sum, images, *_ = tu.train_steps(run, iter(train_loader), tu.TrainState(run_id="test"))
-    assert images == 16
-    return run, loss_sum
+    run.stop = StopRequests(run.ctx)
+    done = tu.train_steps(run, iter(train_loader), TrainState(run_id="test"))
+    assert done.images == 16
+    return run, done.loss_sum
 
 
 def test_compiled_training_matches_eager():

@@ -1,0 +1,386 @@
+"""Checkpoints, resume and stop requests: what a run needs to continue exactly where it
+stopped, on any number of GPUs, without losing or overwriting anything already written.
+
+- A checkpoint folder belongs to one run. A new run refuses a folder that holds
+  checkpoints; ``--resume`` continues the run in it; ``--resume=auto`` (the job scripts)
+  continues it when there is a checkpoint and starts a new run otherwise.
+- Global rank 0 writes every checkpoint atomically, keeps the newest two of its own run
+  (pruning never touches a file this run did not write) and chooses the checkpoint a resume
+  starts from; every rank loads exactly that file, or the run stops with one error.
+- Checkpoints are written at the end of an epoch at most every ``--checkpoint-interval``
+  minutes (0 = every epoch), and always on a stop request and at the end of training.
+- Stop requests: SIGUSR1, SIGTERM and SIGINT (Ctrl-C; a second one quits at once), and the
+  appearance of ``--stop-file``. All ranks agree on them after every step.
+- ``--metrics-file`` keeps every epoch of a run exactly once across resumes.
+
+Only ``train_utils`` calls this module; ``run`` arguments are its ``train_utils.Run``.
+"""
+
+import hashlib
+import itertools
+import json
+import os
+import signal
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dataset_utils import derived_seed
+from device_utils import UserError, any_rank, from_rank0, gather_objects, max_over_ranks
+
+EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
+CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
+UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
+# Flags that define the run: a resumed run must keep them, or it would not be the same run.
+RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
+                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic")
+STOP_FILE_POLL_S = 1.0  # rank 0 looks for --stop-file at most this often (a metadata call on a shared FS)
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved in every checkpoint; the loop updates it in place."""
+    run_id: str                                      # tags this run's lines in --metrics-file
+    epoch: int = 1                                   # the epoch in progress (1-based)
+    step: int = 0                                    # optimizer steps done in it
+    partial: tuple = (0.0, 0, 0.0)                   # loss sum, images, seconds of those steps (all ranks)
+    history: list = field(default_factory=list)      # validation accuracy of each finished epoch
+    records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
+    checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
+
+
+def new_run_id():
+    return uuid.uuid4().hex[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that are never half-written.
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path, flag):
+    """Fail at start, not after hours of training, when an output file cannot be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{flag} {path}: cannot create {path.parent} ({err.strerror})") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not a writable file path")
+
+
+# ---------------------------------------------------------------------------------------------
+# Random-number states: each epoch's are a function of (seed, epoch, rank).
+
+def epoch_seed(seed, epoch, rank):
+    """Seed of the global RNG (dropout) for one epoch on one rank, so a run resumed at an epoch
+    boundary repeats the uninterrupted one exactly. The loaders seed their augmentation
+    themselves, also from (seed, epoch, ...)."""
+    return derived_seed(seed, epoch, rank)
+
+
+def rng_snapshot():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def restore_rng(snapshot):
+    torch.set_rng_state(snapshot["cpu"].cpu())
+    if snapshot["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(snapshot["cuda"].cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's folder: who owns it, and which checkpoint a resume starts from.
+
+def checkpoint_paths(directory):
+    """Checkpoints in ``directory``, newest first (the names sort by optimizer step)."""
+    return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt"), reverse=True)
+
+
+def continues_run(directory, resume):
+    """Whether this run continues the run in ``directory`` (True) or starts a new one (False).
+
+    ``resume``: None (a new run), "required" (--resume: continue, error if nothing to continue)
+    or "auto" (continue when there is a checkpoint). A new run never starts in a folder that
+    holds checkpoints: its own would overwrite and prune the other run's, and a later --resume
+    would not know which run it continues. Call on global rank 0 (``from_rank0``).
+    """
+    if resume == "required":
+        return True
+    existing = checkpoint_paths(directory) if directory else []
+    if resume == "auto":
+        return bool(existing)
+    if existing:
+        raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of another run (newest: "
+                        f"{existing[0].name}); continue that run with --resume, or give this run another "
+                        "--checkpoint-dir")
+    return False
+
+
+def read_checkpoint(path, device):
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError("not a checkpoint of these scripts")
+    return checkpoint
+
+
+def _why(err):
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def _aside(path):
+    """Where an unreadable checkpoint goes: NAME.unreadable (.2, .3, ...: never over an earlier one)."""
+    for n in itertools.count(1):
+        aside = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{f'.{n}' if n > 1 else ''}")
+        if not aside.exists():
+            return aside
+
+
+def choose_checkpoint(directory, device, log):
+    """(path, checkpoint): the newest checkpoint in ``directory`` that reads. A newer one that
+    does not read is renamed to NAME.unreadable (kept, out of the way) with a warning. Never a
+    silent fresh start: nothing readable is an error. Call on global rank 0."""
+    problems = []
+    for path in checkpoint_paths(directory):
+        try:
+            return path, read_checkpoint(path, device)
+        except Exception as err:  # truncated, corrupted, or foreign
+            problems.append(f"{path.name}: {type(err).__name__}")
+            aside = _aside(path)
+            try:
+                os.replace(path, aside)
+                kept = f"renamed it to {aside.name}"
+            except OSError:
+                kept = "left it in place"
+            log.info(f"WARNING: checkpoint {path} is unreadable ({_why(err)}); {kept} and trying the previous one")
+    found = f" ({'; '.join(problems)})" if problems else ""
+    raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
+
+
+def load_agreed_checkpoint(directory, ctx, log):
+    """(path, checkpoint), the same file on every rank: global rank 0 chooses it, every other
+    rank reads exactly that file. A rank that cannot read it (a folder that is not shared, a
+    file-system error) stops every rank with the same one-line error; no rank falls back to
+    another checkpoint on its own, which would resume the ranks at different steps."""
+    chosen = {}
+
+    def choose():
+        path, chosen["checkpoint"] = choose_checkpoint(directory, ctx.device, log)
+        return str(path)
+
+    path = from_rank0(choose, ctx.control_group)
+    failure = None
+    if not ctx.is_main:
+        try:
+            chosen["checkpoint"] = read_checkpoint(path, ctx.device)
+        except Exception as err:
+            failure = _why(err)
+    failures = {rank: why for rank, why in enumerate(gather_objects(failure, ctx.control_group)) if why}
+    if failures:
+        rank, why = next(iter(failures.items()))
+        raise UserError(f"--resume: rank(s) {sorted(failures)} cannot read {path}, the checkpoint rank 0 chose "
+                        f"(rank {rank}: {why[:200]}); every node must see the same --checkpoint-dir, on a "
+                        "shared file system")
+    return Path(path), chosen["checkpoint"]
+
+
+def data_fingerprint(train_loader, test_loader, synthetic):
+    """Identifies the data set in a checkpoint, so a resume on other data is refused."""
+    labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
+    return {"synthetic": synthetic, "train_images": len(train_loader.dataset),
+            "test_images": len(test_loader.dataset), "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
+
+
+def check_resumable(checkpoint, args, fingerprint, check_fits):
+    """Refuse to continue a run with another model, data set or recipe (it would not be the
+    same run). ``check_fits(state_dict, source)`` raises when the model's shape differs."""
+    check_fits(checkpoint["model"], "the checkpoint")
+    if checkpoint["data"] != fingerprint:
+        old, new = checkpoint["data"], fingerprint
+        raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
+                        f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
+                        f"{', different labels' if old['train_images'] == new['train_images'] else ''})")
+    changed = [f"--{name.replace('_', '-')} {checkpoint['args'].get(name)} (now {getattr(args, name)})"
+               for name in RECIPE_FLAGS if checkpoint["args"].get(name) != getattr(args, name)]
+    if changed:
+        raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
+                        + "; rerun with its values or start a new --checkpoint-dir")
+
+
+def restore(run, checkpoint):
+    """Load model, optimizer, schedule and scaler from ``checkpoint``; returns its TrainState
+    and this rank's RNG states (None when it was saved at an epoch boundary or by another
+    number of ranks)."""
+    run.module.load_state_dict(checkpoint["model"])
+    run.optimizer.load_state_dict(checkpoint["optimizer"])
+    run.scheduler.load_state_dict(checkpoint["scheduler"])
+    run.scaler.load_state_dict(checkpoint["scaler"])
+    rng = checkpoint["rng"]
+    return TrainState(**checkpoint["state"]), (rng[run.ctx.rank] if rng and len(rng) == run.ctx.world_size else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing checkpoints.
+
+class Checkpointer:
+    """Writes one run's checkpoints into its folder: global rank 0 writes, every rank waits
+    for the file (so none exits while it is written). Records how often and how long."""
+
+    def __init__(self, directory, interval_minutes, ctx):
+        self.directory = Path(directory) if directory else None
+        self.interval_s = interval_minutes * 60
+        self.ctx = ctx
+        self.last_time = time.monotonic()
+        self.last_step = None  # optimizer step of the newest checkpoint written or loaded
+        self.count, self.seconds = 0, 0.0
+
+    def due(self):
+        """At the end of an epoch: is a checkpoint due? Decided by rank 0's clock, so every
+        rank agrees (a one-element all-reduce on the CPU)."""
+        if self.directory is None:
+            return False
+        late = time.monotonic() - self.last_time >= self.interval_s
+        return any_rank(self.ctx.is_main and late, self.ctx.control_group)
+
+    def save(self, run, state, rng_states=None):
+        """Write the checkpoint of the run at ``state`` (unless exactly that one was written
+        already) and prune this run's older ones, keeping KEEP_CHECKPOINTS. Returns its path."""
+        step = run.scheduler.last_epoch  # optimizer steps so far: the name sorts by progress
+        path = self.directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
+        if step == self.last_step:
+            return path
+        start = time.perf_counter()
+        kept = [name for name in state.checkpoints if name != path.name] + [path.name]
+        state.checkpoints, pruned = kept[-KEEP_CHECKPOINTS:], kept[:-KEEP_CHECKPOINTS]
+
+        def write():
+            try:
+                atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
+                             "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                             "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
+                             "data": run.fingerprint, "world_size": run.ctx.world_size}, path)
+                for name in pruned:  # only this run's own files
+                    (self.directory / name).unlink(missing_ok=True)
+            except OSError as err:
+                raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); the previous "
+                                f"checkpoints are kept") from None
+
+        from_rank0(write, self.ctx.control_group)  # every rank waits until the file is on disk
+        self.last_time, self.last_step = time.monotonic(), step
+        self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - start
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop requests.
+
+class TrainingStopped(Exception):
+    """Raised after the stop checkpoint is written; the entry point prints the message and
+    exits with ``exit_code``."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# What a rank saw, ordered so that the all-reduced maximum is what every rank acts on.
+NO_STOP, STOP_FILE, STOP_SIGNAL = 0, 1, 2
+
+
+class StopRequests:
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption, torchrun
+    passing either on) and SIGINT (Ctrl-C) only set a flag, and so does ``stop_file``
+    appearing (seen by global rank 0): the loop stops after the current step, checkpoints,
+    and exits. A second Ctrl-C quits at once.
+
+    Exit status: EXIT_STOPPED after a signal; 0 after the stop file, which the job scripts
+    use to stop training before the time limit without signalling torchrun (it would report
+    the stop as a crash, with a traceback).
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, ctx, stop_file=None):
+        self.ctx = ctx
+        self.stop_file = Path(stop_file) if stop_file and ctx.is_main else None
+        self.received = None  # the name of the first signal
+        self.file_seen = False
+        self._next_look = 0.0
+        self._previous = {}
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait
+        self.received = self.received or signal.Signals(signum).name
+
+    def _local(self):
+        if self.received:
+            return STOP_SIGNAL
+        if self.stop_file is not None and not self.file_seen and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + STOP_FILE_POLL_S
+            self.file_seen = self.stop_file.exists()
+        return STOP_FILE if self.file_seen else NO_STOP
+
+    def agreed(self):
+        """The stop every rank acts on (NO_STOP, STOP_FILE or STOP_SIGNAL): the maximum over
+        ranks, a one-element all-reduce on the CPU (no GPU sync), so all stop after the same step."""
+        return max_over_ranks(self._local(), self.ctx.control_group)
+
+    def stopped(self, kind, where, path):
+        """The exception that ends training after the stop checkpoint ``path``."""
+        cause = {STOP_FILE: f"--stop-file {self.stop_file}" if self.stop_file else "--stop-file",
+                 STOP_SIGNAL: self.received or "a signal to another rank"}[kind]
+        saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
+        return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
+
+
+# ---------------------------------------------------------------------------------------------
+# The metrics file across resumes.
+
+def reconcile_metrics(path, run_id, records):
+    """On resume: make ``path`` hold each finished epoch of run ``run_id`` exactly once.
+    Lines of epochs the checkpoint does not have (they run again) are dropped, records the
+    file lost are appended; other runs' lines and unparsable lines are kept as they are."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else []
+    done, seen, kept = {r["epoch"] for r in records}, set(), []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict) and entry.get("run_id") == run_id:
+            if entry.get("epoch") not in done or entry.get("epoch") in seen:
+                continue
+            seen.add(entry["epoch"])
+        kept.append(line)
+    kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
+    if kept != lines:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)

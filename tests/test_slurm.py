@@ -1,0 +1,194 @@
+"""The job scripts under a real Slurm: slurmctld and two slurmd on this machine
+(tests/slurm_cluster.sh), submitted with sbatch as users submit them. Only apptainer and
+nvidia-smi are stand-ins (apptainer is not packaged for Debian); srun, scontrol, the
+time-limit signal, requeue and the output files are Slurm's own.
+
+Needs root and Debian's slurm-wlm and munge packages. Without them this module is skipped
+with the reason, except where SLURM_TESTS=required (.ci/run), where that is a failure.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, read_metrics
+
+CLUSTER_SCRIPT = REPO / "tests" / "slurm_cluster.sh"
+STUBS = REPO / "tests" / "stubs"
+# 3 epochs of 12 steps: epoch 2 lasts seconds, long enough for the signal to land in it.
+TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "12", "--num-workers", "0",
+              "--metrics-file", "metrics.jsonl")
+
+
+def free_ports(count):
+    """The first of ``count`` consecutive TCP ports that nobody listens on now."""
+    for _ in range(200):
+        base = 20000 + int.from_bytes(os.urandom(2), "little") % 20000
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError("no free ports")
+
+
+def why_slurm_cannot_start():
+    if os.geteuid() != 0:
+        return "the real-Slurm tests need root (slurmd, mknod)"
+    missing = [tool for tool in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if not shutil.which(tool)]
+    if missing:
+        return f"the real-Slurm tests need {', '.join(missing)} (apt-get install slurm-wlm munge)"
+    return None
+
+
+def unavailable(reason):
+    if os.environ.get("SLURM_TESTS") == "required":
+        pytest.fail(f"SLURM_TESTS=required, but {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class Cluster:
+    directory: Path
+    env: dict  # SLURM_CONF for the clients
+
+    def command(self, *args, check=True):
+        result = subprocess.run([str(a) for a in args], env=self.env, capture_output=True, text=True, timeout=60)
+        if check:
+            assert result.returncode == 0, f"{args}: {result.stderr}"
+        return result.stdout
+
+    def job_field(self, job_id, name):
+        """One field of ``scontrol show job`` (finished jobs stay there for MinJobAge, 300 s)."""
+        for word in self.command("scontrol", "-o", "show", "job", job_id).split():
+            key, _, value = word.partition("=")
+            if key == name:
+                return value
+        return None
+
+    def wait_until_done(self, job_id, timeout=300):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.job_field(job_id, "JobState")
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} not done after {timeout} s: {self.job_field(job_id, 'JobState')}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = why_slurm_cannot_start()
+    if reason:
+        unavailable(reason)
+    directory = tmp_path_factory.mktemp("slurm")
+    env = clean_env(SLURM_TEST_PORT=free_ports(3))
+    started = subprocess.run(["bash", CLUSTER_SCRIPT, "start", directory], env=env, capture_output=True, text=True,
+                             timeout=120)
+    try:
+        if started.returncode != 0:
+            unavailable(f"Slurm did not start: {(started.stderr.strip().splitlines() or ['?'])[-1]}")
+        yield Cluster(directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")})
+    finally:
+        env_conf = {**env, "SLURM_CONF": str(directory / "slurm.conf")}
+        subprocess.run(["scancel", "--user", "root"], env=env_conf, capture_output=True, timeout=30)
+        for _ in range(100):  # the jobs' processes end before the daemons that track them
+            queue = subprocess.run(["squeue", "-h"], env=env_conf, capture_output=True, text=True, timeout=30)
+            if queue.returncode != 0 or not queue.stdout.strip():
+                break
+            time.sleep(0.2)
+        subprocess.run(["bash", CLUSTER_SCRIPT, "stop", directory], env=env, capture_output=True, timeout=60)
+
+
+def submit_env(cluster, tmp_path, **extra):
+    """What a user's shell holds when calling sbatch: the stand-ins for apptainer and
+    nvidia-smi on PATH (Slurm's own srun and scontrol stay first), the settings, SLURM_CONF."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("apptainer", "nvidia-smi"):
+        (bin_dir / tool).symlink_to(STUBS / tool)
+    (tmp_path / "pytorch.sif").touch()
+    return {**cluster.env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PROJECT_DIR": str(REPO),
+            "CONTAINER_PATH": str(tmp_path / "pytorch.sif"), "PER_GPU_BATCH": "4", "GPU_LOG_INTERVAL": "1",
+            **{k: str(v) for k, v in extra.items()}}
+
+
+def sbatch(cluster, tmp_path, env, script, *args):
+    result = subprocess.run(["sbatch", "--parsable", REPO / script, *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def wait_for_text(path, text, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n" + (path.read_text() if path.exists() else ""))
+
+
+def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
+    """Submit ``script``; once epoch 1 is done, deliver the time-limit warning as Slurm does
+    (USR1 to the batch shell); the job checkpoints, requeues itself (same ID, restart 1),
+    resumes and completes. Returns the .out text."""
+    job_id = sbatch(cluster, tmp_path, env, script, *TRAIN_ARGS)
+    out, err = tmp_path / f"{prefix}_{job_id}.out", tmp_path / f"{prefix}_{job_id}.err"
+    wait_for_text(out, "Epoch 1/3:")
+    cluster.command("scancel", "--signal=USR1", "--batch", job_id)
+    assert cluster.wait_until_done(job_id) == "COMPLETED", out.read_text() + err.read_text()
+    text, errors = out.read_text(), err.read_text()
+    assert cluster.job_field(job_id, "Restarts") == "1"
+    [stop_line] = [line for line in text.splitlines() if line.startswith("Stopped ")]
+    checkpoint_dir = f"checkpoints/{prefix}_{job_id}"
+    assert " of epoch 2 (--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
+    assert f"Requeueing job {job_id} before its time limit: it continues from {checkpoint_dir}" in text
+    assert text.count("Training WideResNet") == 2  # both runs' output, appended to one file
+    assert f"Resuming from {checkpoint_dir}/checkpoint_" in text and "Training complete." in text
+    assert "Traceback" not in text + errors, errors
+    assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]  # each epoch once
+    assert (tmp_path / checkpoint_dir / "weights.pt").exists()
+    assert not list(tmp_path.glob(".*.stop"))
+    return text, job_id
+
+
+def test_single_gpu_job_meets_its_time_limit_requeues_and_resumes(cluster, tmp_path):
+    text, job_id = stop_requeue_resume(cluster, tmp_path, submit_env(cluster, tmp_path), "singlegpu_job.sh",
+                                       "singlegpu")
+    assert "CUDA available: False" in text
+    assert (tmp_path / f"singlegpu_{job_id}_gpu.csv").read_text().count("timestamp,") == 2  # both runs logged
+
+
+def test_multi_node_job_across_two_slurmd_meets_its_time_limit_requeues_and_resumes(cluster, tmp_path):
+    # Slurm's node names (node1, node2) do not resolve here: the rendezvous uses localhost.
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
+                     TORCHRUN_PATH="torchrun")
+    text, job_id = stop_requeue_resume(cluster, tmp_path, env, "multinode_job.sh", "multinode")
+    assert "2 nodes x 1 GPUs" in text
+    assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in text
+    for node in ("node1", "node2"):  # srun ran a task on each slurmd, each logging its own GPUs
+        assert (tmp_path / f"multinode_{job_id}_gpu_{node}.csv").exists()
+
+
+def test_multi_gpu_job_completes(cluster, tmp_path):
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=2)
+    job_id = sbatch(cluster, tmp_path, env, "multigpu_job.sh", "--synthetic", "--epochs", "1", "--limit-batches",
+                    "2", "--num-workers", "0")
+    assert cluster.wait_until_done(job_id) == "COMPLETED"
+    text = (tmp_path / f"multigpu_{job_id}.out").read_text()
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in text and "Training complete." in text
+    assert "Traceback" not in (tmp_path / f"multigpu_{job_id}.err").read_text()
