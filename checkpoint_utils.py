@@ -86,6 +86,17 @@ def check_writable(path, flag):
         raise UserError(f"{flag} {path}: not a writable file path")
 
 
+def check_writable_dir(directory, flag):
+    """The same for a folder that files will be written into."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{flag} {directory}: cannot create it ({err.strerror})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {directory}: not a writable folder")
+
+
 # ---------------------------------------------------------------------------------------------
 # Random-number states: each epoch's are a function of (seed, epoch, rank).
 

@@ -26,9 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, StopRequests, TrainingStopped, TrainState,
-                              atomic_save, check_resumable, check_writable, continues_run, data_fingerprint,
-                              epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics, restore, restore_rng,
-                              rng_snapshot)
+                              atomic_save, check_resumable, check_writable, check_writable_dir, continues_run,
+                              data_fingerprint, epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics,
+                              restore, restore_rng, rng_snapshot)
 from dataset_utils import LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, env_rank,
                           from_rank0, gather_objects, network_report, synchronize)
@@ -589,7 +589,7 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
     if ctx.is_main and args.save_weights:
         check_writable(args.save_weights, "--save-weights")
     if ctx.is_main and args.checkpoint_dir:
-        check_writable(Path(args.checkpoint_dir) / "checkpoint_0.pt", "--checkpoint-dir")
+        check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
     steps = min(len(train_loader), args.limit_batches or len(train_loader))
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
@@ -619,10 +619,13 @@ def fit(model, train_loader, test_loader, args, ctx):
     """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each epoch
     and checkpointing when due, stopping early at --target-accuracy. Returns the records."""
     start = time.perf_counter()
+    # Before anything is printed: a new run in another run's folder is refused at once.
+    continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
+                                                   ctx.control_group)
     run = prepare_run(model, train_loader, test_loader, args, ctx)
     if args.eval_only:
         return [evaluate_once(run, test_loader)]
-    state, rng_state = start_or_resume(run)
+    state, rng_state = start_or_resume(run, continuing)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
     with StopRequests(ctx, args.stop_file) as run.stop:
         while state.epoch <= args.epochs and not reached():
@@ -649,11 +652,11 @@ def fit(model, train_loader, test_loader, args, ctx):
     return state.records
 
 
-def start_or_resume(run):
-    """(TrainState, this rank's RNG states or None): a new run, or the run in --checkpoint-dir
-    continued from the checkpoint global rank 0 chose, loaded on every rank."""
+def start_or_resume(run, continuing):
+    """(TrainState, this rank's RNG states or None): a new run, or (``continuing``) the run in
+    --checkpoint-dir continued from the checkpoint global rank 0 chose, loaded on every rank."""
     args, ctx = run.args, run.ctx
-    if not from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume), ctx.control_group):
+    if not continuing:
         if args.resume == "auto":
             run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
         return TrainState(run_id=new_run_id()), None

@@ -12,7 +12,7 @@ import torch
 
 import dataset_utils as du
 import train_utils as tu
-from checkpoint_utils import StopRequests, TrainState, check_writable
+from checkpoint_utils import StopRequests, TrainState, check_writable, check_writable_dir
 from device_utils import DistContext, UserError, single_process_context
 from model import WideResNet
 
@@ -190,6 +190,8 @@ def test_unwritable_outputs_fail_at_start(tmp_path):
     (tmp_path / "a_file").write_text("keep me")
     with pytest.raises(UserError, match="--save-weights .*cannot create"):
         check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
+    with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path / 'a_file' / 'ck'}: cannot create it "):
+        check_writable_dir(tmp_path / "a_file" / "ck", "--checkpoint-dir")
     assert (tmp_path / "a_file").read_text() == "keep me"
 
 
