@@ -215,8 +215,8 @@ def load_agreed_checkpoint(directory, ctx, log):
 def data_fingerprint(train_loader, test_loader, synthetic):
     """Identifies the data set in a checkpoint, so a resume on other data is refused."""
     labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
-    return {"synthetic": synthetic, "train_images": len(train_loader.dataset),
-            "test_images": len(test_loader.dataset), "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
+    return {"synthetic": synthetic, "train_images": len(train_loader.dataset), "test_images": len(test_loader.dataset),
+            "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
 
 
 def check_resumable(checkpoint, args, fingerprint, check_fits):
@@ -244,7 +244,8 @@ def restore(run, checkpoint):
     run.scheduler.load_state_dict(checkpoint["scheduler"])
     run.scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
-    return TrainState(**checkpoint["state"]), (rng[run.ctx.rank] if rng and len(rng) == run.ctx.world_size else None)
+    rng_state = rng[run.ctx.rank] if rng and len(rng) == run.ctx.world_size else None
+    return TrainState(**checkpoint["state"]), rng_state
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ MAX_AUTO_WORKERS = 8
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Command line: one definition of the flags for both entry points.
 
@@ -359,7 +358,6 @@ def check_state_fits(model, state, source):
 
 def save_weights(model, path):
     atomic_save(model.state_dict(), path)
-
 
 
 def unwrap(model):

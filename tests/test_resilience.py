@@ -181,7 +181,8 @@ def test_resume_refuses_another_model_data_set_or_recipe():
         cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, _fits(model))
     with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "
                                         "50000, synthetic=False, different labels"):
-        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"}, _fits(model))
+        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"},
+                           _fits(model))
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\)"):
         cu.check_resumable(_checkpoint_like(args, data, model), other, data, _fits(model))
