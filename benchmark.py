@@ -5,6 +5,7 @@ one device (a GPU when there is one, else the CPU):
     python benchmark.py --quick                # about a minute on 2 CPU cores
     python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python benchmark.py --compile              # the project's recipe with torch.compile
+    python benchmark.py --profile              # and torch.profiler's table of the project's steps
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python benchmark.py --json bench.json  # on Olivia
 
 Recipes:
@@ -26,8 +27,6 @@ size (throughput does not depend on pixel values).
 
 import argparse
 import json
-import os
-import platform
 import time
 from datetime import datetime, timezone
 from itertools import count, islice
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, is_downloaded,
                            set_loader_epoch, train_transform)
-from device_utils import single_process_context, synchronize
+from device_utils import device_name, single_process_context, synchronize
 from train_utils import (OneLineParser, build_model, check_writable, default_num_workers, memory_format, parse_args,
                          positive_int, run_cli, time_training_steps)
 
@@ -64,6 +63,9 @@ def build_parser():
     parser.add_argument("--pipeline-batches", metavar="BATCHES", type=positive_int, default=None,
                         help="timed batches of each input pipeline (default: 100; 50 with --quick)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the project's recipe")
+    parser.add_argument("--profile", metavar="STEPS", type=positive_int, nargs="?", const=5, default=None,
+                        help="after the measurements, profile this many training steps of the project's recipe "
+                             "(default 5) with torch.profiler and print its table of the most expensive operations")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
                         help="use CIFAR-100 from here when present, else synthetic data")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the result rows to this file")
@@ -76,16 +78,6 @@ def settings(opts, device):
     batch = opts.batch_size or (32 if quick and device.type == "cpu" else 256)
     return (batch, opts.warmup_steps or (1 if quick else 30), opts.steps or (2 if quick else 100),
             opts.pipeline_batches or (50 if quick else 100))
-
-
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model there
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    return f"CPU: {model}, {torch.get_num_threads()} threads"
 
 
 def endless(loader):
@@ -153,6 +145,8 @@ def benchmark(opts):
         rows += [{**described, **pipeline},
                  {**described, "measure": "train", "images_per_sec": timing.images_per_sec, "steps": steps,
                   "warmup_steps": warmup_steps, "warmup_s": timing.warmup_s}]
+        if opts.profile and recipe == "project":
+            profile = profile_steps(args, train_loader, test_loader, ctx, endless(train_loader), opts.profile)
     # This project's --loader torchvision: with the guide's 0 workers (the cost per image) and
     # with train.py's default worker count.
     for workers in sorted({0, default_num_workers(1)}):
@@ -161,7 +155,20 @@ def benchmark(opts):
         rows.append({"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None,
                      "channels_last": False, "compile": False, **common,
                      **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
+    if opts.profile:
+        print(f"\n== torch.profiler: {opts.profile} training steps of the project recipe, by "
+              f"{'GPU' if device.type == 'cuda' else 'CPU'} time\n{profile}")
     return rows
+
+
+def profile_steps(args, train_loader, test_loader, ctx, batches, steps):
+    """torch.profiler's table of ``steps`` training steps (one untimed step first; cuDNN has
+    autotuned these shapes already), the 20 most expensive operations by device time."""
+    cuda = ctx.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        time_training_steps(build_model(args, ctx), train_loader, test_loader, args, ctx, batches, 1, steps)
+    return profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=20)
 
 
 def table(rows):

@@ -296,8 +296,11 @@ class DeviceLoader:
         if self.augment:
             epoch = getattr(self.sampler, "epoch", 0)
             seed = derived_seed(self.seed, epoch, self.rank, BATCH_STREAM)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            offsets, flips = draw_crop_flip(len(indices), generator, self.device)
+            # Drawn on the CPU (a CUDA generator draws other numbers from the same seed) and
+            # copied once per epoch (3 x 8 bytes per image): every device serves the same crops,
+            # so a run on a GPU repeats a CPU run's data, and a resume may change device type.
+            generator = torch.Generator().manual_seed(seed)
+            offsets, flips = (t.to(self.device) for t in draw_crop_flip(len(indices), generator, "cpu"))
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = indices[start:start + self.batch_size]
             images = self.images[batch]  # (B, 32, 32, 3) uint8

@@ -5,7 +5,9 @@ LOCAL_RANK (index on this node, which GPU to use), WORLD_SIZE and LOCAL_WORLD_SI
 rank 0 is the one process that prints and writes files; local rank only picks the GPU.
 """
 
+import ctypes
 import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +66,47 @@ def get_device(local_rank=0) -> torch.device:
     return torch.device("cpu")
 
 
+def device_name(device: torch.device) -> str:
+    """What ran: the GPU's model and memory, or the CPU's model and threads."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model there
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return f"CPU: {model}, {torch.get_num_threads()} threads"
+
+
+def peak_memory_gib(device: torch.device):
+    """Peak GPU memory allocated by tensors since the last reset, in GiB (None on the CPU).
+    Reading it does not wait for the GPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def reset_peak_memory(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def use_device(local_rank) -> torch.device:
+    """This local rank's device, made the process's own: the current CUDA device (CUDA RNG
+    state, bf16 checks, pinned memory and NCCL follow it, not cuda:0), with cuDNN autotuning
+    on, which pays because every batch has the same shape (drop_last)."""
+    device = get_device(local_rank)
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise UserError(
+                f"LOCAL_RANK={local_rank} but this node shows only {visible} GPU(s): "
+                "--nproc_per_node must not exceed the GPUs per node")
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    return device
+
+
 def env_rank() -> int:
     """Global rank from the environment, for code that runs before the context exists."""
     return _env_int("RANK", 0)
@@ -86,7 +129,7 @@ def single_process_context() -> DistContext:
         raise UserError(
             f"train.py trains with one process but WORLD_SIZE={world_size}; "
             "use train_ddp.py for several processes (torchrun --nproc_per_node=N train_ddp.py)")
-    return DistContext(device=get_device(_env_int("LOCAL_RANK", 0)))
+    return DistContext(device=use_device(_env_int("LOCAL_RANK", 0)))
 
 
 def setup_distributed() -> DistContext:
@@ -103,14 +146,7 @@ def setup_distributed() -> DistContext:
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    device = get_device(local_rank)
-    if device.type == "cuda":
-        visible = torch.cuda.device_count()
-        if local_rank >= visible:
-            raise UserError(
-                f"LOCAL_RANK={local_rank} but this node shows only {visible} GPU(s): "
-                "--nproc_per_node must not exceed the GPUs per node")
-        torch.cuda.set_device(device)
+    device = use_device(local_rank)  # before init_process_group: NCCL binds to the current device
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
     # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
@@ -246,14 +282,51 @@ MULTINODE_SETTINGS = {
 }
 
 
+def nccl_version_name(code: int) -> str:
+    """ncclGetVersion's integer as "major.minor.patch" (NCCL_VERSION_CODE: X*10000 + Y*100 + Z
+    since NCCL 2.9, X*1000 + Y*100 + Z before)."""
+    major, rest = divmod(code, 10000) if code >= 20900 else divmod(code, 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def loaded_library(name: str, maps: str) -> str | None:
+    """Path of the shared library whose file name starts with ``name`` in a /proc/PID/maps text."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith(name):
+            return fields[5]
+    return None
+
+
+def nccl_report() -> str:
+    """The NCCL that runs, not only the one PyTorch was built against: multinode_job.sh puts
+    the host's NCCL first on the library path, and the LL128 corruption (NVIDIA/nccl issue
+    2001) depends on the version that is loaded. Asks the loaded library (ncclGetVersion)."""
+    built = torch.cuda.nccl.version()  # a tuple in recent PyTorch, an int in old ones
+    built = ".".join(map(str, built)) if isinstance(built, tuple) else str(built)
+    try:
+        with open("/proc/self/maps") as f:
+            path = loaded_library("libnccl", f.read())
+    except OSError:
+        path = None
+    if path is None:
+        return f"NCCL version: {built} (linked into PyTorch)"
+    try:
+        code = ctypes.c_int()
+        ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code))
+        loaded = nccl_version_name(code.value)
+    except (OSError, AttributeError):
+        loaded = "unknown"
+    return f"NCCL version: {loaded}, loaded from {path} (PyTorch was built with {built})"
+
+
 def network_report(ctx: DistContext, environ=None) -> list:
     """Lines for rank 0 to print at start: NCCL version, network variables in effect, and a
     warning for each recommended multi-node setting that is missing."""
     environ = os.environ if environ is None else environ
     lines = []
     if ctx.device.type == "cuda":
-        version = torch.cuda.nccl.version()  # a tuple in recent PyTorch, an int in old ones
-        lines.append("NCCL version: " + (".".join(map(str, version)) if isinstance(version, tuple) else str(version)))
+        lines.append(nccl_report())
     in_effect = [f"{name}={environ[name]}" for name in sorted(environ)
                  if name.startswith(("NCCL_", "FI_")) or name in ("MASTER_ADDR", "MASTER_PORT")]
     lines.append("Network settings: " + (" ".join(in_effect) or "none"))

@@ -24,10 +24,14 @@ def main():
     try:
         train_loader, test_loader = make_loaders(args, ctx)  # sharded by ctx.rank
         model = build_model(args, ctx)
-        # Gradients live in the all-reduce buckets (no extra copy). DDP broadcasts rank 0's
-        # weights here, so every rank starts from the same model.
+        # DDP broadcasts rank 0's weights here, so every rank starts from the same model.
+        # broadcast_buffers=False: no buffer broadcast before every forward. Training uses batch
+        # statistics, and fit broadcasts rank 0's BatchNorm running statistics before each
+        # evaluation and checkpoint. gradient_as_bucket_view: gradients are views into the
+        # all-reduce buckets, so no second copy of them is kept (with zero_grad(set_to_none=True)
+        # each step's new gradient is still copied into its bucket once).
         ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+                        broadcast_buffers=False, gradient_as_bucket_view=True)
         fit(ddp_model, train_loader, test_loader, args, ctx)
     finally:
         cleanup_distributed()

@@ -30,8 +30,9 @@ from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, Stop
                               data_fingerprint, epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics,
                               restore, restore_rng, rng_snapshot)
 from dataset_utils import LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
-from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, env_rank,
-                          from_rank0, gather_objects, network_report, synchronize)
+from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
+                          env_rank, from_rank0, gather_objects, network_report, peak_memory_gib, reset_peak_memory,
+                          synchronize)
 from model import WideResNet
 
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
@@ -283,8 +284,34 @@ def optimizer_kernels(device):
 
 
 def make_optimizer(model, args, device):
-    return torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
-                           weight_decay=args.weight_decay, **optimizer_kernels(device))
+    """SGD whose momentum buffers exist from the start: zeros in each parameter's layout.
+
+    The first step then computes what SGD's own first step does (buffer = gradient, as
+    dampening is 0). Left to itself the fused kernel creates them with ``empty_like`` on its
+    first call, and when the GradScaler skips that step (an fp16 overflow, common at the
+    initial scale of 65536) it returns before filling them: training would go on from
+    uninitialised memory.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
+                                weight_decay=args.weight_decay, **optimizer_kernels(device))
+    if args.momentum:
+        for param in model.parameters():
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+    return optimizer
+
+
+def fit_optimizer_to_params(optimizer, device):
+    """After ``load_state_dict`` of a checkpoint saved elsewhere: this device's SGD kernels,
+    and every state tensor in its parameter's memory layout. ``load_state_dict`` keeps the
+    saved layout (NCHW from a CPU run or --no-channels-last), and the fused CUDA kernel needs
+    parameters, gradients and momentum buffers to share strides."""
+    for group in optimizer.param_groups:
+        group.update(optimizer_kernels(device))
+        for param in group["params"]:
+            state = optimizer.state[param]
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param).copy_(value)  # empty_like keeps param's strides
 
 
 def make_scheduler(optimizer, args, steps_per_epoch):
@@ -413,7 +440,7 @@ class Progress:
             self.stream.flush()
 
 
-def describe_run(args, ctx, precision, layout, train_loader, test_loader, steps):
+def describe_run(args, ctx, name, precision, layout, train_loader, test_loader, steps):
     """The derived values, printed once at the start."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     data = "SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic else "CIFAR-100"
@@ -424,7 +451,7 @@ def describe_run(args, ctx, precision, layout, train_loader, test_loader, steps)
     return [
         f"Training WideResNet on CIFAR-100 with Batch Size: {args.batch_size} "
         f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
-        f"Device: {ctx.device}, precision {precision.name}, "
+        f"Device: {ctx.device} ({name}), precision {precision.name}, "
         f"{'channels_last' if layout == torch.channels_last else 'contiguous (NCHW)'}"
         f"{', torch.compile' if args.compile else ''}",
         f"Loader: {loader}",
@@ -458,6 +485,7 @@ class Run:
     steps: int             # optimizer steps per epoch
     fingerprint: dict      # the data set, as recorded in checkpoints
     checkpointer: Checkpointer
+    device_name: str       # what runs: GPU model and memory, or the CPU
     stop: StopRequests = None
 
 
@@ -520,6 +548,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
         next(batches)
     if rng_state is not None:
         restore_rng(rng_state)  # where the interrupted run was after those steps
+    reset_peak_memory(run.ctx.device)
     synchronize(run.ctx.device)
     start = time.perf_counter()
     done = train_steps(run, batches, state)
@@ -593,7 +622,8 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
                         f"{train_loader.batch_size} per process; lower --batch-size")
     layout = memory_format(args, ctx.device)  # the model's, from build_model
-    for line in describe_run(args, ctx, precision, layout, train_loader, test_loader, steps):
+    name = device_name(ctx.device)
+    for line in describe_run(args, ctx, name, precision, layout, train_loader, test_loader, steps):
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):
@@ -610,7 +640,7 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
                memory_format=layout, ctx=ctx, args=args, log=log, steps=steps,
                fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic),
-               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx))
+               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name)
 
 
 def fit(model, train_loader, test_loader, args, ctx):
@@ -661,8 +691,7 @@ def start_or_resume(run, continuing):
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
     check_resumable(checkpoint, args, run.fingerprint, partial(check_state_fits, run.module))
     state, rng_state = restore(run, checkpoint)
-    for group in run.optimizer.param_groups:  # this device's SGD kernels, not the saving run's
-        group.update(optimizer_kernels(ctx.device))
+    fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
     run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
                  f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})")
@@ -690,6 +719,7 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "epoch_time_s": train_time, "eval_time_s": eval_time,
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
             "world_size": run.ctx.world_size, "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -715,6 +745,9 @@ def summarize(records, ctx):
                      f"epoch 1: {throughput(records[:1]):.1f} img/s")
     lines.append(f"Number of nodes: {ctx.num_nodes}, {accel} per node: {ctx.local_world_size}, "
                  f"total {accel}: {ctx.world_size}")
+    if "device" in last:  # (records of runs saved before it was recorded lack it)
+        peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+        lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))
     return lines
 
 

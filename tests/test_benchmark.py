@@ -11,8 +11,11 @@ REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "prec
 
 def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, capsys):
     rows_path = tmp_path / "rows.json"
-    assert run_main("benchmark.py", "--quick", "--data-dir", tmp_path / "no-data", "--json", rows_path) == 0
+    assert run_main("benchmark.py", "--quick", "--data-dir", tmp_path / "no-data", "--json", rows_path,
+                    "--profile", "1") == 0
     out = capsys.readouterr().out
+    profile = out[out.index("== torch.profiler: 1 training steps of the project recipe, by CPU time"):]
+    assert "aten::convolution_backward" in profile and "Self CPU time total" in profile
     rows = json.loads(rows_path.read_text())
     assert all(REQUIRED <= row.keys() for row in rows)
     found = {(row["recipe"], row["measure"], row["loader"]): row for row in rows}

@@ -4,6 +4,7 @@ logging. Pure functions are called directly."""
 import io
 import json
 import math
+import re
 import shlex
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import dataset_utils as du
+import device_utils as du_device
 import train_utils as tu
 from checkpoint_utils import StopRequests, TrainState, check_writable, check_writable_dir
 from device_utils import DistContext, UserError, single_process_context
@@ -262,3 +264,109 @@ def test_compiled_training_matches_eager():
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     for name, value in eager.module.state_dict().items():
         assert torch.allclose(compiled.module.state_dict()[name].float(), value.float(), atol=1e-5), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Defects that only CUDA shows in training, checked here where the CPU can show them too.
+
+def _conv_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10))
+
+
+def _one_step(model, optimizer, scaler=None, factor=1.0):
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    loss = model(x).square().mean() * factor
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_momentum_buffers_exist_from_the_start_in_each_parameters_layout():
+    model = _conv_model().to(memory_format=torch.channels_last)
+    optimizer = tu.make_optimizer(model, tu.parse_args("x", []), torch.device("cpu"))
+    for param in model.parameters():
+        buffer = optimizer.state[param]["momentum_buffer"]
+        assert torch.equal(buffer, torch.zeros_like(param)) and buffer.stride() == param.stride()
+    reference = _conv_model().to(memory_format=torch.channels_last)  # SGD creating its own buffers
+    plain = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    for _ in range(3):
+        _one_step(model, optimizer)
+        _one_step(reference, plain)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs)  # the same training, bit for bit
+
+
+def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory():
+    """GradScaler skips a step with an overflow; the fused kernel then returns before filling
+    the momentum buffers it created (the CPU has the same fused kernel)."""
+    model = _conv_model()
+    optimizer = tu.make_optimizer(model, tu.parse_args("x", []), torch.device("cpu"))
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)  # the CUDA configuration
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [param.detach().clone() for param in model.parameters()]
+    _one_step(model, optimizer, scaler, factor=math.inf)  # overflow: the step is skipped
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(not optimizer.state[p]["momentum_buffer"].any() for p in model.parameters())
+    _one_step(model, optimizer, scaler)
+    reference = _conv_model()
+    _one_step(reference, torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9, nesterov=True,
+                                         weight_decay=5e-4))
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.isfinite(ours).all() and torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_resumed_optimizer_state_takes_the_parameters_layout():
+    """A checkpoint written in NCHW (the CPU, or --no-channels-last) resumed by a channels_last
+    model: load_state_dict keeps NCHW buffers, which CUDA's fused kernel refuses."""
+    args, cpu = tu.parse_args("x", []), torch.device("cpu")
+    saved = _conv_model()
+    saved_optimizer = tu.make_optimizer(saved, args, cpu)
+    _one_step(saved, saved_optimizer)
+    model = _conv_model().to(memory_format=torch.channels_last)
+    optimizer = tu.make_optimizer(model, args, cpu)
+    optimizer.load_state_dict(saved_optimizer.state_dict())
+    conv = model[0].weight
+    assert optimizer.state[conv]["momentum_buffer"].stride() != conv.stride()  # what load_state_dict leaves
+    tu.fit_optimizer_to_params(optimizer, torch.device("cuda"))
+    for param, saved_param in zip(model.parameters(), saved.parameters()):
+        buffer = optimizer.state[param]["momentum_buffer"]
+        assert buffer.stride() == param.stride()
+        assert torch.equal(buffer, saved_optimizer.state[saved_param]["momentum_buffer"])  # same values
+    assert all(group["fused"] is True for group in optimizer.param_groups)  # this device's kernels
+
+
+def test_nccl_version_is_the_loaded_librarys():
+    assert du_device.nccl_version_name(22703) == "2.27.3" and du_device.nccl_version_name(2804) == "2.8.4"
+    maps = ("7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r-xp 00000000 08:01 34 /cluster/work/support/nccl/lib/libnccl.so.2.27.3\n"
+            "7f40-7f50 rw-p 00000000 00:00 0 \n")
+    assert du_device.loaded_library("libnccl", maps) == "/cluster/work/support/nccl/lib/libnccl.so.2.27.3"
+    assert du_device.loaded_library("libnccl", maps.splitlines()[0]) is None
+    line = du_device.nccl_report()  # this process: PyTorch's own NCCL when its wheel has one
+    assert re.fullmatch(r"NCCL version: (\d+\.\d+\.\d+, loaded from /\S+ \(PyTorch was built with [\d.]+\)"
+                        r"|[\d.]+ \(linked into PyTorch\))", line), line
+
+
+def test_every_entry_point_makes_its_gpu_current_and_autotunes(monkeypatch):
+    """train.py as much as train_ddp.py (through use_device): the current CUDA device is
+    cuda:LOCAL_RANK, and cuDNN autotuning is on. CUDA is faked here; tests/test_gpu.py has the real one."""
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ctx = du_device.single_process_context()
+    assert ctx.device == torch.device("cuda", 2) and made_current == [torch.device("cuda", 2)]
+    assert torch.backends.cudnn.benchmark is True
+    with pytest.raises(UserError, match="LOCAL_RANK=5 but this node shows only 4 GPU"):
+        du_device.use_device(5)

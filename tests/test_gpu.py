@@ -1,0 +1,150 @@
+"""The GPU tier: the paths that only CUDA and NCCL run. Skipped without a CUDA GPU. On a
+machine with one, with its preinstalled PyTorch (nothing to install, no data to download):
+
+    python -m pytest tests/test_gpu.py
+
+Covered: training steps in every --precision, with and without channels_last; the device
+loader on CUDA against the CPU's, pixel for pixel; checkpoints written on one device type
+and resumed on the other, in both layouts; fp16 with a skipped (overflowing) first step and
+the fused SGD kernel; train_ddp.py under torchrun on NCCL with its gloo control group, the
+replica check, a stop and a resume; --compile; evaluation under autocast.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+import dataset_utils as du
+import train_utils as tu
+from conftest import clean_env, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU tier needs one")
+
+SHORT = ("--synthetic", "--epochs", "2", "--limit-batches", "3", "--batch-size", "64", "--num-workers", "0")
+CPU_ONLY = clean_env(CUDA_VISIBLE_DEVICES="")  # train.py then runs on the CPU
+
+
+def finite_run(result, metrics):
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = read_metrics(metrics)
+    assert records and all(math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) for r in records)
+    return records
+
+
+@pytest.mark.parametrize("layout", ["--channels-last", "--no-channels-last"])
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp16", "tf32", "fp32"])
+def test_training_steps_in_every_precision_and_layout(tmp_path, precision, layout):
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", *SHORT, "--precision", precision, layout, "--metrics-file", metrics),
+                 cwd=tmp_path)
+    records = finite_run(result, metrics)
+    expected = {"auto": "bf16" if torch.cuda.is_bf16_supported() else "fp32"}.get(precision, precision)
+    assert {r["precision"] for r in records} == {expected}
+    assert f"Device: cuda:0 ({torch.cuda.get_device_name(0)}" in result.stdout
+    assert all(r["device"].startswith(torch.cuda.get_device_name(0)) and r["peak_memory_gib"] > 0 for r in records)
+    assert ("channels_last" in result.stdout) == (layout == "--channels-last")
+
+
+def test_cudnn_autotuning_and_the_current_device_are_set():
+    from device_utils import single_process_context
+    ctx = single_process_context()
+    assert ctx.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
+    assert torch.backends.cudnn.benchmark is True
+
+
+def test_device_loader_on_cuda_serves_the_cpu_loaders_batches(tmp_path):
+    data = write_cifar100(tmp_path / "data", n_train=64, n_test=40)
+    loaders = {device: du.load_cifar100(16, data_dir=data, loader="device", device=device, seed=3)
+               for device in ("cpu", "cuda")}
+    for epoch in (0, 1):
+        for device in loaders:
+            du.set_loader_epoch(loaders[device][0], epoch)
+        for split in (0, 1):  # training (augmented) and test batches
+            batches = list(zip(loaders["cpu"][split], loaders["cuda"][split], strict=True))
+            assert batches
+            for (x_cpu, y_cpu), (x_gpu, y_gpu) in batches:
+                assert x_gpu.is_cuda and torch.equal(x_cpu, x_gpu.cpu()) and torch.equal(y_cpu, y_gpu.cpu())
+
+
+@pytest.mark.parametrize("layout", ["--channels-last", "--no-channels-last"])
+@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_a_checkpoint_resumes_on_the_other_device_type(tmp_path, first, then, layout):
+    """A stop file that is there from the start stops training after its first step, with a
+    checkpoint (optimizer state and all); the other device type finishes the run."""
+    envs = {"cpu": CPU_ONLY, "cuda": clean_env()}
+    args = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "16", "--num-workers", "0",
+            layout, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl")
+    (tmp_path / "STOP").touch()
+    stopped = run(python_cmd("train.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path, env=envs[first])
+    assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1" in stopped.stdout, stopped.stderr
+    resumed = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path, env=envs[then])
+    records = finite_run(resumed, tmp_path / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert f"Device: {'cuda:0' if then == 'cuda' else 'cpu'} " in resumed.stdout
+
+
+def _step(model, optimizer, scaler, factor=1.0):
+    x = torch.randn(8, 3, 32, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(x).float().square().mean() * factor
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage():
+    def model():
+        torch.manual_seed(0)
+        layers = (torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
+        return torch.nn.Sequential(*layers).cuda()
+    args, cuda = tu.parse_args("x", ["--precision", "fp16"]), torch.device("cuda")
+    ours = model()
+    optimizer = tu.make_optimizer(ours, args, cuda)
+    assert optimizer.param_groups[0]["fused"] is True  # the kernel that returns early on a skipped step
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    _step(ours, optimizer, scaler, factor=math.inf)  # overflow: GradScaler skips the step
+    _step(ours, optimizer, scaler)
+    reference = model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    _step(reference, plain, torch.amp.GradScaler("cuda", init_scale=2.0**15))  # SGD's own first step
+    for a, b in zip(ours.parameters(), reference.parameters()):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_train_ddp_on_nccl_stops_and_resumes(tmp_path):
+    args = (*SHORT, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl",
+            "--check-sync-every", "1")
+    (tmp_path / "STOP").touch()
+    stopped = run(torchrun_cmd(1, "train_ddp.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert re.search(r"NCCL version: \d+\.\d+\.\d+", stopped.stdout)
+    assert "Stopped after step 1 of epoch 1" in stopped.stdout
+    resumed = run(torchrun_cmd(1, "train_ddp.py", *args, "--resume"), cwd=tmp_path)
+    records = finite_run(resumed, tmp_path / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2] and "Traceback" not in resumed.stdout + resumed.stderr
+
+
+def test_compiled_training(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", *SHORT, "--compile", "--metrics-file", metrics), cwd=tmp_path, timeout=900)
+    finite_run(result, metrics)
+    assert "torch.compile" in result.stdout
+
+
+def test_evaluation_under_autocast_agrees_with_fp32(tmp_path):
+    trained = run(python_cmd("train.py", *SHORT, "--save-weights", tmp_path / "w.pt"), cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    results = {}
+    for precision in ("bf16", "fp16", "fp32"):
+        metrics = tmp_path / f"{precision}.jsonl"
+        result = run(python_cmd("train.py", "--synthetic", "--eval-only", "--weights", tmp_path / "w.pt",
+                                "--precision", precision, "--metrics-file", metrics), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        [results[precision]] = read_metrics(metrics)
+    for precision in ("bf16", "fp16"):
+        assert results[precision]["val_samples"] == 10000
+        assert results[precision]["val_loss"] == pytest.approx(results["fp32"]["val_loss"], rel=0.02)
+        assert abs(results[precision]["val_accuracy"] - results["fp32"]["val_accuracy"]) <= 0.02
