@@ -261,11 +261,22 @@ def crop_flip(images, offsets, flips, padding=PADDING):
     return padded[batch, rows[:, :, None], cols[:, None, :]]
 
 
-def normalize(images, mean, std):
-    """uint8 (B, H, W, C) -> float32 (B, C, H, W), bit for bit what ToTensor + Normalize compute.
-    ``mean`` and ``std`` are float32 (1, C, 1, 1). The result is channels-last in memory (the
-    permute is a view), which is the layout the model wants on the GPU."""
-    return images.permute(0, 3, 1, 2).float().div(255).sub(mean).div(std)
+def normalization_table(mean=CIFAR100_MEAN, std=CIFAR100_STD):
+    """float32 (256, C): what ToTensor + Normalize make of each uint8 value in each channel,
+    computed once on the CPU with their operations (value / 255, - mean, / std). Normalizing by
+    lookup in it gives the same bits on every device; computed on a GPU, the division by 255
+    becomes a multiplication by 1/255, a bit off for some values."""
+    values = torch.arange(256, dtype=torch.float32).div(255)[:, None]  # (256, 1)
+    return values.sub(torch.tensor(mean)).div(torch.tensor(std))  # (256, C)
+
+
+def normalize(images, table):
+    """uint8 (B, H, W, C) -> float32 (B, C, H, W), bit for bit what ToTensor + Normalize compute:
+    one lookup per value in ``table`` (normalization_table, on the images' device). The result
+    is channels-last in memory (the permute is a view), which is the layout the model wants on
+    the GPU."""
+    channels = torch.arange(images.shape[-1], device=images.device)  # (C,), broadcast against (B, H, W, C)
+    return table[images.long(), channels].permute(0, 3, 1, 2)
 
 
 class DeviceLoader:
@@ -283,8 +294,7 @@ class DeviceLoader:
         self.device, self.augment, self.drop_last, self.seed, self.rank = device, augment, drop_last, seed, rank
         self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, 32, 32, 3); a view on the CPU
         self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
-        self.mean = torch.tensor(CIFAR100_MEAN, device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(CIFAR100_STD, device=device).view(1, -1, 1, 1)
+        self.table = normalization_table().to(device)  # float32 (256, 3)
 
     def __len__(self):
         full, rest = divmod(len(self.sampler), self.batch_size)
@@ -306,7 +316,7 @@ class DeviceLoader:
             images = self.images[batch]  # (B, 32, 32, 3) uint8
             if self.augment:
                 images = crop_flip(images, offsets[start:start + self.batch_size], flips[start:start + self.batch_size])
-            yield normalize(images, self.mean, self.std), self.labels[batch]
+            yield normalize(images, self.table), self.labels[batch]
 
 
 class ShardSampler(Sampler):

@@ -82,7 +82,7 @@ def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     offsets = torch.tensor([(top, left) for top, left, _ in combos])
     flips = torch.tensor([flip for _, _, flip in combos])
     on_device = du.normalize(du.crop_flip(torch.from_numpy(image).expand(len(combos), -1, -1, -1), offsets, flips),
-                             MEAN, STD)
+                             du.normalization_table())
     dataset = du.CIFAR100Images(image[None], np.zeros(1), du.train_transform())
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).
