@@ -11,14 +11,17 @@ replica check, a stop and a resume; --compile; evaluation under autocast.
 """
 
 import math
+import os
 import re
+import signal
 
 import pytest
 import torch
 
 import dataset_utils as du
 import train_utils as tu
-from conftest import clean_env, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
+from conftest import clean_env, python_cmd, read_metrics, run, start, torchrun_cmd, wait_for, write_cifar100
+from test_resilience import _rank_pid
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU tier needs one")
 
@@ -114,14 +117,28 @@ def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage():
         assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_train_ddp_on_nccl_stops_and_resumes(tmp_path):
-    args = (*SHORT, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl",
-            "--check-sync-every", "1")
-    (tmp_path / "STOP").touch()
-    stopped = run(torchrun_cmd(1, "train_ddp.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path)
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert re.search(r"NCCL version: \d+\.\d+\.\d+", stopped.stdout)
-    assert "Stopped after step 1 of epoch 1" in stopped.stdout
+@pytest.mark.parametrize("stop", ["stop file", "SIGUSR1"])
+def test_train_ddp_on_nccl_stops_and_resumes(tmp_path, stop):
+    """NCCL for the gradients, the gloo control group for the per-step stop agreement, the
+    replica check after every step, a stop (the job scripts' stop file, or a signal to the
+    rank) with its checkpoint, then a resume to the end."""
+    whole_epochs = ("--limit-batches", "100000")  # seconds per epoch: a signal lands inside epoch 2
+    args = (*SHORT, *(whole_epochs if stop == "SIGUSR1" else ()), "--checkpoint-dir", tmp_path / "ck",
+            "--metrics-file", tmp_path / "m.jsonl", "--check-sync-every", "1")
+    if stop == "stop file":
+        (tmp_path / "STOP").touch()
+        stopped = run(torchrun_cmd(1, "train_ddp.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        log = stopped.stdout
+        assert "Stopped after step 1 of epoch 1 (--stop-file" in log
+    else:
+        process = start(torchrun_cmd(1, "train_ddp.py", *args), tmp_path, tmp_path / "log")
+        wait_for(tmp_path / "log", "Epoch 1/2:", process)
+        os.kill(_rank_pid(process.pid, 0), signal.SIGUSR1)
+        assert process.wait(timeout=120) != 0  # torchrun reports the worker's 75 as a failure
+        log = (tmp_path / "log").read_text()
+        assert re.search(r"Stopped after step \d+ of epoch 2 \(SIGUSR1\)", log)
+    assert re.search(r"NCCL version: \d+\.\d+\.\d+", log)
     resumed = run(torchrun_cmd(1, "train_ddp.py", *args, "--resume"), cwd=tmp_path)
     records = finite_run(resumed, tmp_path / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2] and "Traceback" not in resumed.stdout + resumed.stderr
