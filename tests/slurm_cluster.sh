@@ -42,6 +42,8 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...: until COMMAND succeeds
     die "$what did not come up within $seconds s (logs in $dir)"
 }
 
+both_nodes_idle() { [[ "$(sinfo -h -t idle -o %D -p accel)" == 2 ]]; }
+
 start_cluster() {
     [[ "$(id -u)" -eq 0 ]] || die "needs root (slurmd, mknod)"
     local tool
@@ -102,7 +104,7 @@ EOF
     wait_for 20 slurmctld scontrol ping
     slurmd -N node1
     slurmd -N node2
-    wait_for 30 "the two slurmd" bash -c '[[ "$(sinfo -h -t idle -o %D -p accel)" == 2 ]]'
+    wait_for 30 "the two slurmd" both_nodes_idle
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 

