@@ -1,8 +1,8 @@
 """Throughput of the guide's recipe against this project's defaults, measured in one run on
 one device (a GPU when there is one, else the CPU):
 
-    python benchmark.py                        # stable GPU figures, a few minutes
-    python benchmark.py --quick                # about a minute on 2 CPU cores
+    python benchmark.py                        # stable GPU figures (not yet run on a GPU)
+    python benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
     python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python benchmark.py --compile              # the project's recipe with torch.compile
     python benchmark.py --profile              # and torch.profiler's table of the project's steps
@@ -34,7 +34,7 @@ from itertools import count, islice
 import torch
 from torch.utils.data import DataLoader
 
-from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, is_downloaded,
+from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, missing_files,
                            set_loader_epoch, train_transform)
 from device_utils import device_name, single_process_context, synchronize
 from train_utils import (OneLineParser, build_model, check_writable, default_num_workers, memory_format, parse_args,
@@ -52,7 +52,7 @@ RECIPES = {
 def build_parser():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="a few steps only (about a minute on 2 CPU cores): checks, not figures to quote")
+                        help="a few steps only (14 s on 2 CPU cores): checks, not figures to quote")
     parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=None,
                         help="images per step for every measurement (default: 256; 32 with --quick on the CPU)")
     parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=None,
@@ -119,7 +119,7 @@ def benchmark(opts):
     ctx = single_process_context()
     device = ctx.device
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
-    real = is_downloaded(opts.data_dir)
+    real = not missing_files(opts.data_dir)
     train_set, test_set = build_datasets(opts.data_dir, download=False, synthetic=not real)
     common = {"device": device_name(device), "batch_size": batch, "data": "CIFAR-100" if real else "synthetic",
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}

@@ -63,6 +63,7 @@ def new_run_id():
 def atomic_save(obj, path):
     """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the first write creates the folder
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -76,25 +77,41 @@ def atomic_save(obj, path):
 
 
 def check_writable(path, flag):
-    """Fail at start, not after hours of training, when an output file cannot be written."""
+    """Fail at start, not after hours of training, when an output file cannot be written.
+    Nothing is created: folders are made when the file is first written, so a command that
+    fails leaves no empty folder behind."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"{flag} {path}: cannot create {path.parent} ({err.strerror})") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not a writable file path")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: not a writable file path (it is a folder)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{flag} {path}: not a writable file path")
+        return
+    why = _why_not_creatable(path.parent)
+    if why:
+        raise UserError(f"{flag} {path}: cannot create {path.parent} ({why})")
 
 
 def check_writable_dir(directory, flag):
-    """The same for a folder that files will be written into."""
+    """The same for a folder that files will be written into (created by the first write)."""
     directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"{flag} {directory}: cannot create it ({err.strerror})") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
+    why = _why_not_creatable(directory)
+    if why:
+        raise UserError(f"{flag} {directory}: cannot create it ({why})")
+    if directory.exists() and not os.access(directory, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {directory}: not a writable folder")
+
+
+def _why_not_creatable(directory):
+    """Why ``directory`` cannot exist as a writable folder, or None; creates nothing."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:  # the nearest existing ancestor
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file" if existing != directory.absolute() else "a file of that name exists"
+    if existing != directory.absolute() and not os.access(existing, os.W_OK | os.X_OK):
+        return f"no permission to write in {existing}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +170,11 @@ def read_checkpoint(path, device):
 
 
 def _why(err):
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+    """A short, whole reason: the error's type and the first sentence of its message (torch.load's
+    messages run to several sentences of advice that do not apply here)."""
+    text = " ".join(str(err).split())
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{type(err).__name__}: {first}" if first else f"{type(err).__name__} (empty or truncated file?)"
 
 
 def _aside(path):
@@ -207,7 +228,7 @@ def load_agreed_checkpoint(directory, ctx, log):
     if failures:
         rank, why = next(iter(failures.items()))
         raise UserError(f"--resume: rank(s) {sorted(failures)} cannot read {path}, the checkpoint rank 0 chose "
-                        f"(rank {rank}: {why[:200]}); every node must see the same --checkpoint-dir, on a "
+                        f"(rank {rank}: {why}); every node must see the same --checkpoint-dir, on a "
                         "shared file system")
     return Path(path), chosen["checkpoint"]
 
@@ -393,6 +414,7 @@ def reconcile_metrics(path, run_id, records):
         kept.append(line)
     kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
     if kept != lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)

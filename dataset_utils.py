@@ -43,6 +43,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from device_utils import UserError, from_rank0
 
+DATA_NAME = "CIFAR-100"
 NUM_CLASSES = 100
 IMAGE_SHAPE = (32, 32, 3)  # H, W, C as stored: uint8 RGB
 SPLIT_SIZES = {"train": 50_000, "test": 10_000}
@@ -72,8 +73,8 @@ def fetch_hint(root) -> str:
     return f"python dataset_utils.py --data-dir {root}"
 
 
-def is_downloaded(root) -> bool:
-    return all((Path(root) / FOLDER / name).is_file() for name in FILES)
+def missing_files(root) -> list:
+    return [name for name in FILES if not (Path(root) / FOLDER / name).is_file()]
 
 
 def download_cifar100(root):
@@ -102,21 +103,48 @@ def download_cifar100(root):
 
 
 def prepare_cifar100(root, download=True):
-    """Make sure the files are in ``root``, downloading them if allowed. One line on failure."""
+    """Make sure the files are in ``root``, downloading them if allowed. One line on failure,
+    naming what is missing; a failed download leaves nothing behind that was not there."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise DatasetError(f"--data-dir {root} is a file, not a directory")
-    if is_downloaded(root):
+    missing = missing_files(root)
+    if not missing:
         return
+    what = (f"CIFAR-100 not found in {root / FOLDER}" if len(missing) == len(FILES)
+            else f"CIFAR-100 in {root / FOLDER} is incomplete: {', '.join(missing)} missing")
     if not download:
-        raise DatasetError(f"CIFAR-100 not found in {root / FOLDER}; fetch it first with: {fetch_hint(root)}")
+        raise DatasetError(f"{what}; fetch it first with: {fetch_hint(root)}")
+    before = _new_paths(root)
     try:
         download_cifar100(root)
     except (OSError, RuntimeError, tarfile.TarError, EOFError) as err:
+        _remove_new(before)
         reason = " ".join(str(err).split()) or type(err).__name__
-        raise DatasetError(
-            f"CIFAR-100 is not in {root / FOLDER} and downloading it failed ({reason}); "
-            f"on a machine with internet (e.g. a login node) run: {fetch_hint(root)}") from None
+        raise DatasetError(f"{what} and downloading it failed ({reason}); on a machine with internet (e.g. a "
+                           f"login node) run: {fetch_hint(root)}") from None
+
+
+def _new_paths(root):
+    """What a download into ``root`` may create that does not exist yet, deepest first."""
+    from torchvision.datasets import CIFAR100
+
+    root = root.absolute()
+    folders = [p for p in (root / FOLDER, root, *root.parents) if not p.exists()]
+    archive = root / CIFAR100.filename
+    return ([archive] if not archive.exists() else []) + folders
+
+
+def _remove_new(paths):
+    """Undo a failed download: its partial archive and the folders it made, when empty."""
+    for path in paths:
+        try:
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass  # not empty: something else is in there now; keep it
 
 
 def read_split(root, split):
@@ -185,8 +213,9 @@ class CIFAR100Images(Dataset):
     then normalization. Then no worker process draws random numbers of its own.
     """
 
-    def __init__(self, images, labels, transform):
+    def __init__(self, images, labels, transform, expected_size=None):
         self.images, self.labels, self.transform = images, labels, transform
+        self.expected_size = expected_size  # the official split's size, for a warning when it differs
         self.to_tensor = eval_transform()
 
     def __len__(self):
@@ -347,8 +376,8 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
         from_rank0(lambda: prepare_cifar100(root, download) if rank == 0 else None)
         splits = {split: read_split(root, split) for split in SPLIT_SIZES}
-    return (CIFAR100Images(*splits["train"], train_transform()),
-            CIFAR100Images(*splits["test"], eval_transform()))
+    return (CIFAR100Images(*splits["train"], train_transform(), SPLIT_SIZES["train"]),
+            CIFAR100Images(*splits["test"], eval_transform(), SPLIT_SIZES["test"]))
 
 
 def load_cifar100(batch_size, num_workers=0, sampler=None, data_dir=None, *, loader="torchvision", device=None,

@@ -8,13 +8,13 @@ requests live in checkpoint_utils.py.
 """
 
 import argparse
-import json
 import math
 import os
+import pickle
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
@@ -29,15 +29,18 @@ from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, Stop
                               atomic_save, check_resumable, check_writable, check_writable_dir, continues_run,
                               data_fingerprint, epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics,
                               restore, restore_rng, rng_snapshot)
-from dataset_utils import LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
+from dataset_utils import DATA_NAME, LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
                           env_rank, from_rank0, gather_objects, network_report, peak_memory_gib, reset_peak_memory,
                           synchronize)
+from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_run, epoch_line,
+                       eta_seconds, summarize, timestamp)
 from model import WideResNet
 
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_AUTO_WORKERS = 8
+DEFAULT_WARMUP_EPOCHS = 2.0
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
 
 
@@ -102,8 +105,9 @@ def build_parser(description):
                         help="peak learning rate, used as given (not scaled with batch size or GPU count)")
     recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                         help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
-    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=2.0,
-                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr")
+    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=None,
+                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr (default: "
+                             f"{DEFAULT_WARMUP_EPOCHS:g}; given explicitly, at most --epochs)")
     recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=0.9,
                         help="SGD momentum coefficient (0 = plain SGD)")
     recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
@@ -148,6 +152,10 @@ def build_parser(description):
     run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
                      help="at most this many training and this many evaluation batches per epoch "
                           "and process (smoke runs, tests)")
+    run.add_argument("--log-interval", metavar="SECONDS", type=non_negative_float, default=60.0,
+                     help="batch logs (stdout not a terminal, e.g. a Slurm .out file): a progress line at most "
+                          "every this many seconds during training and evaluation (0 = none); each line waits "
+                          "for the GPU once. On a terminal one line is updated instead")
     run.add_argument("--metrics-file", metavar="PATH", default=None,
                      help="append one JSON line per epoch to this file (global rank 0)")
     run.add_argument("--weights", metavar="PATH", default=None,
@@ -188,6 +196,11 @@ def parse_args(description, argv=None):
         parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
+        args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
+    elif args.warmup_epochs > args.epochs:
+        parser.error(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs}): the "
+                     "learning rate would never reach --base-lr; use fewer warm-up epochs")
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")
@@ -360,6 +373,10 @@ def load_weights(model, path):
     except FileNotFoundError:
         raise UserError(f"--weights {path}: no such file", same_on_every_rank=False) from None
     except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):  # weights_only refused a class
+            raise UserError(f"--weights {path} holds pickled Python objects (a whole model saved with "
+                            "torch.save(model)?), not a state_dict; save one with torch.save(model.state_dict(), PATH)",
+                            same_on_every_rank=False) from None
         raise UserError(f"--weights {path} is not a readable state_dict ({type(err).__name__})",
                         same_on_every_rank=False) from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
@@ -393,79 +410,6 @@ def unwrap(model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Output: only global rank 0 prints and writes.
-
-class RunLogger:
-    def __init__(self, enabled, metrics_file=None):
-        self.enabled = enabled
-        self.metrics_path = Path(metrics_file) if (enabled and metrics_file) else None
-        if self.metrics_path:
-            check_writable(self.metrics_path, "--metrics-file")
-
-    def info(self, message=""):
-        if self.enabled:
-            print(message, flush=True)
-
-    def record(self, record):
-        """Append one JSON line; earlier lines (and earlier runs) are never rewritten."""
-        if self.metrics_path:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-class Progress:
-    """One updating line during an epoch when stdout is a terminal; nothing in batch logs.
-    Reading the running loss is a GPU sync, so it happens at most every ``interval_s``."""
-
-    def __init__(self, enabled, label, steps, world_size, stream=None, interval_s=0.5):
-        self.stream = stream or sys.stdout
-        self.enabled = enabled and self.stream.isatty()
-        self.label, self.steps, self.world_size, self.interval_s = label, steps, world_size, interval_s
-        self.start = self.last = time.perf_counter()
-        self.shown = False
-
-    def update(self, step, images, loss_sum):
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < self.interval_s and step < self.steps):
-            return
-        self.last, self.shown = now, True
-        rate = images * self.world_size / max(now - self.start, 1e-9)
-        self.stream.write(f"\r{self.label} [{step}/{self.steps}] loss {loss_sum.item() / images:.4f} "
-                          f"{rate:.0f} img/s\033[K")
-        self.stream.flush()
-
-    def close(self):
-        if self.shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-
-
-def describe_run(args, ctx, name, precision, layout, train_loader, test_loader, steps):
-    """The derived values, printed once at the start."""
-    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
-    data = "SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic else "CIFAR-100"
-    momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
-    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
-              else f"torchvision DataLoader, {train_loader.num_workers} worker process"
-                   f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
-    return [
-        f"Training WideResNet on CIFAR-100 with Batch Size: {args.batch_size} "
-        f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
-        f"Device: {ctx.device} ({name}), precision {precision.name}, "
-        f"{'channels_last' if layout == torch.channels_last else 'contiguous (NCHW)'}"
-        f"{', torch.compile' if args.compile else ''}",
-        f"Loader: {loader}",
-        f"Data: {data}, {len(train_loader.dataset)} training / {len(test_loader.dataset)} test images, "
-        f"{steps} steps per epoch",
-        f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
-        f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
-    ] + ([f"Checkpoints: {args.checkpoint_dir}, "
-          + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
-             if args.checkpoint_interval else "after every epoch")
-          + ", on a stop request and at the end"] if args.checkpoint_dir and not args.eval_only else [])
-
-
-# ---------------------------------------------------------------------------------------------
 # The loop.
 
 @dataclass
@@ -486,6 +430,8 @@ class Run:
     fingerprint: dict      # the data set, as recorded in checkpoints
     checkpointer: Checkpointer
     device_name: str       # what runs: GPU model and memory, or the CPU
+    test_size: int         # images in the whole test set (all ranks)
+    clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None
 
 
@@ -507,7 +453,8 @@ def train_steps(run, batches, state):
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
     images, lr, stop = 0, run.optimizer.param_groups[0]["lr"], 0
-    progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.ctx.world_size)
+    progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
+                        first=start)
     for step, (x, y) in enumerate(batches, start=start + 1):
         # (B, 3, 32, 32), (B,). Asynchronous from pinned memory; no-ops for the device loader.
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
@@ -524,7 +471,8 @@ def train_steps(run, batches, state):
         first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
         images += y.size(0)
         state.step = step
-        progress.update(step - start, images, loss_sum)
+        # Reads the running loss (a GPU sync) only when a line is shown.
+        progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
             check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
         # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
@@ -568,7 +516,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
-    result = evaluate(run, test_loader)
+    result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
                           time.perf_counter() - train_end, done.lr)
     if not run.args.check_sync_every:
@@ -579,15 +527,14 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     if run.checkpointer.due():
         run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
-    run.log.info(f"Epoch {record['epoch']}/{run.args.epochs}: Time={seconds:.3f}s, "
-                 f"Train Loss={record['train_loss']:.4f}, Val Loss={result.loss:.4f}, "
-                 f"Val Accuracy={result.accuracy:.4f}, Throughput={record['images_per_sec']:.1f} img/s, "
-                 f"LR={done.lr:.5g}")
+    run.clock.epoch_done()
+    eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
+    run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
     return record
 
 
 @torch.no_grad()
-def evaluate(run, loader):
+def evaluate(run, loader, label="Evaluation"):
     """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
 
     Runs the unwrapped, uncompiled model: a DDP forward may broadcast buffers, a collective
@@ -597,7 +544,9 @@ def evaluate(run, loader):
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, loss sum]
     count = 0
-    for x, y in islice(loader, run.args.limit_batches):
+    batches = min(len(loader), run.args.limit_batches or len(loader))
+    progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
+    for batch, (x, y) in enumerate(islice(loader, batches), start=1):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         with precision.autocast(device):
@@ -605,6 +554,9 @@ def evaluate(run, loader):
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         count += y.size(0)
+        # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
+        progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
+    progress.close()
     totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
     return eval_summary(*totals.tolist())
 
@@ -613,17 +565,21 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
     """Build the optimizer, schedule, scaler and loss, and print the derived values once."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file)
-    if ctx.is_main and args.save_weights:
-        check_writable(args.save_weights, "--save-weights")
-    if ctx.is_main and args.checkpoint_dir:
-        check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if ctx.is_main:  # checked, not created: a command that fails leaves no empty folder behind
+        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
+            if path:
+                check_writable(path, flag)
+        if args.checkpoint_dir:
+            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
     steps = min(len(train_loader), args.limit_batches or len(train_loader))
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
                         f"{train_loader.batch_size} per process; lower --batch-size")
-    layout = memory_format(args, ctx.device)  # the model's, from build_model
+    channels_last = memory_format(args, ctx.device) == torch.channels_last  # the model's, from build_model
     name = device_name(ctx.device)
-    for line in describe_run(args, ctx, name, precision, layout, train_loader, test_loader, steps):
+    header = (describe_evaluation(args, ctx, name, precision, channels_last, test_loader, DATA_NAME) if args.eval_only
+              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, DATA_NAME))
+    for line in header:
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):
@@ -638,19 +594,21 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                scheduler=make_scheduler(optimizer, args, steps),
                scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
-               memory_format=layout, ctx=ctx, args=args, log=log, steps=steps,
+               memory_format=memory_format(args, ctx.device), ctx=ctx, args=args, log=log, steps=steps,
                fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic),
-               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name)
+               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name,
+               test_size=len(test_loader.dataset))
 
 
 def fit(model, train_loader, test_loader, args, ctx):
     """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each epoch
     and checkpointing when due, stopping early at --target-accuracy. Returns the records."""
-    start = time.perf_counter()
+    clock = RunClock()
     # Before anything is printed: a new run in another run's folder is refused at once.
     continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
                                                    ctx.control_group)
     run = prepare_run(model, train_loader, test_loader, args, ctx)
+    run.clock = clock
     if args.eval_only:
         return [evaluate_once(run, test_loader)]
     state, rng_state = start_or_resume(run, continuing)
@@ -667,10 +625,10 @@ def fit(model, train_loader, test_loader, args, ctx):
             run.checkpointer.save(run, state)  # the finished run (no-op when just written)
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
-    for line in summarize(state.records, ctx):
+    for line in summarize(state.records, ctx, run.test_size, run.clock.elapsed()):
         run.log.info(line)
     if run.checkpointer.count:
-        wall = time.perf_counter() - start
+        wall = run.clock.elapsed()
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
@@ -694,7 +652,8 @@ def start_or_resume(run, continuing):
     fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
     run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
-                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})")
+                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})"
+                 + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
     if run.log.metrics_path:
@@ -705,9 +664,11 @@ def start_or_resume(run, continuing):
 def evaluate_once(run, test_loader):
     result = evaluate(run, test_loader)
     record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
-              "world_size": run.ctx.world_size, "precision": run.precision.name}
+              "eval_time_s": run.clock.elapsed(), "world_size": run.ctx.world_size, "precision": run.precision.name,
+              "weights": str(run.args.weights), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     run.log.record(record)
-    run.log.info(f"Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} on {result.samples} test images")
+    run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
+                 f"{accuracy_scope(record, run.test_size)}")
     return record
 
 
@@ -718,37 +679,11 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "val_accuracy": result.accuracy, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
-            "world_size": run.ctx.world_size, "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
+            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.args.loader,
+            "precision": run.precision.name, "synthetic": run.args.synthetic, "data": DATA_NAME,
             "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-
-
-def throughput(records):
-    """Images per second over ``records``: total images / total training time."""
-    seconds = sum(r["epoch_time_s"] for r in records)
-    return sum(r["train_images"] for r in records) / seconds if seconds else math.nan
-
-
-def summarize(records, ctx):
-    """The guide's final summary, with the warm-up epoch separated from the steady state."""
-    if not records:
-        return []
-    last = records[-1]
-    best = max(records, key=lambda r: r["val_accuracy"])
-    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
-    lines = [f"\nTraining complete. Final Accuracy: {last['val_accuracy']:.4f} "
-             f"(best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
-             f"Total Time: {sum(r['epoch_time_s'] for r in records):.1f}s, "
-             f"Throughput: {throughput(records):.1f} img/s"]
-    if len(records) > 1:
-        lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "
-                     f"epoch 1: {throughput(records[:1]):.1f} img/s")
-    lines.append(f"Number of nodes: {ctx.num_nodes}, {accel} per node: {ctx.local_world_size}, "
-                 f"total {accel}: {ctx.world_size}")
-    if "device" in last:  # (records of runs saved before it was recorded lack it)
-        peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
-        lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------

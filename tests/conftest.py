@@ -28,22 +28,35 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 FAST = ("--num-workers", "0")
 
 
-def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None):
+def learnable_images(labels, rng, height, width, channels):
+    """uint8 images (N, height, width, channels) a network can learn to classify: a colour set
+    by the label (10 levels 20 apart per channel) plus noise of standard deviation 20."""
+    labels = np.asarray(labels)[:, None, None, None]
+    colour = 28 + (labels * 20 + np.arange(channels) * 70) % 200  # (N, 1, 1, C)
+    return np.clip(colour + rng.normal(0, 20, (len(labels), height, width, channels)), 0, 255).astype(np.uint8)
+
+
+def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None, classes=100, learnable=False):
     """Write cifar-100-python/{train,test,meta} as the official archive has them: pickled
-    dicts with 'data' (N, 3072) uint8 in R, G, B planes and 'fine_labels'."""
+    dicts with 'data' (N, 3072) uint8 in R, G, B planes and 'fine_labels'. ``learnable``:
+    images of ``classes`` colours (learnable_images) instead of noise."""
     rng = np.random.default_rng(seed)
     folder = Path(root) / "cifar-100-python"
     folder.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):
-        labels = rng.integers(0, 100, n).tolist()
+        labels = rng.integers(0, classes, n).tolist()
         if split == "test" and test_labels is not None:
             labels = list(test_labels)
+        if learnable:  # stored as R, G, B planes per image
+            data = learnable_images(labels, rng, 32, 32, 3).transpose(0, 3, 1, 2).reshape(n, 3072)
+        else:
+            data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         entry = {
             "filenames": [f"image_{i}.png" for i in range(n)],
             "batch_label": f"{split} batch 1 of 1",
             "fine_labels": labels,
             "coarse_labels": [label // 5 for label in labels],
-            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            "data": data,
         }
         with open(folder / split, "wb") as f:
             pickle.dump(entry, f, protocol=2)

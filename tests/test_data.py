@@ -84,15 +84,30 @@ def test_missing_data_without_download_says_what_to_run(tmp_path):
     assert not (tmp_path / "nothing").exists()  # nothing created for a failed run
 
 
-def test_failed_download_is_one_clear_line(tmp_path, monkeypatch):
-    def offline(*args, **kwargs):
+def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    def offline(url, root, filename, md5):
+        (du.Path(root) / filename).write_bytes(b"the first bytes")  # a partial archive
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
     with pytest.raises(du.DatasetError) as info:
-        du.prepare_cifar100(tmp_path, download=True)
+        du.prepare_cifar100(tmp_path / "new" / "datasets", download=True)
     message = str(info.value)
-    assert "downloading it failed" in message and "name resolution" in message
-    assert "login node" in message and "\n" not in message
+    assert message.startswith(f"CIFAR-100 not found in {tmp_path / 'new' / 'datasets' / 'cifar-100-python'} and "
+                              "downloading it failed")
+    assert "name resolution" in message and "login node" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []  # no empty datasets/ folder, no partial archive
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(du.DatasetError):
+        du.prepare_cifar100(tmp_path / "mine", download=True)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # what was there stays
+
+
+def test_a_missing_file_is_named(cifar_dir):
+    (cifar_dir / "cifar-100-python" / "meta").unlink()
+    with pytest.raises(du.DatasetError, match=f"^CIFAR-100 in {cifar_dir / 'cifar-100-python'} is incomplete: meta "
+                                              "missing; fetch it first with: python dataset_utils.py"):
+        du.prepare_cifar100(cifar_dir, download=False)
 
 
 def _fake_archive(tmp_path):

@@ -41,6 +41,9 @@ def test_one_and_two_processes_report_identical_evaluation(tmp_path):
         result = run(cmd, cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("Evaluation: ") == 1  # printed by rank 0 only
+        assert f"Evaluating WideResNet weights {weights} on the CIFAR-100 test set" in result.stdout
+        assert "Training WideResNet" not in result.stdout and "Recipe:" not in result.stdout  # no training header
+        assert f"on all {n_test} test images" in result.stdout
         [records[name]] = read_metrics(cmd[cmd.index("--metrics-file") + 1])
     for name, record in records.items():
         assert record["val_samples"] == n_test, name

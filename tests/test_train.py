@@ -1,6 +1,10 @@
 """train.py end to end, as users run it: output, metrics file, reproducibility, early
 stopping, and bad input (one line, exit 2, nothing lost)."""
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,13 +27,25 @@ def train(tmp_path, data_dir, *args, env=None):
 def test_training_run_prints_writes_metrics_and_weights(tmp_path, cifar_dir):
     metrics, weights = tmp_path / "m.jsonl", tmp_path / "out" / "final.pt"
     result = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "8", "--base-lr", "0.05",
-                   "--metrics-file", metrics, "--save-weights", weights)
+                   "--metrics-file", metrics, "--save-weights", weights, "--log-interval", "0.001")
     assert result.returncode == 0, result.stderr
-    out = result.stdout
+    out = result.stdout  # a pipe, as in a batch job's .out file
     assert "Batch Size: 8 (8 per process x 1 CPU processes, 1 node(s))" in out
     assert "32 training / 20 test images, 4 steps per epoch" in out
-    assert out.count("Epoch 1/2: Time=") == 1 and "Epoch 2/2: Time=" in out
-    assert "Training complete. Final Accuracy:" in out and "Total Time:" in out
+    assert "WARNING: this CIFAR-100 has 32 training images instead of 50000 and 20 test images instead of 10000" in out
+    assert "Device: cpu (CPU: " in out and "Weights: random initialization (--seed 0)" in out
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+    epoch_lines = re.findall(rf"^{stamp}Epoch (\d)/2: Time=.* \| elapsed \d:\d\d:\d\d, ETA (\d:\d\d:\d\d)$", out, re.M)
+    assert [epoch for epoch, _ in epoch_lines] == ["1", "2"] and epoch_lines[-1][1] == "0:00:00"
+    # Progress lines at most every --log-interval, with one per batch here, but none for the last
+    # batch (the epoch's or the evaluation's own line follows).
+    steps = re.findall(rf"^{stamp}Epoch 1/2 \[(\d)/4\] loss \d+\.\d{{4}}, [\d.]+ img/s, \d:\d\d:\d\d left$", out, re.M)
+    evals = re.findall(rf"^{stamp}Evaluation after epoch 1 \[(\d)/3\] accuracy [\d.]+ \(rank 0\), .* left$", out, re.M)
+    assert steps == ["1", "2", "3"] and evals == ["1", "2"]
+    assert "\r" not in out  # no terminal line in a log file
+    assert re.search(rf"^{stamp}Training complete. Final Accuracy: [\d.]+ on all 20 test images", out, re.M)
+    assert re.search(r"^Time: training [\d.]+s \+ evaluation [\d.]+s over 2 epoch\(s\); wall time of this "
+                     r"process [\d.]+s", out, re.M)
     records = read_metrics(metrics)
     assert [r["epoch"] for r in records] == [1, 2]
     for record in records:
@@ -46,6 +62,8 @@ def test_same_seed_same_run_and_another_seed_differs(tmp_path, cifar_dir):
         result = train(tmp_path, cifar_dir, "--epochs", "1", "--batch-size", "8", "--limit-batches", "2", "--seed", seed,
                        "--metrics-file", tmp_path / name)
         assert result.returncode == 0, result.stderr
+        assert "Note: the 2 warm-up epochs are longer than this 1-epoch run: the learning rate peaks at 50%" \
+            in result.stdout  # the default warm-up, said, not refused: smoke runs stay one command
         record = read_metrics(tmp_path / name)[0]
         return record["train_loss"], record["val_loss"]
     first = losses("3", "a.jsonl")
@@ -58,6 +76,8 @@ def test_early_stopping_after_patience_epochs(tmp_path, cifar_dir):
                    "--target-accuracy", "0", "--patience", "2", "--metrics-file", tmp_path / "m.jsonl")
     assert result.returncode == 0, result.stderr
     assert "Target accuracy reached. Early stopping after epoch 2." in result.stdout
+    assert "Final Accuracy: 0.0000 on 4 of 20 test images (--limit-batches)" in result.stdout
+    assert "[1/1]" not in result.stdout  # the default --log-interval (a minute): no progress line
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
 
 
@@ -115,3 +135,36 @@ def test_metrics_file_is_appended_and_a_bad_path_fails_before_training(tmp_path,
     captured = capsys.readouterr()
     assert_one_line_error(code, captured.err, "not a writable file path")
     assert "Epoch 1/" not in captured.out
+
+
+def test_a_failed_command_leaves_no_empty_folders(tmp_path, cifar_dir, capsys):
+    new = tmp_path / "new"
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, "--batch-size", "64", "--checkpoint-dir", new / "ck",
+                    "--metrics-file", new / "logs" / "m.jsonl", "--save-weights", new / "out" / "w.pt")
+    assert_one_line_error(code, capsys.readouterr().err, "no full batch")
+    assert not new.exists()
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, "--checkpoint-dir", cifar_dir / "cifar-100-python" /
+                    "meta" / "ck")
+    assert_one_line_error(code, capsys.readouterr().err, f"{cifar_dir / 'cifar-100-python' / 'meta'} is a file")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a disk that is always full)")
+def test_a_metrics_file_that_cannot_be_written_mid_run_is_a_warning(tmp_path, cifar_dir):
+    """/dev/full accepts the start-up check and fails every write with ENOSPC, as a full disk does."""
+    result = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "8", "--limit-batches", "1",
+                   "--metrics-file", "/dev/full", "--checkpoint-dir", tmp_path / "ck")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    warning = "WARNING: cannot append to --metrics-file /dev/full (No space left on device); 1 line(s) kept"
+    assert warning in result.stdout
+    assert "2 line(s) kept" in result.stdout and "Epoch 2/2: Time=" in result.stdout  # training went on
+    state = torch.load(next(Path(tmp_path / "ck").glob("*.pt")), weights_only=True)["state"]
+    assert [r["epoch"] for r in state["records"]] == [1, 2]  # the lines are kept in the checkpoint
+
+
+def test_the_start_up_block_confirms_the_weights(tmp_path, cifar_dir, capsys):
+    weights = tmp_path / "w.pt"
+    torch.save(WideResNet(num_classes=100).state_dict(), weights)
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, "--epochs", "1", "--limit-batches", "1",
+                    "--batch-size", "4", "--weights", weights)
+    out = capsys.readouterr().out
+    assert code == 0 and f"\nWeights: loaded from {weights}\n" in out

@@ -1,8 +1,6 @@
-"""train_utils.py: flags, LR schedule, early stopping, metric reduction, precision, weights,
-logging. Pure functions are called directly."""
+"""train_utils.py: flags, LR schedule, early stopping, metric reduction, precision, weights.
+Pure functions are called directly."""
 
-import io
-import json
 import math
 import re
 import shlex
@@ -14,8 +12,8 @@ import torch
 import dataset_utils as du
 import device_utils as du_device
 import train_utils as tu
-from checkpoint_utils import StopRequests, TrainState, check_writable, check_writable_dir
-from device_utils import DistContext, UserError, single_process_context
+from checkpoint_utils import StopRequests, TrainState
+from device_utils import UserError, single_process_context
 from model import WideResNet
 
 GUIDE_LINES = {
@@ -66,6 +64,8 @@ BAD_FLAGS = {
     "--limit-batches 0": "--limit-batches: '0' is not a positive integer",
     "--momentum 0": "--nesterov needs --momentum > 0; for plain SGD add --no-nesterov",
     "--bogus": "unrecognized arguments: --bogus",
+    "--epochs 3 --warmup-epochs 3.5": "--warmup-epochs 3.5 is longer than the run (--epochs 3)",
+    "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
 }
 
 
@@ -175,56 +175,10 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
         tu.load_weights(WideResNet(num_classes=100), path)
     with pytest.raises(UserError, match="no such file"):
         tu.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
-
-
-def test_metrics_are_appended_never_rewritten(tmp_path):
-    path = tmp_path / "out" / "metrics.jsonl"
-    tu.RunLogger(True, path).record({"epoch": 1})
-    tu.RunLogger(True, path).record({"epoch": 2})
-    tu.RunLogger(False, path).record({"epoch": 99})  # not rank 0: writes nothing
-    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2]
-
-
-def test_unwritable_outputs_fail_at_start(tmp_path):
-    (tmp_path / "a_dir").mkdir()
-    with pytest.raises(UserError, match="--metrics-file .*not a writable file path"):
-        tu.RunLogger(True, tmp_path / "a_dir")
-    (tmp_path / "a_file").write_text("keep me")
-    with pytest.raises(UserError, match="--save-weights .*cannot create"):
-        check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
-    with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path / 'a_file' / 'ck'}: cannot create it "):
-        check_writable_dir(tmp_path / "a_file" / "ck", "--checkpoint-dir")
-    assert (tmp_path / "a_file").read_text() == "keep me"
-
-
-class FakeTerminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def test_progress_line_only_on_a_terminal():
-    loss_sum = torch.tensor(8.0, dtype=torch.float64)
-    terminal, log_file = FakeTerminal(), io.StringIO()
-    for stream in (terminal, log_file):
-        progress = tu.Progress(True, "Epoch 1/3", steps=2, world_size=2, stream=stream, interval_s=0)
-        progress.update(1, 4, loss_sum)
-        progress.update(2, 8, loss_sum)
-        progress.close()
-    assert log_file.getvalue() == ""
-    shown = terminal.getvalue()
-    assert "\rEpoch 1/3 [1/2] loss 2.0000" in shown and "\rEpoch 1/3 [2/2] loss 1.0000" in shown
-    assert "\n" not in shown  # one updating line
-
-
-def test_summary_separates_the_warm_up_epoch():
-    records = [{"epoch": 1, "epoch_time_s": 4.0, "train_images": 100, "val_accuracy": 0.1},
-               {"epoch": 2, "epoch_time_s": 1.0, "train_images": 100, "val_accuracy": 0.3},
-               {"epoch": 3, "epoch_time_s": 1.0, "train_images": 100, "val_accuracy": 0.2}]
-    ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
-    text = "\n".join(tu.summarize(records, ctx))
-    assert "Final Accuracy: 0.2000 (best 0.3000 at epoch 2)" in text
-    assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
-    assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
+    torch.save(WideResNet(num_classes=100), path)  # the whole model, pickled: a common mistake
+    with pytest.raises(UserError, match=r"holds pickled Python objects .a whole model saved with torch.save.model.\?.,"
+                                        r" not a state_dict; save one with torch.save.model.state_dict"):
+        tu.load_weights(WideResNet(num_classes=100), path)
 
 
 def test_fast_settings_by_default():

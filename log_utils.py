@@ -1,0 +1,265 @@
+"""What a run prints and writes for people to follow and compare: the start-up block,
+progress lines, epoch lines with timestamps and ETA, the final summary, and the metrics file.
+
+Only global rank 0 prints and writes (``enabled``). Output is made for batch logs as much as
+for terminals: on a terminal the progress within an epoch is one updating line; in a Slurm
+``.out`` file it is a timestamped line at most every ``--log-interval`` seconds. Every epoch
+line starts with a timestamp and ends with the elapsed wall time and an ETA for the run.
+
+No torch import: report.py reads metrics files with these functions on any machine.
+"""
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
+
+
+def timestamp(now=None):
+    """Local wall-clock time, as a batch log wants it: 2026-11-21 14:03:07."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+
+
+def duration(seconds):
+    """H:MM:SS (or D days, H:MM:SS) for elapsed times and ETAs; '?' when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(round(max(seconds, 0)), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{f'{days}d ' if days else ''}{hours}:{minutes:02d}:{secs:02d}"
+
+
+def eta_seconds(epoch_walls, remaining_epochs):
+    """Seconds left for ``remaining_epochs`` at this process's pace: the mean wall time per epoch
+    (training, evaluation, checkpoint), leaving out this process's first epoch once there are
+    others (it includes cuDNN autotuning, compilation and loader start-up). None if unknown."""
+    if remaining_epochs <= 0:
+        return 0.0
+    steady = epoch_walls[1:] or epoch_walls
+    return sum(steady) / len(steady) * remaining_epochs if steady else None
+
+
+@dataclass
+class RunClock:
+    """This process's wall time (perf_counter seconds), for the epoch lines' elapsed time and ETA."""
+    start: float = field(default_factory=time.perf_counter)
+    epoch_walls: list = field(default_factory=list)  # seconds from one epoch's end to the next's
+    last: float = None
+
+    def epoch_done(self):
+        now = time.perf_counter()
+        self.epoch_walls.append(now - (self.start if self.last is None else self.last))
+        self.last = now
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+
+class RunLogger:
+    """Prints (global rank 0) and appends one JSON line per epoch to --metrics-file.
+
+    A metrics line that cannot be written (disk full, quota, a vanished folder) is a warning,
+    not the end of hours of training: the line is kept and written with the next one that
+    can be, and every record is also in the checkpoints (a resume writes what a file lacks).
+    """
+
+    def __init__(self, enabled, metrics_file=None, stream=None):
+        self.enabled = enabled
+        self.metrics_path = Path(metrics_file) if (enabled and metrics_file) else None
+        self.stream = stream
+        self.pending = []  # JSON lines not written yet
+
+    def info(self, message=""):
+        if self.enabled:
+            print(message, file=self.stream or sys.stdout, flush=True)
+
+    def record(self, record):
+        """Append one JSON line; earlier lines (and earlier runs) are never rewritten."""
+        if not self.metrics_path:
+            return
+        self.pending.append(json.dumps(record) + "\n")
+        try:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)  # created on first use
+            with open(self.metrics_path, "a") as f:
+                f.write("".join(self.pending))
+        except OSError as err:
+            self.info(f"WARNING: cannot append to --metrics-file {self.metrics_path} ({err.strerror or err}); "
+                      f"{len(self.pending)} line(s) kept for the next epoch, and in the checkpoints")
+            return
+        self.pending = []
+
+
+class Progress:
+    """Progress within one phase (an epoch's training steps, an evaluation), on rank 0.
+
+    On a terminal: one line redrawn at most every TERMINAL_INTERVAL_S, erased at the end. In a
+    batch log (stdout not a terminal): a timestamped line at most every ``log_interval_s``
+    seconds (0: never). ``update`` only reads a clock; ``detail()`` (e.g. the running loss,
+    which waits for the GPU) is called only for a line that is shown: one GPU sync per line.
+    """
+
+    def __init__(self, enabled, label, total, log_interval_s, first=0, stream=None, clock=time.perf_counter):
+        self.stream = stream or sys.stdout
+        self.terminal = self.stream.isatty()
+        self.interval_s = TERMINAL_INTERVAL_S if self.terminal else log_interval_s
+        self.enabled = enabled and self.interval_s > 0
+        self.label, self.total, self.first, self.clock = label, total, first, clock  # first: batches done before
+        self.start = self.last = clock()
+        self.shown = False
+
+    def update(self, done, images, detail=None):
+        """``done`` of ``total`` batches, ``images`` processed on all ranks so far."""
+        if not self.enabled or done >= self.total or self.clock() - self.last < self.interval_s:
+            return  # (the last batch is followed by the epoch's or the evaluation's own line)
+        text = detail() if detail else ""  # may wait for the GPU: before reading the clock
+        now = self.clock()
+        self.last, self.shown = now, True
+        elapsed, done_here = now - self.start, done - self.first
+        left = elapsed / done_here * (self.total - done) if done_here > 0 else None
+        line = (f"{self.label} [{done}/{self.total}]{f' {text}' if text else ''}, "
+                f"{images / max(elapsed, 1e-9):.1f} img/s, {duration(left)} left")
+        if self.terminal:
+            self.stream.write(f"\r{line}\033[K")
+        else:
+            self.stream.write(f"{timestamp()} {line}\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.shown and self.terminal:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up block, epoch lines, summary.
+
+def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, data_name):
+    """The derived values, printed once at the start of training."""
+    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
+    momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
+    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
+              else f"torchvision DataLoader, {train_loader.num_workers} worker process"
+                   f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
+    lines = [
+        f"{timestamp()} Training WideResNet on {data_name} with Batch Size: {args.batch_size} "
+        f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
+        describe_device(ctx, name, precision, channels_last, args.compile),
+        f"Loader: {loader}",
+        f"Data: {describe_data(args, data_name, train_loader, test_loader)}, {steps} steps per epoch",
+        *size_warning(data_name, train_loader, test_loader),
+        f"Weights: {describe_weights(args)}",
+        f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
+        f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
+        *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
+           f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
+          if args.warmup_epochs > args.epochs else []),
+    ]
+    if args.checkpoint_dir:
+        lines.append(f"Checkpoints: {args.checkpoint_dir}, "
+                     + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
+                        if args.checkpoint_interval else "after every epoch")
+                     + ", on a stop request and at the end")
+    return lines
+
+
+def describe_evaluation(args, ctx, name, precision, channels_last, test_loader, data_name):
+    """The start-up block of --eval-only: what is evaluated where, no training recipe."""
+    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
+    return [f"{timestamp()} Evaluating WideResNet weights {args.weights} on the {data_name} test set "
+            f"({test_loader.batch_size} images per batch and process x {ctx.world_size} {accel})",
+            describe_device(ctx, name, precision, channels_last, False),
+            f"Data: {describe_data(args, data_name, None, test_loader)}",
+            *size_warning(data_name, None, test_loader)]
+
+
+def describe_device(ctx, name, precision, channels_last, compiled):
+    return (f"Device: {ctx.device} ({name}), precision {precision.name}, "
+            f"{'channels_last' if channels_last else 'contiguous (NCHW)'}{', torch.compile' if compiled else ''}")
+
+
+def _splits(train_loader, test_loader):
+    return [(loader.dataset, split) for loader, split in ((train_loader, "training"), (test_loader, "test"))
+            if loader is not None]
+
+
+def describe_data(args, data_name, train_loader, test_loader):
+    """Where the images come from and how many there are."""
+    if args.synthetic:
+        source = "SYNTHETIC random images and labels: accuracy is meaningless"
+    else:
+        source = f"{data_name} from {args.data_dir or 'datasets/ beside the scripts'}"
+    return f"{source}, " + " / ".join(f"{len(data)} {split}" for data, split in _splits(train_loader, test_loader)) \
+        + " images"
+
+
+def size_warning(data_name, train_loader, test_loader):
+    """[a warning] when a split does not have the official size (a partial copy, other files
+    under the same name), else []."""
+    unexpected = [f"{len(data)} {split} images instead of {data.expected_size}"
+                  for data, split in _splits(train_loader, test_loader)
+                  if getattr(data, "expected_size", None) not in (None, len(data))]
+    if not unexpected:
+        return []
+    return [f"WARNING: this {data_name} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
+
+
+def describe_weights(args):
+    if args.weights:
+        return f"loaded from {args.weights}"
+    return f"random initialization (--seed {args.seed})"
+
+
+def epoch_line(record, epochs, elapsed_s, eta_s):
+    """The guide's epoch line, with a timestamp in front and the run's elapsed time and ETA
+    at the end (ETA: until --epochs; early stopping may end the run sooner)."""
+    return (f"{timestamp()} Epoch {record['epoch']}/{epochs}: Time={record['epoch_time_s']:.3f}s, "
+            f"Train Loss={record['train_loss']:.4f}, Val Loss={record['val_loss']:.4f}, "
+            f"Val Accuracy={record['val_accuracy']:.4f}, Throughput={record['images_per_sec']:.1f} img/s, "
+            f"LR={record['lr']:.5g}, Eval={record['eval_time_s']:.1f}s | elapsed {duration(elapsed_s)}, "
+            f"ETA {duration(eta_s)}")
+
+
+def throughput(records):
+    """Training images per second over ``records``: total images / total training time."""
+    seconds = sum(r["epoch_time_s"] for r in records)
+    return sum(r["train_images"] for r in records) / seconds if seconds else math.nan
+
+
+def accuracy_scope(record, test_size):
+    """'on 320 of 10000 test images' (with why, when it is not all of them)."""
+    seen = record.get("val_samples")
+    if seen is None or test_size is None or seen == test_size:
+        return f"on all {seen if seen is not None else '?'} test images"
+    return f"on {seen} of {test_size} test images (--limit-batches)"
+
+
+def summarize(records, ctx, test_size=None, wall_s=None):
+    """The guide's final summary: accuracy and on how many images, training, evaluation and
+    wall time apart, and throughput with the warm-up epoch separated from the steady state."""
+    if not records:
+        return []
+    last = records[-1]
+    best = max(records, key=lambda r: r["val_accuracy"])
+    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
+    train_s = sum(r["epoch_time_s"] for r in records)
+    eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
+    lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
+             f"{accuracy_scope(last, test_size)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
+             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over {len(records)} epoch(s)"
+             + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading and checkpoints)"
+                if wall_s is not None else ""),
+             f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
+    if len(records) > 1:
+        lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "
+                     f"epoch 1: {throughput(records[:1]):.1f} img/s")
+    lines.append(f"Number of nodes: {ctx.num_nodes}, {accel} per node: {ctx.local_world_size}, "
+                 f"total {accel}: {ctx.world_size}")
+    if "device" in last:  # (records of runs saved before it was recorded lack it)
+        peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+        lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))
+    return lines

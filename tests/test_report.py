@@ -1,0 +1,147 @@
+"""report.py on the metrics files of real 1-process and 2-process runs: tables that say what
+the files say, the scaling efficiency as stated, the PNG, GPU logs, and bad input."""
+
+import json
+import re
+import struct
+import sys
+
+import pytest
+
+import report
+from conftest import FAST, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
+
+# 2 epochs of 2 steps, 4 images per process: the same per-process batch at 1 and 2 processes.
+COMMON = ("--epochs", "2", "--limit-batches", "2", "--warmup-epochs", "1", *FAST)
+
+
+@pytest.fixture(scope="module")
+def metrics(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    data = write_cifar100(folder / "data", n_train=16, n_test=8)
+    files = {1: folder / "one.jsonl", 2: folder / "two.jsonl"}
+    commands = {1: python_cmd("train.py", "--data-dir", data, "--batch-size", "4", *COMMON, "--metrics-file", files[1]),
+                2: torchrun_cmd(2, "train_ddp.py", "--data-dir", data, "--batch-size", "8", *COMMON,
+                                "--metrics-file", files[2])}
+    for command in commands.values():
+        result = run(command, cwd=folder)
+        assert result.returncode == 0, result.stdout + result.stderr
+    return files
+
+
+def _rows(text, title):
+    """The Markdown table under ``## title``: a list of dicts by column name."""
+    after_heading = text.split(f"## {title}", 1)[1].split("\n", 1)[1]
+    block = after_heading.strip().split("\n\n", 1)[0].splitlines()
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in block if line.startswith("|")]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def _rate(records):
+    return sum(r["train_images"] for r in records) / sum(r["epoch_time_s"] for r in records)
+
+
+def test_tables_say_what_the_files_say(metrics, capsys):
+    assert report.main([str(metrics[1]), str(metrics[2])]) == 0
+    out = capsys.readouterr().out
+    one, two = read_metrics(metrics[1]), read_metrics(metrics[2])
+    rows = {row["Run"]: row for row in _rows(out, "Runs")}
+    for name, records in (("one.jsonl", one), ("two.jsonl", two)):
+        row = rows[name]
+        assert row["Epochs"] == "2" and row["Processes"] == str(records[-1]["world_size"])
+        assert row["Batch per process"] == "4" and row["Test images"] == "8"
+        assert row["Final accuracy"] == f"{records[-1]['val_accuracy']:.4f}"
+        assert row["Training s"] == f"{sum(r['epoch_time_s'] for r in records):,.1f}"
+        assert row["Evaluation s"] == f"{sum(r['eval_time_s'] for r in records):,.1f}"
+        assert row["img/s"] == f"{_rate(records):,.1f}"
+        assert row["img/s after epoch 1"] == f"{_rate(records[1:]):,.1f}"  # epoch 1 left out
+
+    # The guide's table: epoch 2 only, the same batch per process, against the 1-process run.
+    scaling = _rows(out, "Scaling: CIFAR-100, 4 images per process, fp32, device loader")
+    assert [row["Processes"] for row in scaling] == ["1", "2"]
+    speedup = _rate(two[1:]) / _rate(one[1:])
+    assert scaling[0]["Speedup"] == "1.00x" and scaling[0]["Scaling efficiency"] == "100%"
+    assert scaling[1]["Throughput (img/s)"] == f"{_rate(two[1:]):,.1f}"
+    assert scaling[1]["Speedup"] == f"{speedup:.2f}x" and scaling[1]["Scaling efficiency"] == f"{speedup / 2:.0%}"
+    assert "epoch 1, with cuDNN autotuning, compilation and loader start-up, is left out" in out
+    assert "Scaling efficiency: speedup / (processes / 1)" in out and "the same batch per process (4 images)" in out
+
+
+def test_runs_of_different_recipes_are_not_compared(metrics, tmp_path, capsys):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({**r, "per_process_batch": 8}) + "\n" for r in read_metrics(metrics[2])))
+    assert report.main([str(metrics[1]), str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "## Scaling" not in out and "No scaling table: that needs runs of one recipe" in out
+
+
+def test_appended_runs_are_told_apart_and_cut_lines_skipped(metrics, tmp_path, capsys):
+    both = tmp_path / "both.jsonl"
+    both.write_text(metrics[1].read_text() + metrics[2].read_text() + '{"epoch": 3, "train_lo')  # cut by a crash
+    assert report.main([str(both)]) == 0
+    captured = capsys.readouterr()
+    run_ids = [read_metrics(path)[0]["run_id"] for path in (metrics[1], metrics[2])]
+    assert [row["Run"] for row in _rows(captured.out, "Runs")] == [f"both.jsonl ({run_id})" for run_id in run_ids]
+    assert "skipped 1 line(s) that are not epoch records" in captured.err
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+NVIDIA_SMI_CSV = """\
+timestamp, index, name, utilization.gpu [%], utilization.memory [%], memory.total [MiB], memory.used [MiB]
+2026/11/21 12:00:00.000, 0, NVIDIA GH200 480GB, 90 %, 40 %, 97871 MiB, 20000 MiB
+2026/11/21 12:00:00.000, 1, NVIDIA GH200 480GB, 80 %, 40 %, 97871 MiB, 20000 MiB
+2026/11/21 12:00:05.000, 0, NVIDIA GH200 480GB, 100 %, 40 %, 97871 MiB, 20000 MiB
+2026/11/21 12:00:05.000, 1, NVIDIA GH200 480GB, [N/A], 40 %, 97871 MiB, 20000 MiB
+timestamp, index, name, utilization.gpu [%], utilization.memory [%], memory.total [MiB], memory.used [MiB]
+2026/11/21 12:01:00.000, 0, NVIDIA GH200 480GB, 95 %, 40 %, 97871 MiB, 20000 MiB
+"""
+
+
+def test_picture_and_gpu_log(metrics, tmp_path, capsys):
+    gpu_log = tmp_path / "multigpu_7_gpu.csv"
+    gpu_log.write_text(NVIDIA_SMI_CSV)  # the header repeats: a requeued job appended
+    png = tmp_path / "runs.png"
+    assert report.main([str(metrics[1]), str(metrics[2]), "--gpu-log", str(gpu_log), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert _png_size(png) == (1200, 800)
+    gpus = _rows(out, "GPU utilization")
+    assert [(row["GPU"], row["Samples"], row["Mean"]) for row in gpus] == [("0", "3", "95%"), ("1", "1", "80%")]
+    assert gpus[0]["Minutes"] == "1.0"
+    assert f"Picture written to {png}" in out and not list(tmp_path.glob(".runs.png.tmp*"))
+
+
+def test_without_matplotlib_the_tables_and_a_one_line_hint(metrics, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    png = tmp_path / "runs.png"
+    assert report.main([str(metrics[1]), str(metrics[2]), "--plot", str(png)]) == 0
+    captured = capsys.readouterr()
+    assert "## Runs" in captured.out and "## Scaling" in captured.out and not png.exists()
+    assert captured.err.count("\n") == 1 and "matplotlib is not installed; get it with pip install matplotlib" \
+        in captured.err
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda d: d / "missing.jsonl", "missing.jsonl: No such file or directory"),
+    (lambda d: (d / "w.jsonl").write_text('{"epoch": 0, "val_accuracy": 0.5}\n') and d / "w.jsonl",
+     "w.jsonl holds no epoch records (is it a --metrics-file"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, make, expected):
+    assert report.main([str(make(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(r"report\.py: error: .*" + re.escape(expected), err)
+
+
+def test_a_bad_gpu_log_is_one_line(metrics, tmp_path, capsys):
+    (tmp_path / "x.csv").write_text("not, a, gpu, log\n")
+    assert report.main([str(metrics[1]), "--gpu-log", str(tmp_path / "x.csv")]) == 2
+    assert "x.csv holds no samples with timestamp, index and utilization.gpu" in capsys.readouterr().err
+
+
+def test_report_runs_as_a_script(metrics, tmp_path):
+    result = run(python_cmd("report.py", metrics[1]), cwd=tmp_path)
+    assert result.returncode == 0 and "| one.jsonl | 2 | 1 |" in result.stdout, result.stderr
