@@ -5,6 +5,7 @@ one device (a GPU when there is one, else the CPU):
     python benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
     python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python benchmark.py --compile              # the project's recipe with torch.compile
+    python benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
     python benchmark.py --profile              # and torch.profiler's table of the project's steps
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python benchmark.py --json bench.json  # on Olivia
 
@@ -21,8 +22,8 @@ Measures:
               through train.py's own loop (train_utils.time_training_steps), timed after warm-up
               steps, with the device synchronized before each clock reading.
 
-Data: CIFAR-100 from --data-dir when it is there, otherwise synthetic images of the same
-size (throughput does not depend on pixel values).
+Data: the --dataset (default CIFAR-100) from --data-dir when it is there, otherwise synthetic
+images of the same size (throughput does not depend on pixel values).
 """
 
 import argparse
@@ -34,8 +35,8 @@ from itertools import count, islice
 import torch
 from torch.utils.data import DataLoader
 
-from dataset_utils import (CIFAR100Images, build_datasets, build_loaders, default_data_dir, missing_files,
-                           set_loader_epoch, train_transform)
+from data_formats import DATASETS, default_data_dir, missing_files
+from dataset_utils import InMemoryImages, build_datasets, build_loaders, set_loader_epoch, train_transform
 from device_utils import device_name, single_process_context, synchronize
 from train_utils import (OneLineParser, build_model, check_writable, default_num_workers, memory_format, parse_args,
                          positive_int, run_cli, time_training_steps)
@@ -66,8 +67,10 @@ def build_parser():
     parser.add_argument("--profile", metavar="STEPS", type=positive_int, nargs="?", const=5, default=None,
                         help="after the measurements, profile this many training steps of the project's recipe "
                              "(default 5) with torch.profiler and print its table of the most expensive operations")
+    parser.add_argument("--dataset", choices=DATASETS, default="cifar100",
+                        help="the data set (its image size and channels set the model's and the pipeline's work)")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
-                        help="use CIFAR-100 from here when present, else synthetic data")
+                        help="use the data set from here when present, else synthetic data of its size")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the result rows to this file")
     return parser
 
@@ -89,7 +92,7 @@ def endless(loader):
 
 def guide_loader(train_set, batch_size, device):
     """The guide's training DataLoader, as written in its dataset_utils.py."""
-    images = CIFAR100Images(train_set.images, train_set.labels, train_transform())
+    images = InMemoryImages(train_set.images, train_set.labels, train_transform(train_set.spec), train_set.spec)
     return DataLoader(images, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
                       pin_memory=device.type == "cuda")
 
@@ -119,13 +122,16 @@ def benchmark(opts):
     ctx = single_process_context()
     device = ctx.device
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
-    real = not missing_files(opts.data_dir)
-    train_set, test_set = build_datasets(opts.data_dir, download=False, synthetic=not real)
-    common = {"device": device_name(device), "batch_size": batch, "data": "CIFAR-100" if real else "synthetic",
+    spec = DATASETS[opts.dataset]
+    real = not missing_files(opts.data_dir, spec)
+    train_set, test_set = build_datasets(opts.data_dir, download=False, synthetic=not real, spec=spec)
+    common = {"device": device_name(device), "batch_size": batch, "dataset": spec.name,
+              "data": spec.title if real else "synthetic",
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
     rows = []
     for recipe, flags in RECIPES.items():
-        flags = [*flags, "--batch-size", str(batch), *(["--compile"] if opts.compile and recipe == "project" else [])]
+        flags = [*flags, "--batch-size", str(batch), "--dataset", spec.name,
+                 *(["--compile"] if opts.compile and recipe == "project" else [])]
         if recipe == "guide" and device.type == "cuda":
             flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
         args = parse_args("benchmark", flags + (["--synthetic"] if not real else []))

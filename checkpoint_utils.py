@@ -233,18 +233,23 @@ def load_agreed_checkpoint(directory, ctx, log):
     return Path(path), chosen["checkpoint"]
 
 
-def data_fingerprint(train_loader, test_loader, synthetic):
+def data_fingerprint(train_loader, test_loader, synthetic, dataset):
     """Identifies the data set in a checkpoint, so a resume on other data is refused."""
     labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
-    return {"synthetic": synthetic, "train_images": len(train_loader.dataset), "test_images": len(test_loader.dataset),
+    return {"dataset": dataset, "synthetic": synthetic, "train_images": len(train_loader.dataset),
+            "test_images": len(test_loader.dataset),
             "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
 
 
 def check_resumable(checkpoint, args, fingerprint, check_fits):
     """Refuse to continue a run with another model, data set or recipe (it would not be the
     same run). ``check_fits(state_dict, source)`` raises when the model's shape differs."""
+    trained_on = checkpoint["data"].get("dataset", "cifar100")  # (checkpoints from before --dataset)
+    if trained_on != args.dataset:
+        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
+                        f"resume with --dataset {trained_on}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
-    if checkpoint["data"] != fingerprint:
+    if {**checkpoint["data"], "dataset": trained_on} != fingerprint:
         old, new = checkpoint["data"], fingerprint
         raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
                         f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"

@@ -138,20 +138,22 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # Start-up block, epoch lines, summary.
 
-def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, data_name):
-    """The derived values, printed once at the start of training."""
+def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec):
+    """The derived values, printed once at the start of training (``spec``: the DataSpec)."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
               else f"torchvision DataLoader, {train_loader.num_workers} worker process"
                    f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
     lines = [
-        f"{timestamp()} Training WideResNet on {data_name} with Batch Size: {args.batch_size} "
+        f"{timestamp()} Training WideResNet({spec.num_classes} classes, {spec.channels} input channel"
+        f"{'s' if spec.channels > 1 else ''}) on {spec.title} with Batch Size: {args.batch_size} "
         f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
         describe_device(ctx, name, precision, channels_last, args.compile),
         f"Loader: {loader}",
-        f"Data: {describe_data(args, data_name, train_loader, test_loader)}, {steps} steps per epoch",
-        *size_warning(data_name, train_loader, test_loader),
+        f"Data: {describe_data(args, spec.title, train_loader, test_loader)}, {steps} steps per epoch",
+        *size_warning(spec.title, train_loader, test_loader),
+        f"Augmentation: {spec.augmentation()}",
         f"Weights: {describe_weights(args)}",
         f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
         f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
@@ -167,14 +169,14 @@ def describe_run(args, ctx, name, precision, channels_last, train_loader, test_l
     return lines
 
 
-def describe_evaluation(args, ctx, name, precision, channels_last, test_loader, data_name):
+def describe_evaluation(args, ctx, name, precision, channels_last, test_loader, spec):
     """The start-up block of --eval-only: what is evaluated where, no training recipe."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
-    return [f"{timestamp()} Evaluating WideResNet weights {args.weights} on the {data_name} test set "
+    return [f"{timestamp()} Evaluating WideResNet weights {args.weights} on the {spec.title} test set "
             f"({test_loader.batch_size} images per batch and process x {ctx.world_size} {accel})",
             describe_device(ctx, name, precision, channels_last, False),
-            f"Data: {describe_data(args, data_name, None, test_loader)}",
-            *size_warning(data_name, None, test_loader)]
+            f"Data: {describe_data(args, spec.title, None, test_loader)}",
+            *size_warning(spec.title, None, test_loader)]
 
 
 def describe_device(ctx, name, precision, channels_last, compiled):

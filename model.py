@@ -1,12 +1,13 @@
-"""Wide ResNet for CIFAR-100, the same network as the "PyTorch on Olivia" guide.
+"""Wide ResNet for CIFAR-100 (and CIFAR-10, Fashion-MNIST, MNIST), the same network as the
+"PyTorch on Olivia" guide.
 
 The module attribute names (``input_block``, ``block1`` ... ``block6``, ``fc``, and inside
 them ``cbr``, ``layer1``, ``layer2``, ``scale``) are the guide's, so a state_dict moves
 between the guide's model and this one with ``load_state_dict(strict=True)``.
 
 Two changes, neither of which adds or renames a parameter:
-- ``in_channels`` (default 3): 1 for grayscale data such as Fashion-MNIST, which the guide
-  handled by editing a commented-out line.
+- ``in_channels`` (default 3): 1 for grayscale data such as Fashion-MNIST and MNIST, which
+  the guide handled by editing a commented-out line. ``num_classes`` sizes only ``fc``.
 - The final pooling is a true global average. The guide's ``AvgPool2d(7)`` on the 8x8 map
   averaged only the top-left 7x7 window and silently ignored the last row and column.
 """
@@ -58,8 +59,10 @@ conv_block = ResidualBlock
 
 
 class WideResNet(nn.Module):
-    """(N, in_channels, 32, 32) images -> (N, num_classes) logits; 17.2 M parameters for
-    CIFAR-100. Spatial size: 32x32 in stage 1, 16x16 in stage 2, 8x8 in stage 3."""
+    """(N, in_channels, H, W) images -> (N, num_classes) logits; 17.2 M parameters for
+    CIFAR-100. The stages see H x W, then H/2 x W/2, then H/4 x W/4 (max-pooling floors odd
+    sizes): 32x32, 16x16, 8x8 for CIFAR; 28x28, 14x14, 7x7 for MNIST and Fashion-MNIST. The
+    final average is global, so any size from 4x4 up works."""
 
     def __init__(self, num_classes, in_channels=3):
         super().__init__()
@@ -73,7 +76,7 @@ class WideResNet(nn.Module):
         self.pool2 = nn.MaxPool2d(2)
         self.block5 = ResidualBlock(c2, c3, scale_input=True)
         self.block6 = ResidualBlock(c3, c3, scale_input=False)
-        # Global average over whatever spatial size arrives (8x8 for 32x32 inputs).
+        # Global average over whatever spatial size arrives (8x8 for 32x32 inputs, 7x7 for 28x28).
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flat = nn.Flatten()
         self.fc = nn.Linear(c3, num_classes)

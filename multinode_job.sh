@@ -7,6 +7,7 @@
 #
 #   sbatch --account=nnXXXXk multinode_job.sh
 #   sbatch --account=nnXXXXk --nodes=4 multinode_job.sh --epochs 10
+#   sbatch --account=nnXXXXk multinode_job.sh --dataset fashion-mnist
 #
 # The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,

@@ -36,7 +36,7 @@ from log_utils import throughput
 
 FIGURE_INCHES, FIGURE_DPI = (12, 8), 100  # the PNG is 1200 x 800 pixels
 # What must be equal for runs to be compared in the scaling table.
-RECIPE_KEYS = ("data", "synthetic", "per_process_batch", "precision", "loader", "device")
+RECIPE_KEYS = ("dataset", "synthetic", "per_process_batch", "precision", "loader", "device")
 
 
 class ReportError(Exception):
@@ -69,6 +69,7 @@ class RunRecords:
         """What must be equal for a fair comparison. A CPU's name carries the threads per
         process, which differ with the process count: the CPU model is compared."""
         values = {key: self.value(key) for key in RECIPE_KEYS}
+        values["dataset"] = values["dataset"] or "cifar100"  # (lines from before --dataset)
         values["device"] = re.sub(r", \d+ threads$", "", str(values["device"]))
         return tuple(values.values())
 
@@ -222,8 +223,8 @@ def scaling_tables(runs):
     for group in comparable:
         rows = scaling_rows(group)
         base, unit = rows[0], "process" if group[0].is_cpu else "GPU"  # CPU runs: gloo processes
-        data, synthetic, batch, precision, loader, device = group[0].recipe()
-        lines += [f"## Scaling: {'synthetic ' if synthetic else ''}{data or 'CIFAR-100'}, {batch} images per {unit}, "
+        dataset, synthetic, batch, precision, loader, device = group[0].recipe()
+        lines += [f"## Scaling: {'synthetic ' if synthetic else ''}{dataset}, {batch} images per {unit}, "
                   f"{precision}, {loader} loader, {device}", ""]
         lines += _table([_count(2, unit).split()[1].capitalize(), "Nodes", "Run", "Throughput (img/s)", "Speedup",
                          "Scaling efficiency"],

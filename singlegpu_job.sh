@@ -4,6 +4,7 @@
 #
 #   sbatch --account=nnXXXXk singlegpu_job.sh
 #   sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10 --metrics-file metrics.jsonl
+#   sbatch --account=nnXXXXk singlegpu_job.sh --dataset mnist     # or cifar10, fashion-mnist
 #
 # Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train.py is), PER_GPU_BATCH
 # (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE.

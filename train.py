@@ -1,6 +1,8 @@
-"""Train the Wide ResNet on CIFAR-100 with one process: one GPU, or the CPU.
+"""Train the Wide ResNet on CIFAR-100 (or --dataset cifar10, fashion-mnist, mnist) with one
+process: one GPU, or the CPU.
 
     python train.py --epochs 10                       # downloads CIFAR-100 to ./datasets if missing
+    python train.py --dataset mnist --epochs 5        # the model gets 1 input channel and 10 classes
     python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
     python train.py --epochs 100 --checkpoint-dir ckpt [--resume]  # survives kills and time limits
     python train.py --loader torchvision --num-workers 8   # the guide's DataLoader instead of data on the GPU

@@ -1,9 +1,11 @@
-"""Train the Wide ResNet on CIFAR-100 with DistributedDataParallel: N GPUs on one or many
-nodes, or N CPU processes (gloo) on a laptop. Start it with torchrun:
+"""Train the Wide ResNet on CIFAR-100 (or --dataset cifar10, fashion-mnist, mnist) with
+DistributedDataParallel: N GPUs on one or many nodes, or N CPU processes (gloo) on a laptop.
+Start it with torchrun:
 
     torchrun --standalone --nproc_per_node=4 train_ddp.py --batch-size 1024 --epochs 100 \\
         --base-lr 0.04 --target-accuracy 0.95 --patience 2
     torchrun --standalone --nproc_per_node=2 train_ddp.py --synthetic --epochs 1 --limit-batches 5
+    torchrun --standalone --nproc_per_node=4 train_ddp.py --dataset fashion-mnist --epochs 10
     torchrun --standalone --nproc_per_node=4 train_ddp.py --checkpoint-dir ckpt --resume  # continue a run
     sbatch --account=nnXXXXk multigpu_job.sh --epochs 10     # 4 GPUs, one node
     sbatch --account=nnXXXXk multinode_job.sh --epochs 10    # 2 nodes x 4 GPUs

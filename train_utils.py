@@ -29,7 +29,8 @@ from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, Stop
                               atomic_save, check_resumable, check_writable, check_writable_dir, continues_run,
                               data_fingerprint, epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics,
                               restore, restore_rng, rng_snapshot)
-from dataset_utils import DATA_NAME, LOADERS, NUM_CLASSES, load_cifar100, set_loader_epoch
+from data_formats import DATASETS
+from dataset_utils import LOADERS, load_data, set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
                           env_rank, from_rank0, gather_objects, network_report, peak_memory_gib, reset_peak_memory,
                           synchronize)
@@ -123,15 +124,21 @@ def build_parser(description):
                              "(CUDA only); fp32 = strict fp32")
 
     data = parser.add_argument_group("data")
+    data.add_argument("--dataset", choices=DATASETS, default="cifar100",
+                      help="the data set, and with it the model's classes and input channels and the "
+                           "augmentation: " + "; ".join(f"{spec.name}: {spec.augmentation()}"
+                                                         for spec in DATASETS.values()))
     data.add_argument("--data-dir", metavar="DIR", default=None,
-                      help="directory holding cifar-100-python/ (default: datasets/ beside the scripts)")
+                      help="directory holding the data set's folder as torchvision lays it out "
+                           "(cifar-100-python/, cifar-10-batches-py/, FashionMNIST/raw/, MNIST/raw/; default: "
+                           "datasets/ beside the scripts)")
     data.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                      help="download CIFAR-100 (global rank 0 only) if it is missing")
+                      help="download the data set (global rank 0 only) if it is missing")
     data.add_argument("--synthetic", action="store_true",
-                      help="random images and labels of CIFAR-100's shape and size instead of the data "
-                           "set: for smoke tests and throughput; accuracy is meaningless")
+                      help="random images and labels of the data set's shape and size instead of its files: "
+                           "for smoke tests and throughput; accuracy is meaningless")
     data.add_argument("--loader", choices=LOADERS, default="device",
-                      help="device = the data set (uint8, 150 MB) lives on the GPU (or in CPU memory) and is "
+                      help="device = the data set (uint8, 150 MB for CIFAR) lives on the GPU (or in CPU memory) and is "
                            "cropped, flipped and normalized there in batches, no CPU time per image; "
                            "torchvision = the guide's DataLoader with --num-workers worker processes")
     data.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
@@ -342,16 +349,18 @@ def make_loaders(args, ctx):
     workers = 0
     if args.loader == "torchvision":
         workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
-    return load_cifar100(per_process_batch(args.batch_size, ctx.world_size), num_workers=workers,
-                         data_dir=args.data_dir, loader=args.loader, device=ctx.device, rank=ctx.rank,
-                         world_size=ctx.world_size, seed=args.seed, download=args.download,
-                         synthetic=args.synthetic, pin_memory=ctx.device.type == "cuda")
+    return load_data(per_process_batch(args.batch_size, ctx.world_size), num_workers=workers,
+                     data_dir=args.data_dir, dataset=args.dataset, loader=args.loader, device=ctx.device,
+                     rank=ctx.rank, world_size=ctx.world_size, seed=args.seed, download=args.download,
+                     synthetic=args.synthetic, pin_memory=ctx.device.type == "cuda")
 
 
 def build_model(args, ctx):
-    """The guide's model on this rank's device, the same initial weights on every rank."""
+    """The guide's model for the data set's classes and channels on this rank's device, the
+    same initial weights on every rank."""
     torch.manual_seed(args.seed)
-    model = WideResNet(num_classes=NUM_CLASSES)
+    spec = DATASETS[args.dataset]
+    model = WideResNet(num_classes=spec.num_classes, in_channels=spec.channels)
     if args.weights:
         load_weights(model, args.weights)
     # Each epoch then reseeds per rank (epoch_seed).
@@ -395,7 +404,8 @@ def check_state_fits(model, state, source):
     reshaped = [k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or reshaped:
         example = sorted(missing or unexpected or reshaped)[0]
-        raise UserError(f"{source} does not fit WideResNet(num_classes={NUM_CLASSES}): "
+        raise UserError(f"{source} does not fit WideResNet(num_classes={model.fc.out_features}, "
+                        f"in_channels={model.input_block.cbr[0].in_channels}): "
                         f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
                         f"differently shaped tensors (e.g. {example})")
 
@@ -456,7 +466,7 @@ def train_steps(run, batches, state):
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
                         first=start)
     for step, (x, y) in enumerate(batches, start=start + 1):
-        # (B, 3, 32, 32), (B,). Asynchronous from pinned memory; no-ops for the device loader.
+        # (B, C, H, W), (B,). Asynchronous from pinned memory; no-ops for the device loader.
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
@@ -550,7 +560,7 @@ def evaluate(run, loader, label="Evaluation"):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         with precision.autocast(device):
-            logits = model(x)  # (B, 100)
+            logits = model(x)  # (B, classes)
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         count += y.size(0)
@@ -577,8 +587,9 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                         f"{train_loader.batch_size} per process; lower --batch-size")
     channels_last = memory_format(args, ctx.device) == torch.channels_last  # the model's, from build_model
     name = device_name(ctx.device)
-    header = (describe_evaluation(args, ctx, name, precision, channels_last, test_loader, DATA_NAME) if args.eval_only
-              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, DATA_NAME))
+    spec = DATASETS[args.dataset]
+    header = (describe_evaluation(args, ctx, name, precision, channels_last, test_loader, spec) if args.eval_only
+              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec))
     for line in header:
         log.info(line)
     if ctx.process_group:
@@ -595,7 +606,7 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
                scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
                loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
                memory_format=memory_format(args, ctx.device), ctx=ctx, args=args, log=log, steps=steps,
-               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic),
+               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic, args.dataset),
                checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name,
                test_size=len(test_loader.dataset))
 
@@ -681,7 +692,8 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
             "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
             "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.args.loader,
-            "precision": run.precision.name, "synthetic": run.args.synthetic, "data": DATA_NAME,
+            "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "dataset": run.args.dataset,
             "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

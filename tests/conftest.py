@@ -1,9 +1,10 @@
-"""Shared helpers: a tiny CIFAR-100 in the real on-disk format, and subprocess runners.
+"""Shared helpers: tiny data sets in the real on-disk formats, and subprocess runners.
 
 Every test runs on the CPU; nothing is downloaded. The training scripts are run as users
 run them (python ..., torchrun ..., bash job.sh), so their exit codes and output are tested.
 """
 
+import gzip
 import json
 import os
 import pickle
@@ -28,11 +29,13 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 FAST = ("--num-workers", "0")
 
 
-def learnable_images(labels, rng, height, width, channels):
+def learnable_images(labels, rng, height, width, channels, classes=10):
     """uint8 images (N, height, width, channels) a network can learn to classify: a colour set
-    by the label (10 levels 20 apart per channel) plus noise of standard deviation 20."""
+    by the label (``classes`` levels 200 / classes apart per channel) plus noise of standard
+    deviation 20."""
     labels = np.asarray(labels)[:, None, None, None]
-    colour = 28 + (labels * 20 + np.arange(channels) * 70) % 200  # (N, 1, 1, C)
+    step = 200 // classes
+    colour = 28 + (labels * step + np.arange(channels) * 70) % (step * classes)  # (N, 1, 1, C)
     return np.clip(colour + rng.normal(0, 20, (len(labels), height, width, channels)), 0, 255).astype(np.uint8)
 
 
@@ -48,7 +51,7 @@ def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None, classe
         if split == "test" and test_labels is not None:
             labels = list(test_labels)
         if learnable:  # stored as R, G, B planes per image
-            data = learnable_images(labels, rng, 32, 32, 3).transpose(0, 3, 1, 2).reshape(n, 3072)
+            data = learnable_images(labels, rng, 32, 32, 3, classes).transpose(0, 3, 1, 2).reshape(n, 3072)
         else:
             data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         entry = {
@@ -64,6 +67,68 @@ def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None, classe
         pickle.dump({"fine_label_names": [f"class_{i}" for i in range(100)],
                      "coarse_label_names": [f"super_{i}" for i in range(20)]}, f, protocol=2)
     return Path(root)
+
+
+def _labels_and_images(rng, n, classes, shape, learnable):
+    """(labels list, uint8 images (n, H, W, C)): noise, or learnable_images of ``learnable``
+    classes (an int; True: all of ``classes``)."""
+    if learnable:
+        classes = classes if learnable is True else learnable
+        labels = rng.integers(0, classes, n).tolist()
+        return labels, learnable_images(labels, rng, *shape, classes=classes)
+    labels = rng.integers(0, classes, n).tolist()
+    return labels, rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+
+
+def write_cifar10(root, n_train=50, n_test=20, seed=0, learnable=False):
+    """cifar-10-batches-py/ as the official archive has it: data_batch_1..5 (the training
+    images split in 5), test_batch and batches.meta, pickled dicts with 'data' (N, 3072)
+    uint8 in R, G, B planes and 'labels'."""
+    rng = np.random.default_rng(seed)
+    folder = Path(root) / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    batches = [(f"data_batch_{i + 1}", n) for i, n in enumerate(np.diff(np.linspace(0, n_train, 6).astype(int)))]
+    for name, n in (*batches, ("test_batch", n_test)):
+        labels, images = _labels_and_images(rng, int(n), 10, (32, 32, 3), learnable)
+        entry = {"batch_label": name, "labels": labels, "filenames": [f"{i}.png" for i in range(int(n))],
+                 "data": images.transpose(0, 3, 1, 2).reshape(int(n), 3072)}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class_{i}" for i in range(10)], "num_cases_per_batch": n_train // 5}, f)
+    return Path(root)
+
+
+def idx_bytes(array, magic):
+    """The idx format: magic number and dimensions as big-endian int32, then the uint8 data."""
+    return np.array([magic, *array.shape], dtype=">i4").tobytes() + array.astype(np.uint8).tobytes()
+
+
+def write_idx(root, folder, n_train=60, n_test=20, seed=0, learnable=False, gzipped=False):
+    """MNIST or Fashion-MNIST as torchvision keeps them: ``folder`` (MNIST or FashionMNIST)/raw/
+    {train,t10k}-{images-idx3,labels-idx1}-ubyte, gzipped (.gz, as downloaded) or not."""
+    rng = np.random.default_rng(seed)
+    raw = Path(root) / folder / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels, images = _labels_and_images(rng, n, 10, (28, 28, 1), learnable)
+        for name, data in ((f"{prefix}-images-idx3-ubyte", idx_bytes(images[..., 0], 2051)),
+                           (f"{prefix}-labels-idx1-ubyte", idx_bytes(np.array(labels), 2049))):
+            if gzipped:
+                (raw / f"{name}.gz").write_bytes(gzip.compress(data))
+            else:
+                (raw / name).write_bytes(data)
+    return Path(root)
+
+
+def write_dataset(root, name, learnable=False, **sizes):
+    """A tiny copy of data set ``name`` (a --dataset value) in its real on-disk format."""
+    if name == "cifar100":
+        classes = 100 if learnable is False else 10 if learnable is True else learnable
+        return write_cifar100(root, classes=classes, learnable=bool(learnable), **sizes)
+    if name == "cifar10":
+        return write_cifar10(root, learnable=learnable, **sizes)
+    return write_idx(root, {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[name], learnable=learnable, **sizes)
 
 
 @pytest.fixture

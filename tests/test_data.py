@@ -1,6 +1,8 @@
-"""dataset_utils.py: reading CIFAR-100's format, transforms, errors, download, sharding."""
+"""dataset_utils.py and data_formats.py on CIFAR-100: reading its format, transforms, errors,
+download, sharding. The other data sets: test_datasets.py."""
 
 import io
+import pickle
 import tarfile
 import urllib.error
 from collections import Counter
@@ -19,7 +21,7 @@ def test_reader_matches_torchvision(cifar_dir, monkeypatch):
     monkeypatch.setattr(torchvision.datasets.CIFAR100, "_check_integrity", lambda self: True)
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
     for split in ("train", "test"):
-        images, labels = du.read_split(cifar_dir, split)
+        images, labels = du.read_split(cifar_dir, split, du.CIFAR100)
         reference = torchvision.datasets.CIFAR100(str(cifar_dir), train=split == "train", download=False)
         assert images.dtype == np.uint8 and images.shape == reference.data.shape
         np.testing.assert_array_equal(images, reference.data)
@@ -28,8 +30,8 @@ def test_reader_matches_torchvision(cifar_dir, monkeypatch):
 
 def test_evaluation_images_are_only_normalized(cifar_dir):
     _, test_set = du.build_datasets(cifar_dir)
-    images, _ = du.read_split(cifar_dir, "test")
-    mean, std = torch.tensor(du.CIFAR100_MEAN)[:, None, None], torch.tensor(du.CIFAR100_STD)[:, None, None]
+    images, _ = du.read_split(cifar_dir, "test", du.CIFAR100)
+    mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
     for index in (0, 7):
         expected = (torch.from_numpy(images[index]).permute(2, 0, 1).float() / 255 - mean) / std
         first, second = test_set[index][0], test_set[index][0]
@@ -39,10 +41,10 @@ def test_evaluation_images_are_only_normalized(cifar_dir):
 
 def test_training_images_are_flipped_and_padded_crops(cifar_dir):
     train_set, _ = du.build_datasets(cifar_dir)
-    image = torch.from_numpy(du.read_split(cifar_dir, "train")[0][3]).permute(2, 0, 1).float() / 255
+    image = torch.from_numpy(du.read_split(cifar_dir, "train", du.CIFAR100)[0][3]).permute(2, 0, 1).float() / 255
     padded = torch.nn.functional.pad(image, (4, 4, 4, 4))  # zero padding, as RandomCrop(padding=4)
     candidates = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)]
-    mean, std = torch.tensor(du.CIFAR100_MEAN)[:, None, None], torch.tensor(du.CIFAR100_STD)[:, None, None]
+    mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
     torch.manual_seed(0)
     seen = set()
     for _ in range(40):
@@ -63,24 +65,24 @@ def test_truncated_file_is_named(cifar_dir):
     path = cifar_dir / "cifar-100-python" / "train"
     path.write_bytes(path.read_bytes()[:5000])
     with pytest.raises(du.DatasetError, match="train is truncated or corrupted") as info:
-        du.read_split(cifar_dir, "train")
+        du.read_split(cifar_dir, "train", du.CIFAR100)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_wrongly_shaped_data_is_reported(tmp_path):
     root = write_cifar100(tmp_path)
     path = root / "cifar-100-python" / "test"
-    entry = du.pickle.loads(path.read_bytes(), encoding="latin1")
+    entry = pickle.loads(path.read_bytes(), encoding="latin1")
     entry["data"] = entry["data"][:, :1000]
-    path.write_bytes(du.pickle.dumps(entry, protocol=2))
+    path.write_bytes(pickle.dumps(entry, protocol=2))
     with pytest.raises(du.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
-        du.read_split(root, "test")
+        du.read_split(root, "test", du.CIFAR100)
 
 
 def test_missing_data_without_download_says_what_to_run(tmp_path):
     with pytest.raises(du.DatasetError) as info:
-        du.prepare_cifar100(tmp_path / "nothing", download=False)
-    assert f"python dataset_utils.py --data-dir {tmp_path / 'nothing'}" in str(info.value)
+        du.prepare(tmp_path / "nothing", du.CIFAR100, download=False)
+    assert f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'nothing'}" in str(info.value)
     assert not (tmp_path / "nothing").exists()  # nothing created for a failed run
 
 
@@ -90,7 +92,7 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
     with pytest.raises(du.DatasetError) as info:
-        du.prepare_cifar100(tmp_path / "new" / "datasets", download=True)
+        du.prepare(tmp_path / "new" / "datasets", du.CIFAR100, download=True)
     message = str(info.value)
     assert message.startswith(f"CIFAR-100 not found in {tmp_path / 'new' / 'datasets' / 'cifar-100-python'} and "
                               "downloading it failed")
@@ -99,7 +101,7 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(du.DatasetError):
-        du.prepare_cifar100(tmp_path / "mine", download=True)
+        du.prepare(tmp_path / "mine", du.CIFAR100, download=True)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # what was there stays
 
 
@@ -107,7 +109,7 @@ def test_a_missing_file_is_named(cifar_dir):
     (cifar_dir / "cifar-100-python" / "meta").unlink()
     with pytest.raises(du.DatasetError, match=f"^CIFAR-100 in {cifar_dir / 'cifar-100-python'} is incomplete: meta "
                                               "missing; fetch it first with: python dataset_utils.py"):
-        du.prepare_cifar100(cifar_dir, download=False)
+        du.prepare(cifar_dir, du.CIFAR100, download=False)
 
 
 def _fake_archive(tmp_path):
@@ -130,20 +132,21 @@ def test_download_unpacks_into_place_and_keeps_existing_files(tmp_path, monkeypa
     root = tmp_path / "datasets"
     (root / "cifar-100-python").mkdir(parents=True)
     (root / "cifar-100-python" / "meta").write_bytes(b"already here")
-    du.prepare_cifar100(root, download=True)
+    du.prepare(root, du.CIFAR100, download=True)
     assert calls == [torchvision.datasets.CIFAR100.url]
     assert (root / "cifar-100-python" / "meta").read_bytes() == b"already here"
-    assert len(du.read_split(root, "train")[1]) == 16 and len(du.read_split(root, "test")[1]) == 8
-    assert not list(root.glob(".unpack-*"))  # the temporary folder is gone
-    du.prepare_cifar100(root, download=True)
+    assert [len(du.read_split(root, split, du.CIFAR100)[1]) for split in ("train", "test")] == [16, 8]
+    assert sorted(p.name for p in root.iterdir()) == ["cifar-100-python"]  # no archive, no temporary folder
+    du.prepare(root, du.CIFAR100, download=True)
     assert len(calls) == 1  # present: not downloaded again
 
 
 def test_only_global_rank_0_fetches_and_the_data_set_is_built_once(cifar_dir, monkeypatch):
     prepared, reads = [], Counter()
-    real_prepare, real_read = du.prepare_cifar100, du.read_split
-    monkeypatch.setattr(du, "prepare_cifar100", lambda *a: prepared.append(a) or real_prepare(*a))
-    monkeypatch.setattr(du, "read_split", lambda root, split: reads.update([split]) or real_read(root, split))
+    real_prepare, real_read = du.prepare, du.read_split
+    monkeypatch.setattr(du, "prepare", lambda *a: prepared.append(a) or real_prepare(*a))
+    monkeypatch.setattr(du, "read_split",
+                        lambda root, split, spec: reads.update([split]) or real_read(root, split, spec))
     du.load_cifar100(8, data_dir=cifar_dir, rank=1, world_size=2)
     assert prepared == [] and reads == Counter(train=1, test=1)
     du.load_cifar100(8, data_dir=cifar_dir, rank=0, world_size=2)
@@ -164,7 +167,8 @@ def test_every_test_image_is_evaluated_once_across_ranks(tmp_path):
     for rank in range(2):
         _, test_loader = du.load_cifar100(8, data_dir=root, rank=rank, world_size=2)
         seen += [label for _, labels in test_loader for label in labels.tolist()]
-    assert sorted(seen) == sorted(du.read_split(root, "test")[1].tolist())  # 41: no image dropped or repeated
+    # 41: no image dropped or repeated
+    assert sorted(seen) == sorted(du.read_split(root, "test", du.CIFAR100)[1].tolist())
 
 
 def _epoch_indices(loader, epoch):

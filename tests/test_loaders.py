@@ -11,16 +11,16 @@ from torch.utils.data.distributed import DistributedSampler
 import dataset_utils as du
 
 CPU = torch.device("cpu")
-MEAN = torch.tensor(du.CIFAR100_MEAN).view(1, 3, 1, 1)
-STD = torch.tensor(du.CIFAR100_STD).view(1, 3, 1, 1)
+MEAN = torch.tensor(du.CIFAR100.mean).view(1, 3, 1, 1)
+STD = torch.tensor(du.CIFAR100.std).view(1, 3, 1, 1)
 
 
 def indexed_sets(n_train, n_test=10, images=None):
     """Data sets whose label is the image's index, so a batch's labels say which images it holds."""
     if images is None:
         images = np.random.default_rng(0).integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8)
-    train = du.CIFAR100Images(images, np.arange(n_train), du.train_transform())
-    test = du.CIFAR100Images(images[:n_test], np.arange(n_test), du.eval_transform())
+    train = du.InMemoryImages(images, np.arange(n_train), du.train_transform())
+    test = du.InMemoryImages(images[:n_test], np.arange(n_test), du.eval_transform())
     return train, test
 
 
@@ -81,13 +81,14 @@ def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
     offsets = torch.tensor([(top, left) for top, left, _ in combos])
     flips = torch.tensor([flip for _, _, flip in combos])
-    on_device = du.normalize(du.crop_flip(torch.from_numpy(image).expand(len(combos), -1, -1, -1), offsets, flips),
-                             du.normalization_table())
-    dataset = du.CIFAR100Images(image[None], np.zeros(1), du.train_transform())
+    on_device = du.normalize(du.crop_flip(torch.from_numpy(image).expand(len(combos), -1, -1, -1), offsets, flips,
+                                          du.CIFAR100.padding),
+                             du.normalization_table(du.CIFAR100.mean, du.CIFAR100.std))
+    dataset = du.InMemoryImages(image[None], np.zeros(1), du.train_transform())
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).
-        cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, du.PADDING), top, left, 32, 32)
-        reference = TF.normalize(TF.to_tensor(cropped), du.CIFAR100_MEAN, du.CIFAR100_STD)
+        cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, du.CIFAR100.padding), top, left, 32, 32)
+        reference = TF.normalize(TF.to_tensor(cropped), du.CIFAR100.mean, du.CIFAR100.std)
         assert torch.equal(on_device[k], reference), ("device", top, left, flip)
         assert torch.equal(dataset[(0, top, left, flip)][0], reference), ("torchvision", top, left, flip)
 
@@ -103,9 +104,9 @@ def test_device_augmentation_has_the_guides_distribution():
     # The centre pixel always comes from the image: it gives the crop offset in the padded image.
     src_row, src_col = out[:, 16, 16, 0] - 1, out[:, 16, 16, 1] - 1
     flipped = out[:, 16, 17, 1] < out[:, 16, 16, 1]
-    top = src_row - 16 + du.PADDING
+    top = src_row - 16 + du.CIFAR100.padding
     # Flipped: output column j shows source column (31 - (left - PADDING) - j).
-    left = torch.where(flipped, 31 - 16 + du.PADDING - src_col, src_col - 16 + du.PADDING)
+    left = torch.where(flipped, 31 - 16 + du.CIFAR100.padding - src_col, src_col - 16 + du.CIFAR100.padding)
     for offset in (top, left):
         counts = torch.bincount(offset, minlength=9).double()
         assert len(counts) == 9  # nothing outside 0..8
@@ -114,7 +115,7 @@ def test_device_augmentation_has_the_guides_distribution():
     assert abs(flipped.double().mean().item() - 0.5) < 0.025  # 5 standard deviations
     # Zero padding: a crop offset by d rows from the centre shows |d| rows of zeros.
     zero_rows = (out[..., 0] == 0).all(dim=2).sum(dim=1)
-    assert torch.equal(zero_rows, (top - du.PADDING).abs())
+    assert torch.equal(zero_rows, (top - du.CIFAR100.padding).abs())
 
 
 def test_device_augmentation_is_a_function_of_seed_epoch_and_rank():
@@ -155,4 +156,4 @@ def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_d
 
     assert parameters(1) == parameters(1) != parameters(2)  # each epoch augments anew
     offsets = torch.tensor([key[1:3] for key in parameters(1)])
-    assert offsets.min() == 0 and offsets.max() == 2 * du.PADDING
+    assert offsets.min() == 0 and offsets.max() == 2 * du.CIFAR100.padding

@@ -57,7 +57,7 @@ def test_tables_say_what_the_files_say(metrics, capsys):
         assert row["img/s after epoch 1"] == f"{_rate(records[1:]):,.1f}"  # epoch 1 left out
 
     # The guide's table: epoch 2 only, the same batch per process, against the 1-process run.
-    scaling = _rows(out, "Scaling: CIFAR-100, 4 images per process, fp32, device loader")
+    scaling = _rows(out, "Scaling: cifar100, 4 images per process, fp32, device loader")
     assert [row["Processes"] for row in scaling] == ["1", "2"]
     speedup = _rate(two[1:]) / _rate(one[1:])
     assert scaling[0]["Speedup"] == "1.00x" and scaling[0]["Scaling efficiency"] == "100%"

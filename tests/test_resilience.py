@@ -176,9 +176,12 @@ def _fits(model):
 
 def test_resume_refuses_another_model_data_set_or_recipe():
     args = tu.parse_args("x", ["--batch-size", "256"])
-    data = {"synthetic": False, "train_images": 50000, "test_images": 10000, "train_labels_sha256": "a"}
+    data = {"dataset": "cifar100", "synthetic": False, "train_images": 50000, "test_images": 10000,
+            "train_labels_sha256": "a"}
     model = WideResNet(num_classes=100)
     cu.check_resumable(_checkpoint_like(args, data, model), args, data, _fits(model))  # the same run: fine
+    before = {k: v for k, v in data.items() if k != "dataset"}  # a checkpoint from before --dataset: CIFAR-100
+    cu.check_resumable(_checkpoint_like(args, before, model), args, data, _fits(model))
     with pytest.raises(UserError, match="does not fit WideResNet"):
         cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, _fits(model))
     with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "

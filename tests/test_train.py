@@ -98,8 +98,8 @@ def assert_one_line_error(returncode, stderr, expected):
 
 def test_missing_data_offline_as_a_real_process(tmp_path):
     result = run(python_cmd("train.py", "--no-download", "--data-dir", tmp_path / "empty"), cwd=tmp_path)
-    assert_one_line_error(result.returncode, result.stderr,
-                          f"fetch it first with: python dataset_utils.py --data-dir {tmp_path / 'empty'}")
+    hint = f"fetch it first with: python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'empty'}"
+    assert_one_line_error(result.returncode, result.stderr, hint)
     assert result.stdout == ""
 
 

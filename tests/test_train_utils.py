@@ -196,7 +196,7 @@ def test_fast_settings_by_default():
 def _train_two_steps(flags):
     """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
     rng = np.random.default_rng(0)
-    data = du.CIFAR100Images(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
+    data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
                              du.train_transform())
     args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *flags])
     train_loader, test_loader = du.build_loaders(data, data, 8, loader="device")

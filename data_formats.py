@@ -1,0 +1,267 @@
+"""The four data sets on disk: what they are, where their files go, how they are fetched, and
+how they are read and checked. Files are torchvision's own layout, so a folder torchvision
+filled works here and the other way round:
+
+    cifar100       DIR/cifar-100-python/{train,test,meta}                  Python pickles
+    cifar10        DIR/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}
+    fashion-mnist  DIR/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
+    mnist          DIR/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
+
+Every reader returns (images uint8 (N, H, W, C), labels int64 (N,)) and turns a missing,
+truncated or corrupted file into one line naming the file. A download is checked (md5, by
+torchvision) and moved into place file by file, so an interrupted one never looks complete,
+files already present are never overwritten, and a failed one leaves nothing behind.
+"""
+
+import gzip
+import pickle
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from device_utils import UserError
+
+IDX_IMAGES, IDX_LABELS = 2051, 2049  # the idx files' magic numbers: uint8 data, 3 or 1 dimensions
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """One data set: its files, shape, classes and the augmentation and normalization used."""
+    name: str                 # the --dataset value
+    title: str                # for people
+    folder: str               # under --data-dir, as torchvision lays it out
+    num_classes: int
+    image_shape: tuple        # (H, W, C) of the stored uint8 images
+    split_sizes: dict         # images per split in the official files
+    mean: tuple               # per channel, of the training images scaled to 0..1
+    std: tuple
+    padding: int              # zero padding (pixels) around the image before the random crop
+    flip: bool                # random horizontal flips (not for digits: a mirrored 3 is no 3)
+    files: dict               # split -> the files it is read from (names inside ``folder``)
+    extra_files: tuple = ()   # present in the official folder, checked, not read (class names)
+
+    @property
+    def channels(self):
+        return self.image_shape[2]
+
+    def augmentation(self):
+        return (f"{'random horizontal flip, ' if self.flip else 'no flips, '}random {self.image_shape[0]}x"
+                f"{self.image_shape[1]} crop of the {self.padding}-pixel zero-padded image, normalized with "
+                f"mean {self.mean} and std {self.std}")
+
+
+_IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+DATASETS = {spec.name: spec for spec in (
+    DataSpec("cifar100", "CIFAR-100", "cifar-100-python", 100, (32, 32, 3), {"train": 50_000, "test": 10_000},
+             (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), padding=4, flip=True,
+             files={"train": ("train",), "test": ("test",)}, extra_files=("meta",)),
+    DataSpec("cifar10", "CIFAR-10", "cifar-10-batches-py", 10, (32, 32, 3), {"train": 50_000, "test": 10_000},
+             (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), padding=4, flip=True,
+             files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
+             extra_files=("batches.meta",)),
+    DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
+             (0.2860,), (0.3530,), padding=2, flip=True, files=_IDX),
+    DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
+             (0.1307,), (0.3081,), padding=2, flip=False, files=_IDX),
+)}
+
+
+class DatasetError(UserError):
+    """Data missing, not downloadable, truncated or corrupted."""
+
+
+def default_data_dir() -> Path:
+    """``datasets/`` beside the scripts, as in the guide."""
+    return Path(__file__).resolve().parent / "datasets"
+
+
+def fetch_hint(root, spec) -> str:
+    return f"python dataset_utils.py --dataset {spec.name} --data-dir {root}"
+
+
+def _is_idx(spec):
+    return spec.folder.endswith("/raw")
+
+
+def file_path(root, spec, name):
+    """Where file ``name`` of ``spec`` is: an idx file may be stored gzipped (name.gz) too."""
+    path = Path(root) / spec.folder / name
+    if _is_idx(spec) and not path.is_file() and path.with_name(name + ".gz").is_file():
+        return path.with_name(name + ".gz")
+    return path
+
+
+def missing_files(root, spec) -> list:
+    names = [name for split in ("train", "test") for name in spec.files[split]] + list(spec.extra_files)
+    return [name for name in names if not file_path(root, spec, name).is_file()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fetching.
+
+def prepare(root, spec, download=True):
+    """Make sure the files are in ``root``, downloading them if allowed. One line on failure,
+    naming what is missing; a failed download leaves nothing behind that was not there."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise DatasetError(f"--data-dir {root} is a file, not a directory")
+    missing = missing_files(root, spec)
+    if not missing:
+        return
+    total = sum(len(names) for names in spec.files.values()) + len(spec.extra_files)
+    what = (f"{spec.title} not found in {root / spec.folder}" if len(missing) == total
+            else f"{spec.title} in {root / spec.folder} is incomplete: {', '.join(missing)} missing")
+    if not download:
+        raise DatasetError(f"{what}; fetch it first with: {fetch_hint(root, spec)}")
+    created = _new_folders(root / spec.folder)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:  # same file system as the data
+            (_download_idx if _is_idx(spec) else _download_cifar)(root, spec, Path(tmp))
+    except (OSError, RuntimeError, tarfile.TarError, EOFError) as err:
+        for folder in created:  # deepest first; only if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise DatasetError(f"{what} and downloading it failed ({reason}); on a machine with internet (e.g. a "
+                           f"login node) run: {fetch_hint(root, spec)}") from None
+
+
+def _new_folders(folder):
+    """The folders of ``folder``'s path that do not exist yet, deepest first."""
+    folder = Path(folder).absolute()
+    return [p for p in (folder, *folder.parents) if not p.exists()]
+
+
+def _move_into_place(source, target):
+    """Move ``source`` to ``target`` unless a file is there already (never overwritten)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        shutil.move(str(source), target)  # a rename on one file system
+
+
+def _download_cifar(root, spec, tmp):
+    """The official archive (md5-checked by torchvision), unpacked in ``tmp``, then each missing
+    file moved into place."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+    from torchvision.datasets.utils import download_url
+
+    source = CIFAR100 if spec.name == "cifar100" else CIFAR10
+    download_url(source.url, str(tmp), source.filename, source.tgz_md5)
+    with tarfile.open(tmp / source.filename, "r:gz") as archive:
+        # filter="data" refuses links and paths outside tmp (Python >= 3.11.4 / 3.12).
+        archive.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    for name in missing_files(root, spec):
+        _move_into_place(tmp / source.base_folder / name, root / spec.folder / name)
+
+
+def _download_idx(root, spec, tmp):
+    """Each missing file, gzipped, from the first of torchvision's mirrors that serves it
+    (md5-checked), then moved into place; it is read gzipped."""
+    from torchvision.datasets import MNIST, FashionMNIST
+    from torchvision.datasets.utils import download_url
+
+    source = MNIST if spec.name == "mnist" else FashionMNIST
+    md5s = dict(source.resources)
+    for name in missing_files(root, spec):
+        errors = []
+        for mirror in source.mirrors:
+            try:
+                download_url(f"{mirror}{name}.gz", str(tmp), f"{name}.gz", md5s[f"{name}.gz"])
+                break
+            except (OSError, RuntimeError) as err:
+                errors.append(f"{mirror}: {' '.join(str(err).split()) or type(err).__name__}")
+        else:
+            raise RuntimeError("; ".join(errors))
+        _move_into_place(tmp / f"{name}.gz", root / spec.folder / f"{name}.gz")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading.
+
+def read_split(root, split, spec):
+    """One split: (images uint8 (N, H, W, C), labels int64 (N,)), checked."""
+    reader = _read_idx if _is_idx(spec) else _read_cifar
+    images, labels = reader(root, split, spec)
+    if len(labels) and (labels.min() < 0 or labels.max() >= spec.num_classes):
+        path = file_path(root, spec, spec.files[split][-1])
+        raise DatasetError(f"{path} is corrupted: labels outside 0..{spec.num_classes - 1}; "
+                           f"{_refetch(root, spec)}", same_on_every_rank=False)
+    return images, labels
+
+
+def _refetch(root, spec):
+    return f"delete it and fetch again with: {fetch_hint(root, spec)}"
+
+
+def _read_cifar(root, split, spec):
+    """Pickled dicts: 'data' (N, H * W * C) uint8 in R, G, B planes per image, and the labels
+    ('fine_labels' in CIFAR-100, 'labels' in CIFAR-10). A training split of several files
+    (CIFAR-10's five batches) is concatenated."""
+    height, width, channels = spec.image_shape
+    pixels, key = height * width * channels, "fine_labels" if spec.name == "cifar100" else "labels"
+    parts = []
+    for name in spec.files[split]:
+        path = file_path(root, spec, name)
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")  # Python 2 pickles, as torchvision reads them
+            data, labels = np.asarray(entry["data"]), np.asarray(entry[key], dtype=np.int64)
+        except FileNotFoundError:
+            raise DatasetError(f"{path} is missing; {_refetch(root, spec)}", same_on_every_rank=False) from None
+        except Exception as err:  # a damaged pickle can raise almost anything
+            raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); "
+                               f"{_refetch(root, spec)}", same_on_every_rank=False) from None
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != pixels or len(labels) != len(data):
+            raise DatasetError(f"{path} is corrupted: expected uint8 data of shape (N, {pixels}) with N labels, "
+                               f"found {data.dtype} {data.shape} with {len(labels)} labels; {_refetch(root, spec)}",
+                               same_on_every_rank=False)
+        parts.append((data, labels))
+    data = np.concatenate([d for d, _ in parts])
+    images = data.reshape(-1, channels, height, width).transpose(0, 2, 3, 1)  # planes -> (N, H, W, C)
+    return np.ascontiguousarray(images), np.concatenate([labels for _, labels in parts])
+
+
+def _read_idx(root, split, spec):
+    """The idx format of MNIST and Fashion-MNIST: a big-endian header (magic number, then one
+    int32 per dimension), then uint8 data; images (N, 28, 28), labels (N,)."""
+    image_name, label_name = spec.files[split]
+    images = _read_idx_file(root, spec, image_name, IDX_IMAGES, spec.image_shape[:2])
+    labels = _read_idx_file(root, spec, label_name, IDX_LABELS, ())
+    if len(images) != len(labels):
+        raise DatasetError(f"{file_path(root, spec, label_name)} holds {len(labels)} labels for "
+                           f"{len(images)} images; {_refetch(root, spec)}", same_on_every_rank=False)
+    return images[..., None], labels.astype(np.int64)  # (N, H, W, 1)
+
+
+def _read_idx_file(root, spec, name, magic, item_shape):
+    path = file_path(root, spec, name)
+    dims = 1 + len(item_shape)
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DatasetError(f"{path} is missing; {_refetch(root, spec)}", same_on_every_rank=False) from None
+    except (OSError, EOFError) as err:  # gzip: a cut or damaged archive
+        raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); "
+                           f"{_refetch(root, spec)}", same_on_every_rank=False) from None
+    header = np.frombuffer(raw[:4 * (1 + dims)], dtype=">i4") if len(raw) >= 4 * (1 + dims) else None
+    if header is None or header[0] != magic or tuple(header[2:]) != tuple(item_shape):
+        found = "too short" if header is None else f"header {header.tolist()}"
+        raise DatasetError(f"{path} is corrupted: not an idx file of uint8 items of shape {item_shape} "
+                           f"(magic {magic}), {found}; {_refetch(root, spec)}", same_on_every_rank=False)
+    count, body = int(header[1]), raw[4 * (1 + dims):]
+    expected = count * int(np.prod(item_shape, dtype=np.int64))
+    if len(body) != expected:
+        raise DatasetError(f"{path} is truncated or corrupted: {len(body)} bytes of data for {count} items "
+                           f"({expected} expected); {_refetch(root, spec)}", same_on_every_rank=False)
+    return np.frombuffer(body, dtype=np.uint8).reshape(count, *item_shape).copy()
+
