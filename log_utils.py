@@ -138,8 +138,9 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # Start-up block, epoch lines, summary.
 
-def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec):
-    """The derived values, printed once at the start of training (``spec``: the DataSpec)."""
+def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec, continuing=False):
+    """The derived values, printed once at the start of training (``spec``: the DataSpec;
+    ``continuing``: the run in --checkpoint-dir is resumed)."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
@@ -154,7 +155,7 @@ def describe_run(args, ctx, name, precision, channels_last, train_loader, test_l
         f"Data: {describe_data(args, spec.title, train_loader, test_loader)}, {steps} steps per epoch",
         *size_warning(spec.title, train_loader, test_loader),
         f"Augmentation: {spec.augmentation()}",
-        f"Weights: {describe_weights(args)}",
+        f"Weights: {describe_weights(args, continuing)}",
         f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
         f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
@@ -210,7 +211,9 @@ def size_warning(data_name, train_loader, test_loader):
     return [f"WARNING: this {data_name} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
 
 
-def describe_weights(args):
+def describe_weights(args, continuing=False):
+    if continuing:
+        return f"from the newest readable checkpoint in {args.checkpoint_dir} (resuming)"
     if args.weights:
         return f"loaded from {args.weights}"
     return f"random initialization (--seed {args.seed})"
@@ -252,9 +255,9 @@ def summarize(records, ctx, test_size=None, wall_s=None):
     eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
     lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
              f"{accuracy_scope(last, test_size)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
-             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over {len(records)} epoch(s)"
-             + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading and checkpoints)"
-                if wall_s is not None else ""),
+             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's {len(records)} epoch(s)"
+             + (f" (before a resume too); wall time of this process {wall_s:.1f}s (with start-up, data loading "
+                "and checkpoints)" if wall_s is not None else ""),
              f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
     if len(records) > 1:
         lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "

@@ -82,7 +82,7 @@ def read_runs(path):
     not JSON (a line cut by a crash) and evaluation-only records (epoch 0) are skipped."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(errors="replace").splitlines()  # a binary file: no line parses
     except OSError as err:
         raise ReportError(f"{path}: {err.strerror or err}") from None
     runs, skipped = {}, 0
@@ -98,10 +98,10 @@ def read_runs(path):
             skipped += 1
             continue
         runs.setdefault(record.get("run_id", "?"), {})[record["epoch"]] = record  # a repeated epoch: the last
-    if skipped:
-        print(f"report.py: {path}: skipped {skipped} line(s) that are not epoch records", file=sys.stderr)
     if not runs:
         raise ReportError(f"{path} holds no epoch records (is it a --metrics-file of train.py or train_ddp.py?)")
+    if skipped:
+        print(f"report.py: {path}: skipped {skipped} line(s) that are not epoch records", file=sys.stderr)
     return [RunRecords(f"{path.name}" + (f" ({run_id})" if len(runs) > 1 else ""),
                        [epochs[e] for e in sorted(epochs)]) for run_id, epochs in runs.items()]
 
@@ -118,7 +118,7 @@ def read_gpu_log(path):
     that say [N/A] are skipped."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(errors="replace").splitlines()
     except OSError as err:
         raise ReportError(f"--gpu-log {path}: {err.strerror or err}") from None
     columns, rows = None, []

@@ -407,7 +407,7 @@ def check_state_fits(model, state, source):
         raise UserError(f"{source} does not fit WideResNet(num_classes={model.fc.out_features}, "
                         f"in_channels={model.input_block.cbr[0].in_channels}): "
                         f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
-                        f"differently shaped tensors (e.g. {example})")
+                        f"differently shaped tensors (e.g. {example}): weights of another model or --dataset?")
 
 
 def save_weights(model, path):
@@ -571,7 +571,7 @@ def evaluate(run, loader, label="Evaluation"):
     return eval_summary(*totals.tolist())
 
 
-def prepare_run(model, train_loader, test_loader, args, ctx):
+def prepare_run(model, train_loader, test_loader, args, ctx, continuing=False):
     """Build the optimizer, schedule, scaler and loss, and print the derived values once."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file)
@@ -589,7 +589,8 @@ def prepare_run(model, train_loader, test_loader, args, ctx):
     name = device_name(ctx.device)
     spec = DATASETS[args.dataset]
     header = (describe_evaluation(args, ctx, name, precision, channels_last, test_loader, spec) if args.eval_only
-              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec))
+              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec,
+                                continuing))
     for line in header:
         log.info(line)
     if ctx.process_group:
@@ -618,7 +619,7 @@ def fit(model, train_loader, test_loader, args, ctx):
     # Before anything is printed: a new run in another run's folder is refused at once.
     continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
                                                    ctx.control_group)
-    run = prepare_run(model, train_loader, test_loader, args, ctx)
+    run = prepare_run(model, train_loader, test_loader, args, ctx, continuing)
     run.clock = clock
     if args.eval_only:
         return [evaluate_once(run, test_loader)]

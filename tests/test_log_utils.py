@@ -121,7 +121,8 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
     text = "\n".join(lu.summarize(records, ctx, test_size=10_000, wall_s=9.5))
     assert "Final Accuracy: 0.2000 on 320 of 10000 test images (--limit-batches) (best 0.3000 at epoch 2)" in text
-    assert "Time: training 6.0s + evaluation 1.5s over 3 epoch(s); wall time of this process 9.5s" in text
+    assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epoch(s) (before a resume too); wall time of "
+            "this process 9.5s") in text
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
     assert "on all 320 test images" in "\n".join(lu.summarize(records, ctx, test_size=320))

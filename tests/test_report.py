@@ -129,6 +129,8 @@ def test_without_matplotlib_the_tables_and_a_one_line_hint(metrics, tmp_path, ca
     (lambda d: d / "missing.jsonl", "missing.jsonl: No such file or directory"),
     (lambda d: (d / "w.jsonl").write_text('{"epoch": 0, "val_accuracy": 0.5}\n') and d / "w.jsonl",
      "w.jsonl holds no epoch records (is it a --metrics-file"),
+    (lambda d: (d / "w.pt").write_bytes(b"PK\x03\x04\x80\xff binary") and d / "w.pt",  # weights, not metrics
+     "w.pt holds no epoch records"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, make, expected):
     assert report.main([str(make(tmp_path))]) == 2

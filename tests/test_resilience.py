@@ -140,6 +140,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
             f"archive: failed finding central directory); renamed it to {newest.name}.unreadable and trying the "
             "previous one\n") in result.stdout
     assert f"Resuming from {older}: epoch 3" in result.stdout and "Epoch 3/3:" in result.stdout
+    assert f"\nWeights: from the newest readable checkpoint in {tmp_path / 'ckpt'} (resuming)\n" in result.stdout
     for path in (tmp_path / "ckpt").glob("checkpoint_*.pt"):
         path.write_bytes(b"garbage")
     assert run_main("train.py", *args, "--resume") == 2
