@@ -80,7 +80,9 @@ def stopped_requeued_and_resumed(script, tmp_path, env, *extra_args, checkpoint_
     [stop_line] = [line for line in first.splitlines() if line.startswith("Stopped ")]
     assert "(--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
     assert f"Requeueing job {JOB_ID} before its time limit: it continues from {checkpoint_dir}" in first
-    assert "Traceback" not in first and "error" not in first.lower()
+    # The whole log on failure: the one failure seen (a c10d DistNetworkError at shutdown of the
+    # 2-node run, under heavy CPU load) was cut short by pytest's diff.
+    assert "Traceback" not in first and "error" not in first.lower(), first
     assert f"scontrol requeue {JOB_ID}" in (tmp_path / "stub.log").read_text()
     assert (tmp_path / stop_line.split("checkpoint ")[1].split(":")[0]).exists()
     assert len(read_metrics(tmp_path / "metrics.jsonl")) < 3
