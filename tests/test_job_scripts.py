@@ -141,6 +141,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     assert all(r["world_size"] == 2 for r in records)
     log = (tmp_path / "stub.log").read_text()
     assert f"--rdzv_endpoint=localhost:{port}" in log and f"--rdzv_id={JOB_ID}" in log
+    assert "--rdzv_backend=static" in log  # no rendezvous writes after training (see the script)
     assert "--bind /cluster/work/support/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
     seen = {line.split(" ", 1)[1] for line in log.splitlines() if line.startswith("container-env ")}
     hpe = {"FI_PROVIDER=cxi", "FI_CXI_RX_MATCH_MODE=hybrid", "FI_MR_CACHE_MONITOR=userfaultfd",
