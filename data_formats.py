@@ -42,11 +42,21 @@ class DataSpec:
     padding: int              # zero padding (pixels) around the image before the random crop
     flip: bool                # random horizontal flips (not for digits: a mirrored 3 is no 3)
     files: dict               # split -> the files it is read from (names inside ``folder``)
+    source: str               # torchvision's class for it: where the files are downloaded from
+    label_key: str = ""       # CIFAR pickles: the key of the labels ("" for idx files)
     extra_files: tuple = ()   # present in the official folder, checked, not read (class names)
 
     @property
     def channels(self):
         return self.image_shape[2]
+
+    @property
+    def is_idx(self):
+        """MNIST's idx files (else CIFAR's pickles)."""
+        return not self.label_key
+
+    def all_files(self):
+        return [name for split in ("train", "test") for name in self.files[split]] + list(self.extra_files)
 
     def augmentation(self):
         return (f"{'random horizontal flip, ' if self.flip else 'no flips, '}random {self.image_shape[0]}x"
@@ -60,15 +70,16 @@ _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 DATASETS = {spec.name: spec for spec in (
     DataSpec("cifar100", "CIFAR-100", "cifar-100-python", 100, (32, 32, 3), {"train": 50_000, "test": 10_000},
              (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), padding=4, flip=True,
-             files={"train": ("train",), "test": ("test",)}, extra_files=("meta",)),
+             files={"train": ("train",), "test": ("test",)}, source="CIFAR100", label_key="fine_labels",
+             extra_files=("meta",)),
     DataSpec("cifar10", "CIFAR-10", "cifar-10-batches-py", 10, (32, 32, 3), {"train": 50_000, "test": 10_000},
              (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), padding=4, flip=True,
              files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
-             extra_files=("batches.meta",)),
+             source="CIFAR10", label_key="labels", extra_files=("batches.meta",)),
     DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.2860,), (0.3530,), padding=2, flip=True, files=_IDX),
+             (0.2860,), (0.3530,), padding=2, flip=True, files=_IDX, source="FashionMNIST"),
     DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.1307,), (0.3081,), padding=2, flip=False, files=_IDX),
+             (0.1307,), (0.3081,), padding=2, flip=False, files=_IDX, source="MNIST"),
 )}
 
 
@@ -85,21 +96,16 @@ def fetch_hint(root, spec) -> str:
     return f"python dataset_utils.py --dataset {spec.name} --data-dir {root}"
 
 
-def _is_idx(spec):
-    return spec.folder.endswith("/raw")
-
-
 def file_path(root, spec, name):
     """Where file ``name`` of ``spec`` is: an idx file may be stored gzipped (name.gz) too."""
     path = Path(root) / spec.folder / name
-    if _is_idx(spec) and not path.is_file() and path.with_name(name + ".gz").is_file():
+    if spec.is_idx and not path.is_file() and path.with_name(name + ".gz").is_file():
         return path.with_name(name + ".gz")
     return path
 
 
 def missing_files(root, spec) -> list:
-    names = [name for split in ("train", "test") for name in spec.files[split]] + list(spec.extra_files)
-    return [name for name in names if not file_path(root, spec, name).is_file()]
+    return [name for name in spec.all_files() if not file_path(root, spec, name).is_file()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +120,7 @@ def prepare(root, spec, download=True):
     missing = missing_files(root, spec)
     if not missing:
         return
-    total = sum(len(names) for names in spec.files.values()) + len(spec.extra_files)
-    what = (f"{spec.title} not found in {root / spec.folder}" if len(missing) == total
+    what = (f"{spec.title} not found in {root / spec.folder}" if len(missing) == len(spec.all_files())
             else f"{spec.title} in {root / spec.folder} is incomplete: {', '.join(missing)} missing")
     if not download:
         raise DatasetError(f"{what}; fetch it first with: {fetch_hint(root, spec)}")
@@ -123,7 +128,7 @@ def prepare(root, spec, download=True):
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:  # same file system as the data
-            (_download_idx if _is_idx(spec) else _download_cifar)(root, spec, Path(tmp))
+            (_download_idx if spec.is_idx else _download_cifar)(root, spec, Path(tmp))
     except (OSError, RuntimeError, tarfile.TarError, EOFError) as err:
         for folder in created:  # deepest first; only if still empty
             try:
@@ -151,10 +156,10 @@ def _move_into_place(source, target):
 def _download_cifar(root, spec, tmp):
     """The official archive (md5-checked by torchvision), unpacked in ``tmp``, then each missing
     file moved into place."""
-    from torchvision.datasets import CIFAR10, CIFAR100
+    import torchvision.datasets
     from torchvision.datasets.utils import download_url
 
-    source = CIFAR100 if spec.name == "cifar100" else CIFAR10
+    source = getattr(torchvision.datasets, spec.source)
     download_url(source.url, str(tmp), source.filename, source.tgz_md5)
     with tarfile.open(tmp / source.filename, "r:gz") as archive:
         # filter="data" refuses links and paths outside tmp (Python >= 3.11.4 / 3.12).
@@ -166,10 +171,10 @@ def _download_cifar(root, spec, tmp):
 def _download_idx(root, spec, tmp):
     """Each missing file, gzipped, from the first of torchvision's mirrors that serves it
     (md5-checked), then moved into place; it is read gzipped."""
-    from torchvision.datasets import MNIST, FashionMNIST
+    import torchvision.datasets
     from torchvision.datasets.utils import download_url
 
-    source = MNIST if spec.name == "mnist" else FashionMNIST
+    source = getattr(torchvision.datasets, spec.source)
     md5s = dict(source.resources)
     for name in missing_files(root, spec):
         errors = []
@@ -189,7 +194,7 @@ def _download_idx(root, spec, tmp):
 
 def read_split(root, split, spec):
     """One split: (images uint8 (N, H, W, C), labels int64 (N,)), checked."""
-    reader = _read_idx if _is_idx(spec) else _read_cifar
+    reader = _read_idx if spec.is_idx else _read_cifar
     images, labels = reader(root, split, spec)
     if len(labels) and (labels.min() < 0 or labels.max() >= spec.num_classes):
         path = file_path(root, spec, spec.files[split][-1])
@@ -207,7 +212,7 @@ def _read_cifar(root, split, spec):
     ('fine_labels' in CIFAR-100, 'labels' in CIFAR-10). A training split of several files
     (CIFAR-10's five batches) is concatenated."""
     height, width, channels = spec.image_shape
-    pixels, key = height * width * channels, "fine_labels" if spec.name == "cifar100" else "labels"
+    pixels, key = height * width * channels, spec.label_key
     parts = []
     for name in spec.files[split]:
         path = file_path(root, spec, name)

@@ -154,9 +154,13 @@ def _table(header, rows):
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
+def _plural(unit):
+    return f"{unit}{'es' if unit.endswith('s') else 's'}"
+
+
 def _count(n, unit):
     """'1 GPU', '4 GPUs', '2 processes'."""
-    return f"{n} {unit}{'' if n == 1 else 'es' if unit.endswith('s') else 's'}"
+    return f"{n} {unit if n == 1 else _plural(unit)}"
 
 
 def _number(value, digits=1):
@@ -226,14 +230,14 @@ def scaling_tables(runs):
         dataset, synthetic, batch, precision, loader, device = group[0].recipe()
         lines += [f"## Scaling: {'synthetic ' if synthetic else ''}{dataset}, {batch} images per {unit}, "
                   f"{precision}, {loader} loader, {device}", ""]
-        lines += _table([_count(2, unit).split()[1].capitalize(), "Nodes", "Run", "Throughput (img/s)", "Speedup",
+        lines += _table([_plural(unit).capitalize(), "Nodes", "Run", "Throughput (img/s)", "Speedup",
                          "Scaling efficiency"],
                         [[row.gpus, row.nodes, row.label, _number(row.images_per_sec), f"{row.speedup:.2f}x",
                           f"{row.efficiency:.0%}"] for row in rows])
         lines += ["", f"Throughput: training images / training time over each run's epochs after epoch 1 "
                       f"(epoch 1, with cuDNN autotuning, compilation and loader start-up, is left out; a run of "
                       f"one epoch counts it). Speedup: throughput / that of {base.label} ({_count(base.gpus, unit)}). "
-                      f"Scaling efficiency: speedup / ({_count(2, unit).split()[1]} / {base.gpus}). Every run has "
+                      f"Scaling efficiency: speedup / ({_plural(unit)} / {base.gpus}). Every run has "
                       f"the same batch per {unit} ({batch} images), so each {unit} does the same work per step.", ""]
     return lines
 

@@ -70,17 +70,14 @@ def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None, classe
 
 
 def _labels_and_images(rng, n, classes, shape, learnable):
-    """(labels list, uint8 images (n, H, W, C)): noise, or learnable_images of ``learnable``
-    classes (an int; True: all of ``classes``)."""
-    if learnable:
-        classes = classes if learnable is True else learnable
-        labels = rng.integers(0, classes, n).tolist()
-        return labels, learnable_images(labels, rng, *shape, classes=classes)
+    """(labels list of 0..classes-1, uint8 images (n, H, W, C)): noise, or learnable_images."""
     labels = rng.integers(0, classes, n).tolist()
+    if learnable:
+        return labels, learnable_images(labels, rng, *shape, classes=classes)
     return labels, rng.integers(0, 256, (n, *shape), dtype=np.uint8)
 
 
-def write_cifar10(root, n_train=50, n_test=20, seed=0, learnable=False):
+def write_cifar10(root, n_train=50, n_test=20, seed=0, classes=10, learnable=False):
     """cifar-10-batches-py/ as the official archive has it: data_batch_1..5 (the training
     images split in 5), test_batch and batches.meta, pickled dicts with 'data' (N, 3072)
     uint8 in R, G, B planes and 'labels'."""
@@ -89,7 +86,7 @@ def write_cifar10(root, n_train=50, n_test=20, seed=0, learnable=False):
     folder.mkdir(parents=True, exist_ok=True)
     batches = [(f"data_batch_{i + 1}", n) for i, n in enumerate(np.diff(np.linspace(0, n_train, 6).astype(int)))]
     for name, n in (*batches, ("test_batch", n_test)):
-        labels, images = _labels_and_images(rng, int(n), 10, (32, 32, 3), learnable)
+        labels, images = _labels_and_images(rng, int(n), classes, (32, 32, 3), learnable)
         entry = {"batch_label": name, "labels": labels, "filenames": [f"{i}.png" for i in range(int(n))],
                  "data": images.transpose(0, 3, 1, 2).reshape(int(n), 3072)}
         with open(folder / name, "wb") as f:
@@ -104,14 +101,14 @@ def idx_bytes(array, magic):
     return np.array([magic, *array.shape], dtype=">i4").tobytes() + array.astype(np.uint8).tobytes()
 
 
-def write_idx(root, folder, n_train=60, n_test=20, seed=0, learnable=False, gzipped=False):
+def write_idx(root, folder, n_train=60, n_test=20, seed=0, classes=10, learnable=False, gzipped=False):
     """MNIST or Fashion-MNIST as torchvision keeps them: ``folder`` (MNIST or FashionMNIST)/raw/
     {train,t10k}-{images-idx3,labels-idx1}-ubyte, gzipped (.gz, as downloaded) or not."""
     rng = np.random.default_rng(seed)
     raw = Path(root) / folder / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
-        labels, images = _labels_and_images(rng, n, 10, (28, 28, 1), learnable)
+        labels, images = _labels_and_images(rng, n, classes, (28, 28, 1), learnable)
         for name, data in ((f"{prefix}-images-idx3-ubyte", idx_bytes(images[..., 0], 2051)),
                            (f"{prefix}-labels-idx1-ubyte", idx_bytes(np.array(labels), 2049))):
             if gzipped:
@@ -121,14 +118,16 @@ def write_idx(root, folder, n_train=60, n_test=20, seed=0, learnable=False, gzip
     return Path(root)
 
 
-def write_dataset(root, name, learnable=False, **sizes):
-    """A tiny copy of data set ``name`` (a --dataset value) in its real on-disk format."""
+def write_dataset(root, name, learnable=False, classes=None, **options):
+    """A tiny copy of data set ``name`` (a --dataset value) in its real on-disk format, with
+    labels 0..classes-1 (default: 10 for learnable images, else all of the data set's)."""
+    classes = classes or (10 if learnable or name != "cifar100" else 100)
     if name == "cifar100":
-        classes = 100 if learnable is False else 10 if learnable is True else learnable
-        return write_cifar100(root, classes=classes, learnable=bool(learnable), **sizes)
+        return write_cifar100(root, classes=classes, learnable=learnable, **options)
     if name == "cifar10":
-        return write_cifar10(root, learnable=learnable, **sizes)
-    return write_idx(root, {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[name], learnable=learnable, **sizes)
+        return write_cifar10(root, classes=classes, learnable=learnable, **options)
+    folder = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[name]
+    return write_idx(root, folder, classes=classes, learnable=learnable, **options)
 
 
 @pytest.fixture

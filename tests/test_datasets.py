@@ -225,7 +225,7 @@ def test_the_model_follows_the_data():
 @pytest.mark.parametrize("name", NAMES)
 def test_a_short_run_learns_each_data_set(tmp_path, name):
     """4 classes of colours plus noise: 12 steps of 16 images lower the training loss and beat chance."""
-    root = write_dataset(tmp_path / "data", name, learnable=4, n_train=64, n_test=32)
+    root = write_dataset(tmp_path / "data", name, learnable=True, classes=4, n_train=64, n_test=32)
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", "--dataset", name, "--data-dir", root, "--epochs", "3", "--batch-size", "16",
                             "--warmup-epochs", "0", "--metrics-file", metrics, *FAST), cwd=tmp_path)
