@@ -678,7 +678,8 @@ def evaluate_once(run, test_loader):
     result = evaluate(run, test_loader)  # ends in a host sync (the all-reduced sums)
     record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
               "eval_time_s": time.perf_counter() - start, "world_size": run.ctx.world_size,
-              "precision": run.precision.name, "weights": str(run.args.weights), "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+              "precision": run.precision.name, "weights": str(run.args.weights),
+              "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     run.log.record(record)
     run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
                  f"{accuracy_scope(record, run.test_size)}")
