@@ -35,11 +35,15 @@ from itertools import count, islice
 import torch
 from torch.utils.data import DataLoader
 
+from dataclasses import replace
+
+from checkpoint_utils import check_writable
 from data_formats import DATASETS, default_data_dir, missing_files
-from dataset_utils import InMemoryImages, build_datasets, build_loaders, set_loader_epoch, train_transform
-from device_utils import device_name, single_process_context, synchronize
-from train_utils import (OneLineParser, build_model, check_writable, default_num_workers, memory_format, parse_args,
-                         positive_int, run_cli, time_training_steps)
+from dataset_utils import InMemoryImages, build_loaders, set_loader_epoch, train_transform
+from device_utils import device_name, memory_format, single_process_context, synchronize
+from flags import DEFAULT_MODEL, OneLineParser, parse_args, plugin_ref, positive_int
+from task import build_task, default_num_workers
+from train_utils import run_cli, time_training_steps
 
 # train.py flags of each recipe; both get --batch-size from the command line.
 RECIPES = {
@@ -69,6 +73,8 @@ def build_parser():
                              "(default 5) with torch.profiler and print its table of the most expensive operations")
     parser.add_argument("--dataset", choices=DATASETS, default="cifar100",
                         help="the data set (its image size and channels set the model's and the pipeline's work)")
+    parser.add_argument("--model", metavar="FILE.py:NAME", type=plugin_ref, default=DEFAULT_MODEL,
+                        help="the network, as train.py's --model (default: the guide's WideResNet)")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
                         help="use the data set from here when present, else synthetic data of its size")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the result rows to this file")
@@ -92,7 +98,7 @@ def endless(loader):
 
 def guide_loader(train_set, batch_size, device):
     """The guide's training DataLoader, as written in its dataset_utils.py."""
-    images = InMemoryImages(train_set.images, train_set.labels, train_transform(train_set.spec), train_set.spec)
+    images = InMemoryImages(train_set.images, train_set.labels, train_transform(train_set.prep), train_set.prep)
     return DataLoader(images, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
                       pin_memory=device.type == "cuda")
 
@@ -124,37 +130,35 @@ def benchmark(opts):
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
     spec = DATASETS[opts.dataset]
     real = not missing_files(opts.data_dir, spec)
-    train_set, test_set = build_datasets(opts.data_dir, download=False, synthetic=not real, spec=spec)
     common = {"device": device_name(device), "batch_size": batch, "dataset": spec.name,
-              "data": spec.title if real else "synthetic",
+              "data": spec.title if real else "synthetic", "model": opts.model,
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
     rows = []
     for recipe, flags in RECIPES.items():
-        flags = [*flags, "--batch-size", str(batch), "--dataset", spec.name,
+        flags = [*flags, "--batch-size", str(batch), "--dataset", spec.name, "--model", opts.model,
                  *(["--compile"] if opts.compile and recipe == "project" else [])]
         if recipe == "guide" and device.type == "cuda":
             flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
-        args = parse_args("benchmark", flags + (["--synthetic"] if not real else []))
         print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
+        args = parse_args("benchmark", [*flags, "--data-dir", opts.data_dir, "--no-download",
+                                        *([] if real else ["--synthetic"])])
+        task = build_task(args, ctx)
         if recipe == "guide":
-            train_loader = guide_loader(train_set, batch, device)
-            _, test_loader = build_loaders(train_set, test_set, batch, loader="torchvision")
-        else:
-            train_loader, test_loader = build_loaders(train_set, test_set, batch, loader=args.loader, device=device)
-        layout = memory_format(args, device)
-        pipeline = pipeline_row(train_loader, device, layout, pipeline_batches)
-        timing = time_training_steps(build_model(args, ctx), train_loader, test_loader, args, ctx,
-                                     endless(train_loader), warmup_steps, steps)
-        described = {"recipe": recipe, "loader": args.loader, "workers": train_loader.num_workers,
+            task = replace(task, train_loader=guide_loader(task.train_loader.dataset, batch, device))
+        layout = memory_format(args.channels_last, device)
+        pipeline = pipeline_row(task.train_loader, device, layout, pipeline_batches)
+        timing = time_training_steps(task, args, ctx, endless(task.train_loader), warmup_steps, steps)
+        described = {"recipe": recipe, "loader": task.loader, "workers": task.train_loader.num_workers,
                      "precision": timing.precision, "channels_last": layout == torch.channels_last,
                      "compile": args.compile, **common}
         rows += [{**described, **pipeline},
                  {**described, "measure": "train", "images_per_sec": timing.images_per_sec, "steps": steps,
                   "warmup_steps": warmup_steps, "warmup_s": timing.warmup_s}]
         if opts.profile and recipe == "project":
-            profile = profile_steps(args, train_loader, test_loader, ctx, endless(train_loader), opts.profile)
+            profile = profile_steps(args, ctx, opts.profile)
     # This project's --loader torchvision: with the guide's 0 workers (the cost per image) and
     # with train.py's default worker count.
+    train_set, test_set = task.train_loader.dataset, task.test_loader.dataset
     for workers in sorted({0, default_num_workers(1)}):
         loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
                                   pin_memory=device.type == "cuda")
@@ -167,13 +171,15 @@ def benchmark(opts):
     return rows
 
 
-def profile_steps(args, train_loader, test_loader, ctx, batches, steps):
-    """torch.profiler's table of ``steps`` training steps (one untimed step first; cuDNN has
-    autotuned these shapes already), the 20 most expensive operations by device time."""
+def profile_steps(args, ctx, steps):
+    """torch.profiler's table of ``steps`` training steps of a new task of ``args`` (one
+    untimed step first; cuDNN has autotuned these shapes already), the 20 most expensive
+    operations by device time."""
     cuda = ctx.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    task = build_task(args, ctx)
     with torch.profiler.profile(activities=activities) as profiler:
-        time_training_steps(build_model(args, ctx), train_loader, test_loader, args, ctx, batches, 1, steps)
+        time_training_steps(task, args, ctx, endless(task.train_loader), 1, steps)
     return profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=20)
 
 

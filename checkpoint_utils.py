@@ -1,5 +1,6 @@
-"""Checkpoints, resume and stop requests: what a run needs to continue exactly where it
-stopped, on any number of GPUs, without losing or overwriting anything already written.
+"""Checkpoints, weights files, resume and stop requests: what a run needs to continue exactly
+where it stopped, on any number of GPUs, without losing or overwriting anything already
+written.
 
 - A checkpoint folder belongs to one run. A new run refuses a folder that holds
   checkpoints; ``--resume`` continues the run in it; ``--resume=auto`` (the job scripts)
@@ -12,21 +13,22 @@ stopped, on any number of GPUs, without losing or overwriting anything already w
 - Stop requests: SIGUSR1, SIGTERM and SIGINT (Ctrl-C; a second one quits at once), and the
   appearance of ``--stop-file``. All ranks agree on them after every step.
 - ``--metrics-file`` keeps every epoch of a run exactly once across resumes.
+- Weights files (``--save-weights``) are the plain state_dict (the guide's layout), with the
+  data's class names and image size in its metadata, so an evaluation maps labels the same way.
 
 Only ``train_utils`` calls this module; ``run`` arguments are its ``train_utils.Run``.
 """
 
-import hashlib
 import itertools
 import json
 import os
+import pickle
 import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dataset_utils import derived_seed
@@ -37,7 +39,10 @@ CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
 # Flags that define the run: a resumed run must keep them, or it would not be the same run.
 RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
-                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic")
+                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic", "augment")
+# What a checkpoint written before a flag existed ran with (that flag's behaviour back then).
+FLAG_DEFAULTS = {"dataset": "cifar100", "model": "model:WideResNet", "augment": "auto"}
+WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 STOP_FILE_POLL_S = 1.0  # rank 0 looks for --stop-file at most this often (a metadata call on a shared FS)
 
 
@@ -112,6 +117,74 @@ def _why_not_creatable(directory):
     if existing != directory.absolute() and not os.access(existing, os.W_OK | os.X_OK):
         return f"no permission to write in {existing}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights files: the plain state_dict, and what it was trained on.
+
+def save_weights(model, path, metadata=None):
+    """The model's state_dict, written atomically, with ``metadata`` (the data's classes,
+    image size, normalization) in its ``_metadata``: torch.load returns it with the tensors,
+    and load_state_dict ignores it, so the file loads strictly into the model as the guide's did."""
+    state = model.state_dict()
+    if metadata is not None:
+        state._metadata[""] = {**state._metadata.get("", {}), WEIGHTS_METADATA: metadata}
+    atomic_save(state, path)
+
+
+def load_weights(model, path, model_name=None, expected=None):
+    """Load a state_dict file (or the model of a checkpoint) into ``model``. One line when it
+    is not one, does not fit ``model``, or was trained on other classes than ``expected``'s."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"--weights {path}: no such file", same_on_every_rank=False) from None
+    except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):  # weights_only refused a class
+            raise UserError(f"--weights {path} holds pickled Python objects (a whole model saved with "
+                            "torch.save(model)?), not a state_dict; save one with torch.save(model.state_dict(), PATH)",
+                            same_on_every_rank=False) from None
+        raise UserError(f"--weights {path} is not a readable state_dict ({type(err).__name__})",
+                        same_on_every_rank=False) from None
+    saved = {}
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
+        saved, state = state.get("data") or {}, state["model"]
+    if not isinstance(state, dict):
+        raise UserError(f"--weights {path} holds a {type(state).__name__}, not a state_dict")
+    saved = getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, saved)
+    state = _strip_prefixes(state)
+    check_state_fits(model, state, f"--weights {path}", model_name)
+    classes, wanted = saved.get("classes"), (expected or {}).get("classes")
+    if classes is not None and wanted is not None and list(classes) != list(wanted):
+        if len(classes) == len(wanted):
+            label = next(i for i, (a, b) in enumerate(zip(classes, wanted)) if a != b)
+            detail = f"label {label} is {classes[label]!r} there and {wanted[label]!r} here"
+        else:
+            detail = f"{len(classes)} classes there, {len(wanted)} here"
+        raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
+                        "read as the wrong labels; use the data set they were trained on")
+    model.load_state_dict(state)
+
+
+def _strip_prefixes(state):
+    """Accept state_dicts saved from a DDP-wrapped or torch.compile'd model too."""
+    def clean(key):
+        for prefix in ("module.", "_orig_mod."):
+            key = key.removeprefix(prefix)
+        return key
+    return {clean(key): value for key, value in state.items()}
+
+
+def check_state_fits(model, state, source, model_name=None):
+    """One clear line instead of load_state_dict's multi-line error for another model shape."""
+    own = model.state_dict()
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+    reshaped = [k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or reshaped:
+        example = sorted(missing or unexpected or reshaped)[0]
+        raise UserError(f"{source} does not fit {model_name or type(model).__name__}: "
+                        f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
+                        f"differently shaped tensors (e.g. {example}): weights of another --model or --dataset?")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,29 +306,26 @@ def load_agreed_checkpoint(directory, ctx, log):
     return Path(path), chosen["checkpoint"]
 
 
-def data_fingerprint(train_loader, test_loader, synthetic, dataset):
-    """Identifies the data set in a checkpoint, so a resume on other data is refused."""
-    labels = np.asarray(train_loader.dataset.labels, dtype=np.int64)
-    return {"dataset": dataset, "synthetic": synthetic, "train_images": len(train_loader.dataset),
-            "test_images": len(test_loader.dataset),
-            "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
-
-
-def check_resumable(checkpoint, args, fingerprint, check_fits):
+def check_resumable(checkpoint, args, fingerprint, model_key, check_fits):
     """Refuse to continue a run with another model, data set or recipe (it would not be the
-    same run). ``check_fits(state_dict, source)`` raises when the model's shape differs."""
-    trained_on = checkpoint["data"].get("dataset", "cifar100")  # (checkpoints from before --dataset)
-    if trained_on != args.dataset:
+    same run). ``check_fits(state_dict, source)`` raises when the model's shape differs.
+    Checkpoints from before a flag existed count as its default."""
+    saved = {**FLAG_DEFAULTS, **checkpoint["args"]}
+    trained_on = checkpoint["data"].get("dataset", "cifar100")
+    if trained_on != fingerprint["dataset"]:
         raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
-                        f"resume with --dataset {trained_on}, or start a new run in another --checkpoint-dir")
+                        f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
+    if checkpoint.get("model_key", FLAG_DEFAULTS["model"]) != model_key:
+        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {args.model}; "
+                        f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
-    if {**checkpoint["data"], "dataset": trained_on} != fingerprint:
-        old, new = checkpoint["data"], fingerprint
+    old, new = checkpoint["data"], fingerprint
+    if any(old[key] != new[key] for key in old.keys() & new.keys()):
         raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
                         f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
                         f"{', different labels' if old['train_images'] == new['train_images'] else ''})")
-    changed = [f"--{name.replace('_', '-')} {checkpoint['args'].get(name)} (now {getattr(args, name)})"
-               for name in RECIPE_FLAGS if checkpoint["args"].get(name) != getattr(args, name)]
+    changed = [f"--{name.replace('_', '-')} {saved.get(name)} (now {getattr(args, name)})"
+               for name in RECIPE_FLAGS if saved.get(name) != getattr(args, name)]
     if changed:
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir")
@@ -313,7 +383,8 @@ class Checkpointer:
                 atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
                              "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
-                             "data": run.fingerprint, "world_size": run.ctx.world_size}, path)
+                             "data": run.task.data.fingerprint, "model_key": run.task.model_key,
+                             "world_size": run.ctx.world_size}, path)
                 for name in pruned:  # only this run's own files
                     (self.directory / name).unlink(missing_ok=True)
             except OSError as err:

@@ -59,9 +59,14 @@ class DataSpec:
         return [name for split in ("train", "test") for name in self.files[split]] + list(self.extra_files)
 
     def augmentation(self):
-        return (f"{'random horizontal flip, ' if self.flip else 'no flips, '}random {self.image_shape[0]}x"
-                f"{self.image_shape[1]} crop of the {self.padding}-pixel zero-padded image, normalized with "
-                f"mean {self.mean} and std {self.std}")
+        return describe_augmentation(self.image_shape, self.padding, self.flip, self.mean, self.std)
+
+
+def describe_augmentation(image_shape, padding, flip, mean, std):
+    """What happens to a training image, in words (for --help and the start-up block)."""
+    crop = (f"random {image_shape[0]}x{image_shape[1]} crop of the {padding}-pixel zero-padded image" if padding
+            else "no crop")
+    return f"{'random horizontal flip' if flip else 'no flips'}, {crop}, normalized with mean {mean} and std {std}"
 
 
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),

@@ -27,6 +27,7 @@ and flips, MNIST pads 2 and never flips.
 import argparse
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from data_formats import DATASETS, DatasetError, default_data_dir, prepare, read_split
-from device_utils import from_rank0
+from data_formats import DATASETS, DatasetError, default_data_dir, describe_augmentation, prepare, read_split
+from device_utils import UserError, from_rank0
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
 LOADERS = ("device", "torchvision")
@@ -48,6 +49,45 @@ LOADERS = ("device", "torchvision")
 # IMAGE_STREAM), the same on every rank. The non-zero last entries keep the three apart
 # (SeedSequence ignores trailing zeros).
 BATCH_STREAM, IMAGE_STREAM = 1, 2
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How stored images become the model's input. A DataSpec has the same fields, so the
+    functions here take either."""
+    image_shape: tuple  # (H, W, C) of the stored images
+    mean: tuple         # per channel: of the pixels scaled to 0..1 (uint8 images), or as stored (float)
+    std: tuple
+    padding: int = 0    # zero padding (pixels) around a training image before its random crop (0: no crop)
+    flip: bool = False  # random horizontal flips of training images
+
+    def augmentation(self):
+        return describe_augmentation(self.image_shape, self.padding, self.flip, self.mean, self.std)
+
+
+def preprocessing(image_shape, mean, std, augment="auto", padding=None, flip=True):
+    """The Preprocessing for --augment. ``padding`` and ``flip`` are the data set's own (auto);
+    padding defaults to 1/8 of the shorter side (4 pixels for 32x32, as CIFAR's). flip-crop
+    and crop keep that padding with and without flips; none neither crops nor flips."""
+    if padding is None:
+        padding = max(1, round(min(image_shape[:2]) / 8))
+    if augment == "flip-crop":
+        flip = True
+    elif augment == "crop":
+        flip = False
+    elif augment == "none":
+        padding, flip = 0, False
+    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), padding, flip)
+
+
+def per_process_batch(global_batch, world_size):
+    """Images per process per step; refuses to silently drop part of the global batch."""
+    if global_batch % world_size:
+        lower, upper = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
+        examples = f"{lower} or {upper}" if lower else str(upper)
+        raise UserError(f"--batch-size {global_batch} does not split evenly over {world_size} processes; "
+                        f"use a multiple of {world_size} (e.g. {examples})")
+    return global_batch // world_size
 
 
 def synthetic_split(split, seed=0, spec=CIFAR100):
@@ -59,17 +99,17 @@ def synthetic_split(split, seed=0, spec=CIFAR100):
     return images.numpy(), labels.numpy()
 
 
-def train_transform(spec=CIFAR100):
+def train_transform(prep=CIFAR100):
     """The guide's augmentation, per data set: flip (unless digits), crop of the zero-padded
     image, normalize."""
-    flip = [transforms.RandomHorizontalFlip()] if spec.flip else []
-    return transforms.Compose([*flip, transforms.RandomCrop(spec.image_shape[:2], padding=spec.padding),
-                               transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)])
+    flip = [transforms.RandomHorizontalFlip()] if prep.flip else []
+    return transforms.Compose([*flip, transforms.RandomCrop(prep.image_shape[:2], padding=prep.padding),
+                               transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
 
 
-def eval_transform(spec=CIFAR100):
+def eval_transform(prep=CIFAR100):
     """Deterministic: normalize only (the guide evaluated on randomly cropped, flipped images)."""
-    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(spec.mean, spec.std)])
+    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
 
 
 def derived_seed(*values):
@@ -84,27 +124,36 @@ def to_pil(image):
 
 
 class InMemoryImages(Dataset):
-    """In-memory uint8 images (N, H, W, C) and labels; items are (float tensor (C, H, W), int).
+    """Images (N, H, W, C), uint8 or float32, in memory (or memory-mapped), and labels (N,);
+    items are (float tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
 
-    A key is an index (``transform`` applies, as in the guide) or, from CropFlipSampler, an
-    (index, top, left, flip) tuple: the guide's flip and crop with exactly these parameters,
-    then normalization. Then no worker process draws random numbers of its own.
+    A key is an index (``transform`` applies to uint8 images, as in the guide) or, from
+    CropFlipSampler, an (index, top, left, flip) tuple: the guide's flip and crop with
+    exactly these parameters, then normalization. Then no worker process draws random
+    numbers of its own. Float images (a FILE.py:NAME data set's) are cropped, flipped and
+    normalized by the same tensor operations as on the device loader.
     """
 
-    def __init__(self, images, labels, transform, spec=CIFAR100, expected_size=None):
-        self.images, self.labels, self.transform, self.spec = images, labels, transform, spec
-        self.expected_size = expected_size  # the official split's size, for a warning when it differs
-        self.to_tensor = eval_transform(spec)
+    def __init__(self, images, labels, transform, prep=CIFAR100):
+        self.images, self.labels, self.transform, self.prep = images, labels, transform, prep
+        self.to_tensor = eval_transform(prep)
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, key):
-        if isinstance(key, tuple):
-            index, top, left, flip = key
-            image = crop_flip_pil(to_pil(self.images[index]), top, left, flip, self.spec.padding)
-            return self.to_tensor(image), int(self.labels[index])
-        return self.transform(to_pil(self.images[key])), int(self.labels[key])
+        index, crop = (key[0], key[1:]) if isinstance(key, tuple) else (key, None)
+        label = int(self.labels[index])
+        if self.images.dtype != np.uint8:
+            image = torch.from_numpy(np.asarray(self.images[index], dtype=np.float32))[None]  # (1, H, W, C)
+            if crop:
+                top, left, flip = crop
+                image = crop_flip(image, torch.tensor([[top, left]]), torch.tensor([flip]), self.prep.padding)
+            return normalize_float(image, *float_stats(self.prep, image.device))[0], label
+        if crop:
+            image = crop_flip_pil(to_pil(self.images[index]), *crop, self.prep.padding)
+            return self.to_tensor(image), label
+        return self.transform(to_pil(self.images[index])), label
 
 
 def crop_flip_pil(image, top, left, flip, padding):
@@ -122,8 +171,8 @@ class CropFlipSampler(Sampler):
     workers, which never see ``set_epoch``, need no RNG of their own.
     """
 
-    def __init__(self, sampler, size, seed=0, spec=CIFAR100):
-        self.sampler, self.size, self.seed, self.spec, self.epoch = sampler, size, seed, spec, 0
+    def __init__(self, sampler, size, seed=0, prep=CIFAR100):
+        self.sampler, self.size, self.seed, self.prep, self.epoch = sampler, size, seed, prep, 0
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -132,7 +181,7 @@ class CropFlipSampler(Sampler):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0, IMAGE_STREAM))
-        offsets, flips = draw_crop_flip(self.size, generator, "cpu", self.spec)  # (size, 2), (size,)
+        offsets, flips = draw_crop_flip(self.size, generator, "cpu", self.prep)  # (size, 2), (size,)
         offsets, flips = offsets.tolist(), flips.tolist()
         return ((index, *offsets[index], flips[index]) for index in self.sampler)
 
@@ -143,12 +192,12 @@ class CropFlipSampler(Sampler):
 # ---------------------------------------------------------------------------------------------
 # The device loader: augmentation as batched tensor operations.
 
-def draw_crop_flip(n, generator, device, spec=CIFAR100):
+def draw_crop_flip(n, generator, device, prep=CIFAR100):
     """Parameters of the guide's RandomHorizontalFlip + RandomCrop(size, padding) for n images:
     offsets int64 (n, 2) = (top, left) in the padded image, uniform over 0..2*padding, and
     flips bool (n,) with probability 0.5 (all False for a data set without flips)."""
-    offsets = torch.randint(0, 2 * spec.padding + 1, (n, 2), generator=generator, device=device)
-    if not spec.flip:
+    offsets = torch.randint(0, 2 * prep.padding + 1, (n, 2), generator=generator, device=device)
+    if not prep.flip:
         return offsets, torch.zeros(n, dtype=torch.bool, device=device)
     flips = torch.randint(0, 2, (n,), generator=generator, device=device).bool()
     return offsets, flips
@@ -157,7 +206,7 @@ def draw_crop_flip(n, generator, device, spec=CIFAR100):
 def crop_flip(images, offsets, flips, padding):
     """Flip, then crop from the zero-padded image, as the guide's transforms do, for a batch.
 
-    images: uint8 (B, H, W, C); offsets, flips: from draw_crop_flip. Returns uint8 (B, H, W, C),
+    images: (B, H, W, C), uint8 or float; offsets, flips: from draw_crop_flip. Returns the same type,
     computed as one gather on the images' device (no loop over images, no host sync).
     """
     b, h, w, _ = images.shape
@@ -188,6 +237,18 @@ def normalize(images, table):
     return table[images.long(), channels].permute(0, 3, 1, 2)
 
 
+def float_stats(prep, device):
+    """``prep``'s mean and std as float32 (C,) tensors on ``device``."""
+    return (torch.tensor(prep.mean, dtype=torch.float32, device=device),
+            torch.tensor(prep.std, dtype=torch.float32, device=device))
+
+
+def normalize_float(images, mean, std):
+    """Float images (B, H, W, C) -> float32 (B, C, H, W), (x - mean) / std per channel: the
+    normalization of a data set that is float already (no uint8 scale to undo)."""
+    return images.float().sub(mean).div(std).permute(0, 3, 1, 2)
+
+
 class DeviceLoader:
     """Batches of (images float32 (B, C, H, W), labels int64 (B,)) cut from a data set that
     lives on ``device`` as uint8. Indices come from ``sampler`` (a DistributedSampler for
@@ -200,11 +261,17 @@ class DeviceLoader:
 
     def __init__(self, dataset, batch_size, sampler, device, augment, drop_last, seed=0, rank=0):
         self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
-        self.device, self.augment, self.drop_last, self.seed, self.rank = device, augment, drop_last, seed, rank
-        self.spec = dataset.spec
+        self.prep = dataset.prep
+        self.augment = augment and bool(self.prep.padding or self.prep.flip)
+        self.device, self.drop_last, self.seed, self.rank = device, drop_last, seed, rank
         self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
         self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
-        self.table = normalization_table(self.spec.mean, self.spec.std).to(device)  # float32 (256, C)
+        if self.images.dtype == torch.uint8:
+            table = normalization_table(self.prep.mean, self.prep.std).to(device)  # float32 (256, C)
+            self.normalize = lambda images: normalize(images, table)
+        else:  # float images: no lookup table
+            stats = float_stats(self.prep, device)
+            self.normalize = lambda images: normalize_float(images, *stats)
 
     def __len__(self):
         full, rest = divmod(len(self.sampler), self.batch_size)
@@ -220,14 +287,14 @@ class DeviceLoader:
             # copied once per epoch (3 x 8 bytes per image): every device serves the same crops,
             # so a run on a GPU repeats a CPU run's data, and a resume may change device type.
             generator = torch.Generator().manual_seed(seed)
-            offsets, flips = (t.to(self.device) for t in draw_crop_flip(len(indices), generator, "cpu", self.spec))
+            offsets, flips = (t.to(self.device) for t in draw_crop_flip(len(indices), generator, "cpu", self.prep))
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = indices[start:start + self.batch_size]
             images = self.images[batch]  # (B, H, W, C) uint8
             if self.augment:
                 images = crop_flip(images, offsets[start:start + self.batch_size], flips[start:start + self.batch_size],
-                                   self.spec.padding)
-            yield normalize(images, self.table), self.labels[batch]
+                                   self.prep.padding)
+            yield self.normalize(images), self.labels[batch]
 
 
 class ShardSampler(Sampler):
@@ -248,10 +315,10 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100):
-    """(train_set, test_set) of data set ``spec``, each built once. Global rank 0 fetches
-    missing files while the other ranks wait, so the download happens at most once and is
-    never raced."""
+def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100, augment="auto"):
+    """(train_set, test_set) of data set ``spec``, each built once, augmented as --augment
+    says. Global rank 0 fetches missing files while the other ranks wait, so the download
+    happens at most once and is never raced."""
     if synthetic:
         splits = {split: synthetic_split(split, seed, spec) for split in spec.split_sizes}
     else:
@@ -259,8 +326,9 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
         from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
-    return (InMemoryImages(*splits["train"], train_transform(spec), spec, spec.split_sizes["train"]),
-            InMemoryImages(*splits["test"], eval_transform(spec), spec, spec.split_sizes["test"]))
+    prep = preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
+    return (InMemoryImages(*splits["train"], train_transform(prep), prep),
+            InMemoryImages(*splits["test"], eval_transform(prep), prep))
 
 
 def load_data(batch_size, num_workers=0, sampler=None, data_dir=None, *, dataset="cifar100", loader="torchvision",
@@ -304,7 +372,7 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                   worker_init_fn=ignore_ctrl_c if num_workers else None)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
-    augmented = CropFlipSampler(sampler, len(train_set), seed, train_set.spec)
+    augmented = CropFlipSampler(sampler, len(train_set), seed, train_set.prep)
     return (DataLoader(train_set, sampler=augmented, drop_last=True, generator=torch.Generator().manual_seed(seed),
                        **common),
             DataLoader(test_set, sampler=test_sampler, **common))
@@ -325,12 +393,23 @@ def set_loader_epoch(loader, epoch):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read.")
-    parser.add_argument("--dataset", choices=DATASETS, default="cifar100", help="which data set")
+    parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read; "
+                                                 "or write a small demo copy of one (--write-demo).")
+    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100",
+                        help="which data set (folder: only with --write-demo)")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="directory that gets the data set's folder, e.g. cifar-100-python/ or MNIST/raw/ "
                              "(default: datasets/ beside this script)")
+    parser.add_argument("--write-demo", metavar="DIR", default=None,
+                        help="write a small learnable copy of --dataset into DIR instead (each class a colour plus "
+                             "noise): 512 training and 128 test images of 10 classes in the data set's format, or "
+                             "for folder an image folder of 4 classes with PNG and JPEG, RGB and gray images of two "
+                             "sizes; DIR must not hold that data set already")
     args = parser.parse_args(argv)
+    if args.write_demo:
+        return write_demo(Path(args.write_demo), args.dataset)
+    if args.dataset == "folder":
+        parser.error("--dataset folder needs --write-demo DIR (your own folder needs no download)")
     spec = DATASETS[args.dataset]
     try:
         prepare(args.data_dir, spec, download=True)
@@ -340,6 +419,25 @@ def main(argv=None):
         return 2
     print(f"{spec.title} ready in {Path(args.data_dir) / spec.folder}: "
           f"{sizes['train']} training and {sizes['test']} test images")
+    return 0
+
+
+def write_demo(root, dataset):
+    """``python dataset_utils.py --write-demo DIR``: never writes over an existing copy."""
+    import demo_data
+
+    target = root / ("train" if dataset == "folder" else DATASETS[dataset].folder)
+    if target.exists():
+        print(f"error: {target} exists already; give --write-demo another folder", file=sys.stderr)
+        return 2
+    if dataset == "folder":
+        demo_data.write_image_folder(root, classes=4, n_train=64, n_test=16)
+        print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
+              f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")
+    else:
+        demo_data.write_dataset(root, dataset, learnable=True, n_train=512, n_test=128)
+        print(f"Wrote a learnable 10-class copy of {DATASETS[dataset].title} (512 training and 128 test images) "
+              f"into {root}: train with --dataset {dataset} --data-dir {root}")
     return 0
 
 

@@ -91,6 +91,14 @@ def reset_peak_memory(device: torch.device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def memory_format(channels_last, device: torch.device) -> torch.memory_format:
+    """The layout of the model and its input batches: channels_last (NHWC, what tensor-core
+    convolutions use) on CUDA, contiguous (NCHW) on the CPU, unless --[no-]channels-last
+    (``channels_last`` True or False, None for the default) says otherwise."""
+    wanted = channels_last if channels_last is not None else device.type == "cuda"
+    return torch.channels_last if wanted else torch.contiguous_format
+
+
 def use_device(local_rank) -> torch.device:
     """This local rank's device, made the process's own: the current CUDA device (CUDA RNG
     state, bf16 checks, pinned memory and NCCL follow it, not cuda:0), with cuDNN autotuning

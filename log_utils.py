@@ -138,23 +138,27 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # Start-up block, epoch lines, summary.
 
-def describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec, continuing=False):
-    """The derived values, printed once at the start of training (``spec``: the DataSpec;
-    ``continuing``: the run in --checkpoint-dir is resumed)."""
+def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False):
+    """The derived values, printed once at the start of training (``task``: the task.Task;
+    ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
+    is resumed)."""
+    data = task.data
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
-    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if args.loader == "device"
-              else f"torchvision DataLoader, {train_loader.num_workers} worker process"
-                   f"{'' if train_loader.num_workers == 1 else 'es'} per training process")
+    workers = task.train_loader.num_workers
+    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
+              else f"torchvision DataLoader, {_count(workers, 'worker process', 'worker processes')} per training "
+                   "process")
     lines = [
-        f"{timestamp()} Training WideResNet({spec.num_classes} classes, {spec.channels} input channel"
-        f"{'s' if spec.channels > 1 else ''}) on {spec.title} with Batch Size: {args.batch_size} "
-        f"({train_loader.batch_size} per process x {ctx.world_size} {accel}, {ctx.num_nodes} node(s))",
+        f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
+        f"Size: {args.batch_size} ({task.train_loader.batch_size} per process x {ctx.world_size} {accel}, "
+        f"{_count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, args.compile),
-        f"Loader: {loader}",
-        f"Data: {describe_data(args, spec.title, train_loader, test_loader)}, {steps} steps per epoch",
-        *size_warning(spec.title, train_loader, test_loader),
-        f"Augmentation: {spec.augmentation()}",
+        f"Loader: {loader}; {task.loader_reason}",
+        f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {steps} steps per epoch",
+        *data.notes,
+        *size_warning(data, task.train_loader, task.test_loader),
+        f"Augmentation: {data.prep.augmentation()}",
         f"Weights: {describe_weights(args, continuing)}",
         f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
         f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
@@ -170,14 +174,18 @@ def describe_run(args, ctx, name, precision, channels_last, train_loader, test_l
     return lines
 
 
-def describe_evaluation(args, ctx, name, precision, channels_last, test_loader, spec):
+def _count(n, one, many):
+    return f"{n} {one if n == 1 else many}"
+
+
+def describe_evaluation(args, ctx, name, precision, channels_last, task):
     """The start-up block of --eval-only: what is evaluated where, no training recipe."""
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
-    return [f"{timestamp()} Evaluating WideResNet weights {args.weights} on the {spec.title} test set "
-            f"({test_loader.batch_size} images per batch and process x {ctx.world_size} {accel})",
+    return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} test set "
+            f"({task.test_loader.batch_size} images per batch and process x {ctx.world_size} {accel})",
             describe_device(ctx, name, precision, channels_last, False),
-            f"Data: {describe_data(args, spec.title, None, test_loader)}",
-            *size_warning(spec.title, None, test_loader)]
+            f"Data: {describe_data(task.data, None, task.test_loader)}",
+            *size_warning(task.data, None, task.test_loader)]
 
 
 def describe_device(ctx, name, precision, channels_last, compiled):
@@ -186,29 +194,28 @@ def describe_device(ctx, name, precision, channels_last, compiled):
 
 
 def _splits(train_loader, test_loader):
-    return [(loader.dataset, split) for loader, split in ((train_loader, "training"), (test_loader, "test"))
+    """(data set, its name for people, its split key) of each loader given."""
+    return [(loader.dataset, name, key) for loader, name, key in ((train_loader, "training", "train"),
+                                                                  (test_loader, "test", "test"))
             if loader is not None]
 
 
-def describe_data(args, data_name, train_loader, test_loader):
+def describe_data(data, train_loader, test_loader):
     """Where the images come from and how many there are."""
-    if args.synthetic:
-        source = "SYNTHETIC random images and labels: accuracy is meaningless"
-    else:
-        source = f"{data_name} from {args.data_dir or 'datasets/ beside the scripts'}"
-    return f"{source}, " + " / ".join(f"{len(data)} {split}" for data, split in _splits(train_loader, test_loader)) \
-        + " images"
+    return f"{data.source}, " + " / ".join(f"{len(images)} {name}"
+                                           for images, name, _ in _splits(train_loader, test_loader)) + " images"
 
 
-def size_warning(data_name, train_loader, test_loader):
+def size_warning(data, train_loader, test_loader):
     """[a warning] when a split does not have the official size (a partial copy, other files
     under the same name), else []."""
-    unexpected = [f"{len(data)} {split} images instead of {data.expected_size}"
-                  for data, split in _splits(train_loader, test_loader)
-                  if getattr(data, "expected_size", None) not in (None, len(data))]
+    expected = data.expected_sizes or {}
+    unexpected = [f"{len(images)} {name} images instead of {expected[key]}"
+                  for images, name, key in _splits(train_loader, test_loader)
+                  if expected.get(key, len(images)) != len(images)]
     if not unexpected:
         return []
-    return [f"WARNING: this {data_name} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
+    return [f"WARNING: this {data.title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
 
 
 def describe_weights(args, continuing=False):

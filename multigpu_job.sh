@@ -6,6 +6,8 @@
 #   sbatch --account=nnXXXXk multigpu_job.sh
 #   sbatch --account=nnXXXXk multigpu_job.sh --epochs 10 --metrics-file metrics.jsonl
 #   sbatch --account=nnXXXXk multigpu_job.sh --dataset cifar10
+#   sbatch --account=nnXXXXk multigpu_job.sh --model my_net.py:Net --dataset folder --data-dir my_images
+#   (paths among the arguments are relative to the directory you submit from)
 #
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
 # overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train_ddp.py is),

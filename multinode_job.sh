@@ -8,6 +8,8 @@
 #   sbatch --account=nnXXXXk multinode_job.sh
 #   sbatch --account=nnXXXXk --nodes=4 multinode_job.sh --epochs 10
 #   sbatch --account=nnXXXXk multinode_job.sh --dataset fashion-mnist
+#   sbatch --account=nnXXXXk multinode_job.sh --model my_net.py:Net --dataset folder --data-dir my_images
+#   (paths among the arguments are relative to the directory you submit from)
 #
 # The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,

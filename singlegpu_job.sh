@@ -5,6 +5,8 @@
 #   sbatch --account=nnXXXXk singlegpu_job.sh
 #   sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10 --metrics-file metrics.jsonl
 #   sbatch --account=nnXXXXk singlegpu_job.sh --dataset mnist     # or cifar10, fashion-mnist
+#   sbatch --account=nnXXXXk singlegpu_job.sh --model my_net.py:Net --dataset folder --data-dir my_images
+#   (paths among the arguments are relative to the directory you submit from)
 #
 # Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train.py is), PER_GPU_BATCH
 # (images), BASE_LR, GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE.

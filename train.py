@@ -1,11 +1,12 @@
-"""Train the Wide ResNet on CIFAR-100 (or --dataset cifar10, fashion-mnist, mnist) with one
+"""Train the guide's Wide ResNet on CIFAR-100, or your own model on your own images, with one
 process: one GPU, or the CPU.
 
     python train.py --epochs 10                       # downloads CIFAR-100 to ./datasets if missing
     python train.py --dataset mnist --epochs 5        # the model gets 1 input channel and 10 classes
+    python train.py --model my_net.py:Net --dataset folder --data-dir images --epochs 30   # your own
     python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
     python train.py --epochs 100 --checkpoint-dir ckpt [--resume]  # survives kills and time limits
-    python train.py --loader torchvision --num-workers 8   # the guide's DataLoader instead of data on the GPU
+    python train.py --loader torchvision --num-workers 8   # a DataLoader instead of data on the GPU
     torchrun --standalone --nnodes=1 --nproc_per_node=1 train.py --batch-size 256 --epochs 100 \\
         --base-lr 0.01 --target-accuracy 0.95 --patience 2
     sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10
@@ -15,15 +16,16 @@ like with like.
 """
 
 from device_utils import single_process_context
-from train_utils import build_model, fit, make_loaders, parse_args, run_cli
+from flags import parse_args
+from task import build_task
+from train_utils import fit, run_cli
 
 
 def main():
     args = parse_args(__doc__)
     ctx = single_process_context()
-    train_loader, test_loader = make_loaders(args, ctx)
-    model = build_model(args, ctx)
-    fit(model, train_loader, test_loader, args, ctx)
+    task = build_task(args, ctx)  # the model and the data of --model and --dataset
+    fit(task, args, ctx)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Train the Wide ResNet on CIFAR-100 (or --dataset cifar10, fashion-mnist, mnist) with
+"""Train the guide's Wide ResNet on CIFAR-100, or your own model on your own images, with
 DistributedDataParallel: N GPUs on one or many nodes, or N CPU processes (gloo) on a laptop.
 Start it with torchrun:
 
@@ -6,6 +6,7 @@ Start it with torchrun:
         --base-lr 0.04 --target-accuracy 0.95 --patience 2
     torchrun --standalone --nproc_per_node=2 train_ddp.py --synthetic --epochs 1 --limit-batches 5
     torchrun --standalone --nproc_per_node=4 train_ddp.py --dataset fashion-mnist --epochs 10
+    torchrun --standalone --nproc_per_node=4 train_ddp.py --model my_net.py:Net --dataset folder --data-dir images
     torchrun --standalone --nproc_per_node=4 train_ddp.py --checkpoint-dir ckpt --resume  # continue a run
     sbatch --account=nnXXXXk multigpu_job.sh --epochs 10     # 4 GPUs, one node
     sbatch --account=nnXXXXk multinode_job.sh --epochs 10    # 2 nodes x 4 GPUs
@@ -14,27 +15,30 @@ Start it with torchrun:
 flag are shared with train.py.
 """
 
+from dataclasses import replace
+
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from device_utils import cleanup_distributed, setup_distributed
-from train_utils import build_model, fit, make_loaders, parse_args, run_cli
+from flags import parse_args
+from task import build_task
+from train_utils import fit, run_cli
 
 
 def main():
     args = parse_args(__doc__)
     ctx = setup_distributed()  # reads RANK/LOCAL_RANK/WORLD_SIZE, picks the GPU, joins the group
     try:
-        train_loader, test_loader = make_loaders(args, ctx)  # sharded by ctx.rank
-        model = build_model(args, ctx)
+        task = build_task(args, ctx)  # this rank's shard of the data, the model on this rank's GPU
         # DDP broadcasts rank 0's weights here, so every rank starts from the same model.
         # broadcast_buffers=False: no buffer broadcast before every forward. Training uses batch
         # statistics, and fit broadcasts rank 0's BatchNorm running statistics before each
         # evaluation and checkpoint. gradient_as_bucket_view: gradients are views into the
         # all-reduce buckets, so no second copy of them is kept (with zero_grad(set_to_none=True)
         # each step's new gradient is still copied into its bucket once).
-        ddp_model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                        broadcast_buffers=False, gradient_as_bucket_view=True)
-        fit(ddp_model, train_loader, test_loader, args, ctx)
+        model = DDP(task.model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+                    broadcast_buffers=False, gradient_as_bucket_view=True)
+        fit(replace(task, model=model), args, ctx)
     finally:
         cleanup_distributed()
 

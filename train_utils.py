@@ -1,16 +1,18 @@
-"""The one training loop behind train.py and train_ddp.py: flags, recipe, LR schedule,
-training, evaluation and logging, read top down.
+"""The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
+epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` is the step; then how the
+run is prepared (optimizer, LR schedule, precision) and the recipe's small pure pieces.
 
-Both entry points build the data loaders and the model and call ``fit``. train_ddp.py also
-joins a process group, shards the data by rank and wraps the model in DDP; nothing here
-needs to know. Only global rank 0 prints and writes files. Checkpoints, resume and stop
-requests live in checkpoint_utils.py.
+Both entry points build a task.Task (the model and the data) and call ``fit``; train_ddp.py
+also joins a process group, shards the data by rank and wraps the model in DDP, and nothing
+here needs to know. The loop names no model and no data set: it trains whatever the task
+holds. Only global rank 0 prints and writes files. The flags are in flags.py; checkpoints,
+weights files, resume and stop requests in checkpoint_utils.py; what is printed in log_utils.py.
 """
+
+from __future__ import annotations  # Run names Precision, defined further down with the recipe
 
 import argparse
 import math
-import os
-import pickle
 import sys
 import time
 from contextlib import nullcontext
@@ -25,209 +27,311 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint_utils import (EXIT_STOPPED, KEEP_CHECKPOINTS, Checkpointer, StopRequests, TrainingStopped, TrainState,
-                              atomic_save, check_resumable, check_writable, check_writable_dir, continues_run,
-                              data_fingerprint, epoch_seed, load_agreed_checkpoint, new_run_id, reconcile_metrics,
-                              restore, restore_rng, rng_snapshot)
-from data_formats import DATASETS
-from dataset_utils import LOADERS, load_data, set_loader_epoch
+from checkpoint_utils import (Checkpointer, StopRequests, TrainingStopped, TrainState, check_resumable,
+                              check_state_fits, check_writable, check_writable_dir, continues_run, epoch_seed,
+                              load_agreed_checkpoint, new_run_id, reconcile_metrics, restore, restore_rng,
+                              rng_snapshot, save_weights)
+from dataset_utils import set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
-                          env_rank, from_rank0, gather_objects, network_report, peak_memory_gib, reset_peak_memory,
-                          synchronize)
+                          from_rank0, gather_objects, memory_format, network_report, peak_memory_gib,
+                          reset_peak_memory, synchronize)
+from flags import rank_or_zero
 from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_run, epoch_line,
                        eta_seconds, summarize, timestamp)
-from model import WideResNet
 
-PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-MAX_AUTO_WORKERS = 8
-DEFAULT_WARMUP_EPOCHS = 2.0
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line: one definition of the flags for both entry points.
+# The run: epochs, then the summary.
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the docstring's command examples as written and show every default that has a value."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:  # not `in`: 0 == False
-            return action.help
-        return super()._get_help_string(action)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line, printed by global rank 0 only
-    (every rank parses the same flags, so the others would only repeat it)."""
-
-    def error(self, message):
-        if _rank_or_zero() == 0:
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def _checked(cast, is_valid, what):
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not is_valid(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    return parse
-
-
-positive_int = _checked(int, lambda v: v > 0, "a positive integer")
-non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _checked(float, lambda v: 0 < v < math.inf, "a positive number")
-non_negative_float = _checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
-fraction = _checked(float, lambda v: 0 <= v <= 1, "a number between 0 and 1")
-below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-
-
-def build_parser(description):
-    # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
-    parser = OneLineParser(description=description, formatter_class=_Formatter, allow_abbrev=False)
-    stop = parser.add_argument_group("run length and early stopping")
-    stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
-                      help="maximum number of passes over the training set")
-    stop.add_argument("--target-accuracy", metavar="FRACTION", type=fraction, default=0.95,
-                      help="stop early once validation accuracy (fraction 0-1) has been at or above "
-                           "this for --patience consecutive epochs")
-    stop.add_argument("--patience", metavar="EPOCHS", type=positive_int, default=2,
-                      help="consecutive epochs (count) at or above --target-accuracy before stopping")
-
-    recipe = parser.add_argument_group("recipe (identical for train.py and train_ddp.py)")
-    recipe.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
-                        help="global batch in images per optimizer step, split evenly over all processes")
-    recipe.add_argument("--base-lr", metavar="LR", type=positive_float, default=0.01,
-                        help="peak learning rate, used as given (not scaled with batch size or GPU count)")
-    recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                        help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
-    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=None,
-                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr (default: "
-                             f"{DEFAULT_WARMUP_EPOCHS:g}; given explicitly, at most --epochs)")
-    recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=0.9,
-                        help="SGD momentum coefficient (0 = plain SGD)")
-    recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
-                        help="Nesterov momentum (needs --momentum > 0)")
-    recipe.add_argument("--weight-decay", metavar="COEFF", type=non_negative_float, default=5e-4,
-                        help="SGD L2 weight-decay coefficient, applied to all parameters")
-    recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
-                        help="label smoothing of the training loss (fraction of probability mass); "
-                             "the reported validation loss is plain cross-entropy")
-    recipe.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="auto = bf16 autocast on GPUs that support it, else fp32; fp16 = autocast "
-                             "with GradScaler (CUDA only); tf32 = fp32 with TF32 matmuls and convolutions "
-                             "(CUDA only); fp32 = strict fp32")
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset", choices=DATASETS, default="cifar100",
-                      help="the data set, and with it the model's classes and input channels and the "
-                           "augmentation: " + "; ".join(f"{spec.name}: {spec.augmentation()}"
-                                                         for spec in DATASETS.values()))
-    data.add_argument("--data-dir", metavar="DIR", default=None,
-                      help="directory holding the data set's folder as torchvision lays it out "
-                           "(cifar-100-python/, cifar-10-batches-py/, FashionMNIST/raw/, MNIST/raw/; default: "
-                           "datasets/ beside the scripts)")
-    data.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                      help="download the data set (global rank 0 only) if it is missing")
-    data.add_argument("--synthetic", action="store_true",
-                      help="random images and labels of the data set's shape and size instead of its files: "
-                           "for smoke tests and throughput; accuracy is meaningless")
-    data.add_argument("--loader", choices=LOADERS, default="device",
-                      help="device = the data set (uint8, 150 MB for CIFAR) lives on the GPU (or in CPU memory) and is "
-                           "cropped, flipped and normalized there in batches, no CPU time per image; "
-                           "torchvision = the guide's DataLoader with --num-workers worker processes")
-    data.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
-                      help="--loader torchvision: worker processes per training process (default: CPU "
-                           f"cores per process - 1, at most {MAX_AUTO_WORKERS})")
-    data.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
-                      help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
-
-    speed = parser.add_argument_group("speed (no effect on the recipe)")
-    speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                       help="keep activations and weights in NHWC memory layout, which GPU tensor-core "
-                            "convolutions use (default: on with CUDA, off on the CPU)")
-    speed.add_argument("--compile", action="store_true",
-                       help="torch.compile the training model (the first steps then take minutes; the first "
-                            "epoch's throughput is reported separately)")
-
-    run = parser.add_argument_group("run control and output")
-    run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
-                     help="at most this many training and this many evaluation batches per epoch "
-                          "and process (smoke runs, tests)")
-    run.add_argument("--log-interval", metavar="SECONDS", type=non_negative_float, default=60.0,
-                     help="batch logs (stdout not a terminal, e.g. a Slurm .out file): a progress line at most "
-                          "every this many seconds during training and evaluation (0 = none); each line waits "
-                          "for the GPU once. On a terminal one line is updated instead")
-    run.add_argument("--metrics-file", metavar="PATH", default=None,
-                     help="append one JSON line per epoch to this file (global rank 0)")
-    run.add_argument("--weights", metavar="PATH", default=None,
-                     help="start from these model weights (a state_dict file, e.g. from the guide's model)")
-    run.add_argument("--save-weights", metavar="PATH", default=None,
-                     help="write the final model's state_dict here (global rank 0, atomically)")
-    run.add_argument("--eval-only", action="store_true",
-                     help="evaluate the model of --weights (a state_dict or a checkpoint file) on the test set "
-                          "once and exit")
-
-    resilience = parser.add_argument_group("checkpoints and resilience")
-    resilience.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                            help="this run's folder: checkpoints are written here (global rank 0, atomically, "
-                                 f"keeping this run's newest {KEEP_CHECKPOINTS}); a new run refuses a folder that "
-                                 "holds another run's checkpoints")
-    resilience.add_argument("--checkpoint-interval", metavar="MINUTES", type=non_negative_float, default=5.0,
-                            help="checkpoint at the end of an epoch at most every this many minutes (0 = every "
-                                 "epoch); always on a stop request and at the end of training. A crash (kill -9, "
-                                 "node failure) loses at most this much training")
-    resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
-                            help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
-                                 "number of GPUs (same recipe and data); error if there is none. --resume=auto: "
-                                 "continue it if there is a checkpoint, else start a new run there (the job scripts)")
-    resilience.add_argument("--stop-file", metavar="PATH", default=None,
-                            help="stop as on SIGTERM (checkpoint, then exit) when this file appears, but with exit "
-                                 f"status 0 (global rank 0 looks about once a second); signals exit with status "
-                                 f"{EXIT_STOPPED}. The job scripts use it so that torchrun sees a normal exit")
-    resilience.add_argument("--check-sync-every", metavar="STEPS", type=non_negative_int, default=0,
-                            help="DDP: check that all ranks hold identical parameters every this many optimizer "
-                                 "steps (0 = once per epoch, before its checkpoint)")
-    return parser
+def fit(task, args, ctx):
+    """Train ``task.model`` (plain or DDP-wrapped) on its data for up to --epochs, evaluating
+    after each epoch and checkpointing when due, stopping early at --target-accuracy.
+    Returns the epochs' metrics records."""
+    clock = RunClock()
+    # Before anything is printed: a new run in another run's folder is refused at once.
+    continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
+                                                   ctx.control_group)
+    run = prepare_run(task, args, ctx, continuing)
+    run.clock = clock
+    train_loader, test_loader = task.train_loader, task.test_loader
+    if args.eval_only:
+        return [evaluate_once(run, test_loader)]
+    state, rng_state = start_or_resume(run, continuing)
+    reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
+    with StopRequests(ctx, args.stop_file) as run.stop:
+        while state.epoch <= args.epochs and not reached():
+            run_epoch(run, train_loader, test_loader, state, rng_state)
+            rng_state = None
+            stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
+            if stop and state.epoch <= args.epochs and not reached():
+                path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
+                raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
+        if run.checkpointer.directory:
+            run.checkpointer.save(run, state)  # the finished run (no-op when just written)
+    if reached():
+        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
+    for line in summarize(state.records, ctx, len(test_loader.dataset), run.clock.elapsed()):
+        run.log.info(line)
+    if run.checkpointer.count:
+        wall = run.clock.elapsed()
+        run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
+                     f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
+                     f"run's {wall:.1f}s)")
+    if args.save_weights and ctx.is_main:
+        save_weights(run.module, args.save_weights, {"model": task.model_key, **task.data.weights_metadata()})
+        run.log.info(f"Model weights written to {args.save_weights}")
+    return state.records
 
 
-def parse_args(description, argv=None):
-    parser = build_parser(description)
-    args = parser.parse_args(argv)
-    if args.nesterov and args.momentum == 0:
-        parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
-    if args.resume and not args.checkpoint_dir:
-        parser.error("--resume needs --checkpoint-dir")
-    if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
-        args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
-    elif args.warmup_epochs > args.epochs:
-        parser.error(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs}): the "
-                     "learning rate would never reach --base-lr; use fewer warm-up epochs")
-    if args.eval_only and not args.weights:
-        parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
-                     "model would be random")
-    return args
+def start_or_resume(run, continuing):
+    """(TrainState, this rank's RNG states or None): a new run, or (``continuing``) the run in
+    --checkpoint-dir continued from the checkpoint global rank 0 chose, loaded on every rank."""
+    args, ctx = run.args, run.ctx
+    if not continuing:
+        if args.resume == "auto":
+            run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
+        return TrainState(run_id=new_run_id()), None
+    path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
+    check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
+                    partial(check_state_fits, run.module, model_name=run.task.model_name))
+    state, rng_state = restore(run, checkpoint)
+    fit_optimizer_to_params(run.optimizer, ctx.device)
+    run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
+    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
+                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})"
+                 + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
+    if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
+        run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
+    if run.log.metrics_path:
+        reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
+    return state, rng_state
 
 
-def per_process_batch(global_batch, world_size):
-    """Images per process per step; refuses to silently drop part of the global batch."""
-    if global_batch % world_size:
-        lower, upper = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
-        examples = f"{lower} or {upper}" if lower else str(upper)
-        raise UserError(f"--batch-size {global_batch} does not split evenly over {world_size} processes; "
-                        f"use a multiple of {world_size} (e.g. {examples})")
-    return global_batch // world_size
+def evaluate_once(run, test_loader):
+    start = time.perf_counter()
+    result = evaluate(run, test_loader)  # ends in a host sync (the all-reduced sums)
+    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
+              "eval_time_s": time.perf_counter() - start, "world_size": run.ctx.world_size,
+              "precision": run.precision.name, "weights": str(run.args.weights),
+              "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    run.log.record(record)
+    run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
+                 f"{accuracy_scope(record, len(test_loader.dataset))}")
+    return record
 
 
-def default_num_workers(local_world_size):
-    """One loader worker per spare CPU core of this process's share, capped."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(MAX_AUTO_WORKERS, cores // local_world_size - 1))
+# ---------------------------------------------------------------------------------------------
+# One epoch, one step, one evaluation.
+
+def run_epoch(run, train_loader, test_loader, state, rng_state=None):
+    """Train epoch state.epoch from step state.step on, evaluate, log, and checkpoint when
+    one is due. On a stop request: checkpoint mid-epoch and raise TrainingStopped."""
+    set_loader_epoch(train_loader, state.epoch - 1)
+    torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
+    batches = islice(train_loader, run.steps)
+    for _ in range(min(state.step, run.steps)):  # resuming mid-epoch: the same batches, skipped
+        next(batches)
+    if rng_state is not None:
+        restore_rng(rng_state)  # where the interrupted run was after those steps
+    reset_peak_memory(run.ctx.device)
+    synchronize(run.ctx.device)
+    start = time.perf_counter()
+    done = train_steps(run, batches, state)
+    synchronize(run.ctx.device)
+    train_end = time.perf_counter()
+    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
+    if done.first_bad:
+        kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
+        raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {done.first_bad}; stopping "
+                         + (f"(last good checkpoint: {kept})" if kept else "without saving the model")
+                         + "; try a lower --base-lr or --precision fp32")
+    if done.stop:
+        state.partial = (loss_sum, images, seconds)
+        check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
+        path = None
+        if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
+            path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
+        raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
+    broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
+    result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
+    record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
+                          time.perf_counter() - train_end, done.lr)
+    if not run.args.check_sync_every:
+        check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
+    state.history.append(result.accuracy)
+    state.records.append(record)
+    state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
+    if run.checkpointer.due():
+        run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
+    run.log.record(record)
+    run.clock.epoch_done()
+    eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
+    run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
+    return record
+
+
+class StepTotals(NamedTuple):
+    """What ``train_steps`` did, summed over all ranks."""
+    loss_sum: float  # training loss times images
+    images: int
+    first_bad: int   # first step with a non-finite loss, 0 if none
+    lr: float        # of the last step
+    stop: int        # the agreed stop request (checkpoint_utils.NO_STOP, STOP_FILE or STOP_SIGNAL)
+
+
+def train_steps(run, batches, state):
+    """Train on ``batches`` (steps state.step + 1 ... of epoch state.epoch), stopping early
+    when any rank has a stop request. The loss stays on the device; the host waits for the
+    GPU only in the final all-reduce."""
+    device, start = run.ctx.device, state.step
+    run.model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
+    images, lr, stop = 0, run.optimizer.param_groups[0]["lr"], 0
+    progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
+                        first=start)
+    for step, (x, y) in enumerate(batches, start=start + 1):
+        # (B, C, H, W), (B,). Asynchronous from pinned memory; no-ops for the device loader.
+        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
+        with run.precision.autocast(device):
+            loss = run.loss_fn(run.model(x), y)
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.scheduler.step()
+        loss_sum += loss.detach() * y.size(0)
+        first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
+        images += y.size(0)
+        state.step = step
+        # Reads the running loss (a GPU sync) only when a line is shown.
+        progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
+        if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
+            check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
+        # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
+        stop = run.stop.agreed()
+        if stop:
+            break
+    progress.close()
+    totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
+    first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
+    loss_total, images_total = totals.tolist()
+    return StepTotals(loss_total, int(images_total), 0 if first_bad == NO_STEP else first_bad, lr, stop)
+
+
+@torch.no_grad()
+def evaluate(run, loader, label="Evaluation"):
+    """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
+
+    Runs the unwrapped, uncompiled model: a DDP forward may broadcast buffers, a collective
+    that would hang when the shards have different numbers of batches.
+    """
+    model, device, precision = run.module, run.ctx.device, run.precision
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, loss sum]
+    count = 0
+    batches = min(len(loader), run.args.limit_batches or len(loader))
+    progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
+    for batch, (x, y) in enumerate(islice(loader, batches), start=1):
+        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        with precision.autocast(device):
+            logits = model(x)  # (B, classes)
+        loss = F.cross_entropy(logits.float(), y, reduction="sum")
+        sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
+        count += y.size(0)
+        # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
+        progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
+    progress.close()
+    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
+    return eval_summary(*totals.tolist())
+
+
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr):
+    """One line of --metrics-file. Times in seconds; throughput counts training images
+    actually processed on all ranks during the training phase (evaluation excluded)."""
+    return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
+            "val_accuracy": result.accuracy, "val_samples": result.samples,
+            "epoch_time_s": train_time, "eval_time_s": eval_time,
+            "images_per_sec": images / train_time, "train_images": images, "lr": lr,
+            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
+            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
+            "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "dataset": run.args.dataset, "model": run.args.model,
+            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
+            "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing the run: optimizer, schedule, precision, and what is printed once.
+
+@dataclass
+class Run:
+    """What the loop works with, built once by ``prepare_run``."""
+    model: nn.Module       # what trains: DDP-wrapped in train_ddp.py
+    module: nn.Module      # the plain model: evaluated, checked and checkpointed
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    loss_fn: nn.Module
+    precision: Precision
+    memory_format: torch.memory_format  # of the input batches: the model's layout
+    ctx: object            # device_utils.DistContext: who this process is
+    args: argparse.Namespace
+    task: object           # task.Task: the model as built, the loaders and what the data is
+    log: RunLogger
+    steps: int             # optimizer steps per epoch
+    checkpointer: Checkpointer
+    device_name: str       # what runs: GPU model and memory, or the CPU
+    clock: RunClock = field(default_factory=RunClock)
+    stop: StopRequests = None
+
+
+
+def prepare_run(task, args, ctx, continuing=False):
+    """Build the optimizer, schedule, scaler and loss for ``task``, and print the derived
+    values once."""
+    model, train_loader = task.model, task.train_loader
+    precision = configure_precision(args.precision, ctx.device)
+    log = RunLogger(ctx.is_main, args.metrics_file)
+    if ctx.is_main:  # checked, not created: a command that fails leaves no empty folder behind
+        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
+            if path:
+                check_writable(path, flag)
+        if args.checkpoint_dir:
+            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+    steps = min(len(train_loader), args.limit_batches or len(train_loader))
+    if steps == 0 and not args.eval_only:
+        raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
+                        f"{train_loader.batch_size} per process; lower --batch-size")
+    layout = memory_format(args.channels_last, ctx.device)  # the model's, from task.build_model
+    name = device_name(ctx.device)
+    module = unwrap(model)
+    parameters = sum(p.numel() for p in module.parameters())
+    header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
+              else describe_run(args, ctx, name, precision, layout == torch.channels_last, task, parameters, steps,
+                                continuing))
+    for line in header:
+        log.info(line)
+    if ctx.process_group:
+        for line in network_report(ctx):
+            log.info(line)
+    if args.synthetic:
+        log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
+    optimizer = make_optimizer(model, args, ctx.device)
+    if args.compile:
+        model = torch.compile(model)  # compiles lazily, during the first steps
+    return Run(model=model, module=module, optimizer=optimizer,
+               scheduler=make_scheduler(optimizer, args, steps),
+               scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
+               loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
+               memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
+               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,12 +396,6 @@ def configure_precision(requested, device):
     return Precision(requested, AUTOCAST_DTYPES.get(requested))
 
 
-def memory_format(args, device):
-    """channels_last (NHWC) on CUDA unless --no-channels-last; contiguous (NCHW) on the CPU."""
-    wanted = args.channels_last if args.channels_last is not None else device.type == "cuda"
-    return torch.channels_last if wanted else torch.contiguous_format
-
-
 def optimizer_kernels(device):
     """SGD implementation: one fused kernel for all parameters on CUDA, for-each on the CPU."""
     return {"fused": True, "foreach": None} if device.type == "cuda" else {"fused": None, "foreach": None}
@@ -341,364 +439,9 @@ def make_scheduler(optimizer, args, steps_per_epoch):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# ---------------------------------------------------------------------------------------------
-# Building: data, model, weights.
-
-def make_loaders(args, ctx):
-    """This rank's (train_loader, test_loader) for the flags."""
-    workers = 0
-    if args.loader == "torchvision":
-        workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
-    return load_data(per_process_batch(args.batch_size, ctx.world_size), num_workers=workers,
-                     data_dir=args.data_dir, dataset=args.dataset, loader=args.loader, device=ctx.device,
-                     rank=ctx.rank, world_size=ctx.world_size, seed=args.seed, download=args.download,
-                     synthetic=args.synthetic, pin_memory=ctx.device.type == "cuda")
-
-
-def build_model(args, ctx):
-    """The guide's model for the data set's classes and channels on this rank's device, the
-    same initial weights on every rank."""
-    torch.manual_seed(args.seed)
-    spec = DATASETS[args.dataset]
-    model = WideResNet(num_classes=spec.num_classes, in_channels=spec.channels)
-    if args.weights:
-        load_weights(model, args.weights)
-    # Each epoch then reseeds per rank (epoch_seed).
-    return model.to(ctx.device, memory_format=memory_format(args, ctx.device))
-
-
-def _strip_prefixes(state):
-    """Accept state_dicts saved from a DDP-wrapped or torch.compile'd model too."""
-    def clean(key):
-        for prefix in ("module.", "_orig_mod."):
-            key = key.removeprefix(prefix)
-        return key
-    return {clean(key): value for key, value in state.items()}
-
-
-def load_weights(model, path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"--weights {path}: no such file", same_on_every_rank=False) from None
-    except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
-        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):  # weights_only refused a class
-            raise UserError(f"--weights {path} holds pickled Python objects (a whole model saved with "
-                            "torch.save(model)?), not a state_dict; save one with torch.save(model.state_dict(), PATH)",
-                            same_on_every_rank=False) from None
-        raise UserError(f"--weights {path} is not a readable state_dict ({type(err).__name__})",
-                        same_on_every_rank=False) from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict):
-        raise UserError(f"--weights {path} holds a {type(state).__name__}, not a state_dict")
-    state = _strip_prefixes(state)
-    check_state_fits(model, state, f"--weights {path}")
-    model.load_state_dict(state)
-
-
-def check_state_fits(model, state, source):
-    """One clear line instead of load_state_dict's multi-line error for another model shape."""
-    own = model.state_dict()
-    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
-    reshaped = [k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or reshaped:
-        example = sorted(missing or unexpected or reshaped)[0]
-        raise UserError(f"{source} does not fit WideResNet(num_classes={model.fc.out_features}, "
-                        f"in_channels={model.input_block.cbr[0].in_channels}): "
-                        f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
-                        f"differently shaped tensors (e.g. {example}): weights of another model or --dataset?")
-
-
-def save_weights(model, path):
-    atomic_save(model.state_dict(), path)
-
-
 def unwrap(model):
     """The plain module inside a DDP (or similar) wrapper."""
     return getattr(model, "module", model)
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop.
-
-@dataclass
-class Run:
-    """What the loop works with, built once by ``prepare_run``."""
-    model: nn.Module       # what trains: DDP-wrapped in train_ddp.py
-    module: nn.Module      # the plain model: evaluated, checked and checkpointed
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    loss_fn: nn.Module
-    precision: Precision
-    memory_format: torch.memory_format  # of the input batches: the model's layout
-    ctx: object
-    args: argparse.Namespace
-    log: "RunLogger"
-    steps: int             # optimizer steps per epoch
-    fingerprint: dict      # the data set, as recorded in checkpoints
-    checkpointer: Checkpointer
-    device_name: str       # what runs: GPU model and memory, or the CPU
-    test_size: int         # images in the whole test set (all ranks)
-    clock: RunClock = field(default_factory=RunClock)
-    stop: StopRequests = None
-
-
-class StepTotals(NamedTuple):
-    """What ``train_steps`` did, summed over all ranks."""
-    loss_sum: float  # training loss times images
-    images: int
-    first_bad: int   # first step with a non-finite loss, 0 if none
-    lr: float        # of the last step
-    stop: int        # the agreed stop request (checkpoint_utils.NO_STOP, STOP_FILE or STOP_SIGNAL)
-
-
-def train_steps(run, batches, state):
-    """Train on ``batches`` (steps state.step + 1 ... of epoch state.epoch), stopping early
-    when any rank has a stop request. The loss stays on the device; the host waits for the
-    GPU only in the final all-reduce."""
-    device, start = run.ctx.device, state.step
-    run.model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
-    images, lr, stop = 0, run.optimizer.param_groups[0]["lr"], 0
-    progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
-                        first=start)
-    for step, (x, y) in enumerate(batches, start=start + 1):
-        # (B, C, H, W), (B,). Asynchronous from pinned memory; no-ops for the device loader.
-        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
-        with run.precision.autocast(device):
-            loss = run.loss_fn(run.model(x), y)
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.scheduler.step()
-        loss_sum += loss.detach() * y.size(0)
-        first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
-        images += y.size(0)
-        state.step = step
-        # Reads the running loss (a GPU sync) only when a line is shown.
-        progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
-        if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
-            check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
-        # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
-        stop = run.stop.agreed()
-        if stop:
-            break
-    progress.close()
-    totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
-    first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
-    loss_total, images_total = totals.tolist()
-    return StepTotals(loss_total, int(images_total), 0 if first_bad == NO_STEP else first_bad, lr, stop)
-
-
-def run_epoch(run, train_loader, test_loader, state, rng_state=None):
-    """Train epoch state.epoch from step state.step on, evaluate, log, and checkpoint when
-    one is due. On a stop request: checkpoint mid-epoch and raise TrainingStopped."""
-    set_loader_epoch(train_loader, state.epoch - 1)
-    torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
-    batches = islice(train_loader, run.steps)
-    for _ in range(min(state.step, run.steps)):  # resuming mid-epoch: the same batches, skipped
-        next(batches)
-    if rng_state is not None:
-        restore_rng(rng_state)  # where the interrupted run was after those steps
-    reset_peak_memory(run.ctx.device)
-    synchronize(run.ctx.device)
-    start = time.perf_counter()
-    done = train_steps(run, batches, state)
-    synchronize(run.ctx.device)
-    train_end = time.perf_counter()
-    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
-    if done.first_bad:
-        kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
-        raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {done.first_bad}; stopping "
-                         + (f"(last good checkpoint: {kept})" if kept else "without saving the model")
-                         + "; try a lower --base-lr or --precision fp32")
-    if done.stop:
-        state.partial = (loss_sum, images, seconds)
-        check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
-        path = None
-        if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
-            path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
-        raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
-    broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
-    result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
-    record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr)
-    if not run.args.check_sync_every:
-        check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
-    state.history.append(result.accuracy)
-    state.records.append(record)
-    state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
-    if run.checkpointer.due():
-        run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
-    run.log.record(record)
-    run.clock.epoch_done()
-    eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
-    run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
-    return record
-
-
-@torch.no_grad()
-def evaluate(run, loader, label="Evaluation"):
-    """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
-
-    Runs the unwrapped, uncompiled model: a DDP forward may broadcast buffers, a collective
-    that would hang when the shards have different numbers of batches.
-    """
-    model, device, precision = run.module, run.ctx.device, run.precision
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, loss sum]
-    count = 0
-    batches = min(len(loader), run.args.limit_batches or len(loader))
-    progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
-    for batch, (x, y) in enumerate(islice(loader, batches), start=1):
-        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        with precision.autocast(device):
-            logits = model(x)  # (B, classes)
-        loss = F.cross_entropy(logits.float(), y, reduction="sum")
-        sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
-        count += y.size(0)
-        # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
-        progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
-    progress.close()
-    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
-    return eval_summary(*totals.tolist())
-
-
-def prepare_run(model, train_loader, test_loader, args, ctx, continuing=False):
-    """Build the optimizer, schedule, scaler and loss, and print the derived values once."""
-    precision = configure_precision(args.precision, ctx.device)
-    log = RunLogger(ctx.is_main, args.metrics_file)
-    if ctx.is_main:  # checked, not created: a command that fails leaves no empty folder behind
-        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
-            if path:
-                check_writable(path, flag)
-        if args.checkpoint_dir:
-            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
-    steps = min(len(train_loader), args.limit_batches or len(train_loader))
-    if steps == 0 and not args.eval_only:
-        raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
-                        f"{train_loader.batch_size} per process; lower --batch-size")
-    channels_last = memory_format(args, ctx.device) == torch.channels_last  # the model's, from build_model
-    name = device_name(ctx.device)
-    spec = DATASETS[args.dataset]
-    header = (describe_evaluation(args, ctx, name, precision, channels_last, test_loader, spec) if args.eval_only
-              else describe_run(args, ctx, name, precision, channels_last, train_loader, test_loader, steps, spec,
-                                continuing))
-    for line in header:
-        log.info(line)
-    if ctx.process_group:
-        for line in network_report(ctx):
-            log.info(line)
-    if args.synthetic:
-        log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
-    optimizer = make_optimizer(model, args, ctx.device)
-    module = unwrap(model)
-    if args.compile:
-        model = torch.compile(model)  # compiles lazily, during the first steps
-    return Run(model=model, module=module, optimizer=optimizer,
-               scheduler=make_scheduler(optimizer, args, steps),
-               scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
-               loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
-               memory_format=memory_format(args, ctx.device), ctx=ctx, args=args, log=log, steps=steps,
-               fingerprint=data_fingerprint(train_loader, test_loader, args.synthetic, args.dataset),
-               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name,
-               test_size=len(test_loader.dataset))
-
-
-def fit(model, train_loader, test_loader, args, ctx):
-    """Train ``model`` (plain or DDP-wrapped) for up to --epochs, evaluating after each epoch
-    and checkpointing when due, stopping early at --target-accuracy. Returns the records."""
-    clock = RunClock()
-    # Before anything is printed: a new run in another run's folder is refused at once.
-    continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
-                                                   ctx.control_group)
-    run = prepare_run(model, train_loader, test_loader, args, ctx, continuing)
-    run.clock = clock
-    if args.eval_only:
-        return [evaluate_once(run, test_loader)]
-    state, rng_state = start_or_resume(run, continuing)
-    reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with StopRequests(ctx, args.stop_file) as run.stop:
-        while state.epoch <= args.epochs and not reached():
-            run_epoch(run, train_loader, test_loader, state, rng_state)
-            rng_state = None
-            stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
-            if stop and state.epoch <= args.epochs and not reached():
-                path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
-                raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
-        if run.checkpointer.directory:
-            run.checkpointer.save(run, state)  # the finished run (no-op when just written)
-    if reached():
-        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
-    for line in summarize(state.records, ctx, run.test_size, run.clock.elapsed()):
-        run.log.info(line)
-    if run.checkpointer.count:
-        wall = run.clock.elapsed()
-        run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
-                     f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
-                     f"run's {wall:.1f}s)")
-    if args.save_weights and ctx.is_main:
-        save_weights(run.module, args.save_weights)
-        run.log.info(f"Model weights written to {args.save_weights}")
-    return state.records
-
-
-def start_or_resume(run, continuing):
-    """(TrainState, this rank's RNG states or None): a new run, or (``continuing``) the run in
-    --checkpoint-dir continued from the checkpoint global rank 0 chose, loaded on every rank."""
-    args, ctx = run.args, run.ctx
-    if not continuing:
-        if args.resume == "auto":
-            run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
-        return TrainState(run_id=new_run_id()), None
-    path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
-    check_resumable(checkpoint, args, run.fingerprint, partial(check_state_fits, run.module))
-    state, rng_state = restore(run, checkpoint)
-    fit_optimizer_to_params(run.optimizer, ctx.device)
-    run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
-    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
-                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})"
-                 + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
-    if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
-        run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
-    if run.log.metrics_path:
-        reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
-    return state, rng_state
-
-
-def evaluate_once(run, test_loader):
-    start = time.perf_counter()
-    result = evaluate(run, test_loader)  # ends in a host sync (the all-reduced sums)
-    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
-              "eval_time_s": time.perf_counter() - start, "world_size": run.ctx.world_size,
-              "precision": run.precision.name, "weights": str(run.args.weights),
-              "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    run.log.record(record)
-    run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
-                 f"{accuracy_scope(record, run.test_size)}")
-    return record
-
-
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr):
-    """One line of --metrics-file. Times in seconds; throughput counts training images
-    actually processed on all ranks during the training phase (evaluation excluded)."""
-    return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
-            "val_accuracy": result.accuracy, "val_samples": result.samples,
-            "epoch_time_s": train_time, "eval_time_s": eval_time,
-            "images_per_sec": images / train_time, "train_images": images, "lr": lr,
-            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
-            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.args.loader,
-            "precision": run.precision.name, "synthetic": run.args.synthetic,
-            "dataset": run.args.dataset,
-            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
-            "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,11 +453,11 @@ class StepTiming(NamedTuple):
     precision: str         # as resolved for this device
 
 
-def time_training_steps(model, train_loader, test_loader, args, ctx, batches, warmup_steps, steps):
-    """Train ``model`` on ``batches`` with this loop's steps (the flags' recipe, precision and
-    layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized before
-    each clock reading. No evaluation, checkpoints or stop requests."""
-    run = prepare_run(model, train_loader, test_loader, args, ctx)
+def time_training_steps(task, args, ctx, batches, warmup_steps, steps):
+    """Train ``task.model`` on ``batches`` with this loop's steps (the flags' recipe, precision
+    and layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized
+    before each clock reading. No evaluation, checkpoints or stop requests."""
+    run = prepare_run(task, args, ctx)
     run.stop = StopRequests(ctx)  # not entered: no handlers, so nothing but Ctrl-C stops it
     state = TrainState(run_id="benchmark")
     synchronize(ctx.device)
@@ -729,17 +472,10 @@ def time_training_steps(model, train_loader, test_loader, args, ctx, batches, wa
 # ---------------------------------------------------------------------------------------------
 # Entry points.
 
-def _rank_or_zero():
-    try:
-        return env_rank()
-    except UserError:
-        return 0
-
-
 def run_cli(main):
     """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
     for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
-    rank = _rank_or_zero()
+    rank = rank_or_zero()
     try:
         main()
     except TrainingStopped as stop:

@@ -4,10 +4,8 @@ Every test runs on the CPU; nothing is downloaded. The training scripts are run 
 run them (python ..., torchrun ..., bash job.sh), so their exit codes and output are tested.
 """
 
-import gzip
 import json
 import os
-import pickle
 import re
 import runpy
 import subprocess
@@ -15,11 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use them
+# The writers of tiny data sets in every real format (the product's demo_data.py).
+from demo_data import (idx_bytes, learnable_images, write_cifar10, write_cifar100, write_dataset,  # noqa: E402,F401
+                       write_idx, write_image_folder)
 
 # Variables a launcher may have left in the environment; each test sets its own.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -27,107 +27,6 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 # Small and fast on 2 CPU cores: no loader workers, a few images per step.
 FAST = ("--num-workers", "0")
-
-
-def learnable_images(labels, rng, height, width, channels, classes=10):
-    """uint8 images (N, height, width, channels) a network can learn to classify: a colour set
-    by the label (``classes`` levels 200 / classes apart per channel) plus noise of standard
-    deviation 20."""
-    labels = np.asarray(labels)[:, None, None, None]
-    step = 200 // classes
-    colour = 28 + (labels * step + np.arange(channels) * 70) % (step * classes)  # (N, 1, 1, C)
-    return np.clip(colour + rng.normal(0, 20, (len(labels), height, width, channels)), 0, 255).astype(np.uint8)
-
-
-def write_cifar100(root, n_train=64, n_test=40, seed=0, test_labels=None, classes=100, learnable=False):
-    """Write cifar-100-python/{train,test,meta} as the official archive has them: pickled
-    dicts with 'data' (N, 3072) uint8 in R, G, B planes and 'fine_labels'. ``learnable``:
-    images of ``classes`` colours (learnable_images) instead of noise."""
-    rng = np.random.default_rng(seed)
-    folder = Path(root) / "cifar-100-python"
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("test", n_test)):
-        labels = rng.integers(0, classes, n).tolist()
-        if split == "test" and test_labels is not None:
-            labels = list(test_labels)
-        if learnable:  # stored as R, G, B planes per image
-            data = learnable_images(labels, rng, 32, 32, 3, classes).transpose(0, 3, 1, 2).reshape(n, 3072)
-        else:
-            data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-        entry = {
-            "filenames": [f"image_{i}.png" for i in range(n)],
-            "batch_label": f"{split} batch 1 of 1",
-            "fine_labels": labels,
-            "coarse_labels": [label // 5 for label in labels],
-            "data": data,
-        }
-        with open(folder / split, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-    with open(folder / "meta", "wb") as f:
-        pickle.dump({"fine_label_names": [f"class_{i}" for i in range(100)],
-                     "coarse_label_names": [f"super_{i}" for i in range(20)]}, f, protocol=2)
-    return Path(root)
-
-
-def _labels_and_images(rng, n, classes, shape, learnable):
-    """(labels list of 0..classes-1, uint8 images (n, H, W, C)): noise, or learnable_images."""
-    labels = rng.integers(0, classes, n).tolist()
-    if learnable:
-        return labels, learnable_images(labels, rng, *shape, classes=classes)
-    return labels, rng.integers(0, 256, (n, *shape), dtype=np.uint8)
-
-
-def write_cifar10(root, n_train=50, n_test=20, seed=0, classes=10, learnable=False):
-    """cifar-10-batches-py/ as the official archive has it: data_batch_1..5 (the training
-    images split in 5), test_batch and batches.meta, pickled dicts with 'data' (N, 3072)
-    uint8 in R, G, B planes and 'labels'."""
-    rng = np.random.default_rng(seed)
-    folder = Path(root) / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    batches = [(f"data_batch_{i + 1}", n) for i, n in enumerate(np.diff(np.linspace(0, n_train, 6).astype(int)))]
-    for name, n in (*batches, ("test_batch", n_test)):
-        labels, images = _labels_and_images(rng, int(n), classes, (32, 32, 3), learnable)
-        entry = {"batch_label": name, "labels": labels, "filenames": [f"{i}.png" for i in range(int(n))],
-                 "data": images.transpose(0, 3, 1, 2).reshape(int(n), 3072)}
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"class_{i}" for i in range(10)], "num_cases_per_batch": n_train // 5}, f)
-    return Path(root)
-
-
-def idx_bytes(array, magic):
-    """The idx format: magic number and dimensions as big-endian int32, then the uint8 data."""
-    return np.array([magic, *array.shape], dtype=">i4").tobytes() + array.astype(np.uint8).tobytes()
-
-
-def write_idx(root, folder, n_train=60, n_test=20, seed=0, classes=10, learnable=False, gzipped=False):
-    """MNIST or Fashion-MNIST as torchvision keeps them: ``folder`` (MNIST or FashionMNIST)/raw/
-    {train,t10k}-{images-idx3,labels-idx1}-ubyte, gzipped (.gz, as downloaded) or not."""
-    rng = np.random.default_rng(seed)
-    raw = Path(root) / folder / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        labels, images = _labels_and_images(rng, n, classes, (28, 28, 1), learnable)
-        for name, data in ((f"{prefix}-images-idx3-ubyte", idx_bytes(images[..., 0], 2051)),
-                           (f"{prefix}-labels-idx1-ubyte", idx_bytes(np.array(labels), 2049))):
-            if gzipped:
-                (raw / f"{name}.gz").write_bytes(gzip.compress(data))
-            else:
-                (raw / name).write_bytes(data)
-    return Path(root)
-
-
-def write_dataset(root, name, learnable=False, classes=None, **options):
-    """A tiny copy of data set ``name`` (a --dataset value) in its real on-disk format, with
-    labels 0..classes-1 (default: 10 for learnable images, else all of the data set's)."""
-    classes = classes or (10 if learnable or name != "cifar100" else 100)
-    if name == "cifar100":
-        return write_cifar100(root, classes=classes, learnable=learnable, **options)
-    if name == "cifar10":
-        return write_cifar10(root, classes=classes, learnable=learnable, **options)
-    folder = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST"}[name]
-    return write_idx(root, folder, classes=classes, learnable=learnable, **options)
 
 
 @pytest.fixture

@@ -258,7 +258,7 @@ def test_ddp_on_a_one_channel_data_set(tmp_path):
                               "--batch-size", "8", "--metrics-file", metrics, "--save-weights", tmp_path / "w.pt",
                               *FAST), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "WideResNet(10 classes, 1 input channel) on Fashion-MNIST" in result.stdout
+    assert "WideResNet(num_classes=10, in_channels=1), 17.1 M parameters, on Fashion-MNIST" in result.stdout
     records = read_metrics(metrics)
     assert [(r["epoch"], r["world_size"], r["dataset"], r["val_samples"], r["train_images"]) for r in records] == [
         (1, 2, "fashion-mnist", 15, 32), (2, 2, "fashion-mnist", 15, 32)]

@@ -41,7 +41,8 @@ def test_one_and_two_processes_report_identical_evaluation(tmp_path):
         result = run(cmd, cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("Evaluation: ") == 1  # printed by rank 0 only
-        assert f"Evaluating WideResNet weights {weights} on the CIFAR-100 test set" in result.stdout
+        assert (f"Evaluating WideResNet(num_classes=100, in_channels=3) weights {weights} on the CIFAR-100 test "
+                "set") in result.stdout
         assert "Training WideResNet" not in result.stdout and "Recipe:" not in result.stdout  # no training header
         assert f"on all {n_test} test images" in result.stdout
         [records[name]] = read_metrics(cmd[cmd.index("--metrics-file") + 1])
@@ -60,7 +61,7 @@ def test_two_process_training_shards_the_data_and_rank_0_writes(tmp_path):
                               *FAST, "--metrics-file", metrics, "--save-weights", tmp_path / "w.pt"),
                  cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in result.stdout
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in result.stdout
     assert "4 steps per epoch" in result.stdout  # 32 images / 2 ranks / 4 per rank
     assert result.stdout.count("Training complete.") == 1
     records = read_metrics(metrics)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dataset_utils as du
+import flags
 import train_utils as tu
 from conftest import clean_env, python_cmd, read_metrics, run, start, torchrun_cmd, wait_for, write_cifar100
 from test_resilience import _rank_pid
@@ -103,7 +104,7 @@ def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage():
         torch.manual_seed(0)
         layers = (torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
         return torch.nn.Sequential(*layers).cuda()
-    args, cuda = tu.parse_args("x", ["--precision", "fp16"]), torch.device("cuda")
+    args, cuda = flags.parse_args("x", ["--precision", "fp16"]), torch.device("cuda")
     ours = model()
     optimizer = tu.make_optimizer(ours, args, cuda)
     assert optimizer.param_groups[0]["fused"] is True  # the kernel that returns early on a skipped step

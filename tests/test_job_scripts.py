@@ -124,7 +124,7 @@ def test_single_gpu_job(tmp_path, other_jobs_monitor):
 def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08)
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
-    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in first
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
     assert all(r["world_size"] == 2 for r in records) and records[0]["lr"] == pytest.approx(0.08 * 0.5)
     assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)

@@ -2,6 +2,7 @@
 and a metrics file that survives a failing disk. Pure functions are called directly."""
 
 import io
+from types import SimpleNamespace
 import json
 import re
 
@@ -129,13 +130,12 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
 
 
 def test_a_data_set_of_the_wrong_size_is_said():
-    class Split(list):
-        expected_size = 50_000
-
     class Loader:
         def __init__(self, n):
-            self.dataset = Split(range(n))
+            self.dataset = range(n)
 
-    assert lu.size_warning("CIFAR-100", Loader(64), None) == [
+    cifar = SimpleNamespace(title="CIFAR-100", expected_sizes={"train": 50_000, "test": 10_000})
+    assert lu.size_warning(cifar, Loader(64), None) == [
         "WARNING: this CIFAR-100 has 64 training images instead of 50000: an incomplete copy or other files?"]
-    assert lu.size_warning("CIFAR-100", Loader(50_000), None) == []
+    assert lu.size_warning(cifar, Loader(50_000), Loader(10_000)) == []
+    assert lu.size_warning(SimpleNamespace(title="my folder", expected_sizes=None), Loader(64), None) == []

@@ -7,6 +7,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint_utils as cu
+import flags
 import train_utils as tu
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd,
                       wait_for)
@@ -172,26 +174,31 @@ def _checkpoint_like(args, fingerprint, model):
 
 
 def _fits(model):
-    return lambda state, source: tu.check_state_fits(model, state, source)
+    return lambda state, source: cu.check_state_fits(model, state, source)
 
 
 def test_resume_refuses_another_model_data_set_or_recipe():
-    args = tu.parse_args("x", ["--batch-size", "256"])
+    args = flags.parse_args("x", ["--batch-size", "256"])
     data = {"dataset": "cifar100", "synthetic": False, "train_images": 50000, "test_images": 10000,
             "train_labels_sha256": "a"}
     model = WideResNet(num_classes=100)
-    cu.check_resumable(_checkpoint_like(args, data, model), args, data, _fits(model))  # the same run: fine
+    key = "model:WideResNet"
+    cu.check_resumable(_checkpoint_like(args, data, model), args, data, key, _fits(model))  # the same run: fine
     before = {k: v for k, v in data.items() if k != "dataset"}  # a checkpoint from before --dataset: CIFAR-100
-    cu.check_resumable(_checkpoint_like(args, before, model), args, data, _fits(model))
+    old_args = {k: v for k, v in vars(args).items() if k not in ("model", "augment")}  # ... and before --model
+    cu.check_resumable({**_checkpoint_like(args, before, model), "args": old_args}, args, data, key, _fits(model))
     with pytest.raises(UserError, match="does not fit WideResNet"):
-        cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, _fits(model))
+        cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, key, _fits(model))
     with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "
                                         "50000, synthetic=False, different labels"):
-        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"},
+        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"}, key,
                            _fits(model))
-    other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
+    other = flags.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\)"):
-        cu.check_resumable(_checkpoint_like(args, data, model), other, data, _fits(model))
+        cu.check_resumable(_checkpoint_like(args, data, model), other, data, key, _fits(model))
+    with pytest.raises(UserError, match=r"trained with --model model:WideResNet, this run has --model my_net.py:Net"):
+        mine = flags.parse_args("x", ["--batch-size", "256", "--model", "my_net.py:Net"])
+        cu.check_resumable(_checkpoint_like(args, data, model), mine, data, "my_net:Net", _fits(model))
 
 
 def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):
@@ -315,7 +322,8 @@ class _TinyRun:
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.args, self.fingerprint = tu.parse_args("x", ["--checkpoint-dir", str(directory)]), {}
+        self.args = flags.parse_args("x", ["--checkpoint-dir", str(directory)])
+        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear")
         self.ctx = DistContext(device=torch.device("cpu"))
 
 

@@ -190,5 +190,5 @@ def test_multi_gpu_job_completes(cluster, tmp_path):
                     "2", "--num-workers", "0")
     assert cluster.wait_until_done(job_id) == "COMPLETED"
     text = (tmp_path / f"multigpu_{job_id}.out").read_text()
-    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node(s))" in text and "Training complete." in text
+    assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in text and "Training complete." in text
     assert "Traceback" not in (tmp_path / f"multigpu_{job_id}.err").read_text()

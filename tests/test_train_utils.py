@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint_utils as cu
 import dataset_utils as du
 import device_utils as du_device
+import flags
+import task
 import train_utils as tu
 from checkpoint_utils import StopRequests, TrainState
 from device_utils import UserError, single_process_context
 from model import WideResNet
+from task import DataInfo, Task
 
 GUIDE_LINES = {
     "train.py": "--batch-size 256 --epochs 100 --base-lr 0.01 --target-accuracy 0.95 --patience 2",
@@ -25,7 +29,7 @@ GUIDE_LINES = {
 
 @pytest.mark.parametrize("line", GUIDE_LINES.values(), ids=GUIDE_LINES.keys())
 def test_guide_command_lines_keep_their_meaning(line):
-    args = tu.parse_args("test", shlex.split(line))
+    args = flags.parse_args("test", shlex.split(line))
     values = dict(zip(shlex.split(line)[::2], shlex.split(line)[1::2]))
     assert args.batch_size == int(values["--batch-size"])  # global batch
     assert args.base_lr == float(values["--base-lr"])      # used as given
@@ -33,7 +37,7 @@ def test_guide_command_lines_keep_their_meaning(line):
 
 
 def test_one_recipe_by_default():
-    args = tu.parse_args("test", [])
+    args = flags.parse_args("test", [])
     assert (args.momentum, args.nesterov, args.weight_decay) == (0.9, True, 5e-4)
     assert (args.lr_schedule, args.warmup_epochs, args.label_smoothing, args.precision) == ("cosine", 2.0, 0.1, "auto")
     optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
@@ -42,7 +46,7 @@ def test_one_recipe_by_default():
 
 
 def test_guide_recipes_are_reachable_by_flags():
-    part1 = tu.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
+    part1 = flags.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
                                               "--warmup-epochs 0 --label-smoothing 0 --precision fp32"))
     group = tu.make_optimizer(torch.nn.Linear(2, 2), part1, torch.device("cpu")).param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0, False, 0)
@@ -66,20 +70,30 @@ BAD_FLAGS = {
     "--bogus": "unrecognized arguments: --bogus",
     "--epochs 3 --warmup-epochs 3.5": "--warmup-epochs 3.5 is longer than the run (--epochs 3)",
     "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
+    "--dataset imagenet": "--dataset: 'imagenet' is not a data set: cifar100, cifar10, fashion-mnist, mnist, folder "
+                          "or FILE.py:NAME",
+    "--dataset folder": "--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE",
+    "--image-size 64": "--image-size applies to --dataset folder",
+    "--dataset folder --data-dir d --image-size 0": "--image-size: '0' is not a size in pixels",
+    "--dataset folder --data-dir d --image-size 3x": "--image-size: '3x' is not a size in pixels",
+    "--model my_net.py": "--model: 'my_net.py' is not FILE.py:NAME or module:NAME",
+    "--model my_net.py:2x": "--model: 'my_net.py:2x' is not FILE.py:NAME or module:NAME",
+    "--augment rotate": "--augment: invalid choice: 'rotate'",
+    "--dataset my_data.py:make --synthetic": "--synthetic makes random data of a built-in data set's shape",
 }
 
 
-@pytest.mark.parametrize("flags", BAD_FLAGS)
-def test_bad_flags_are_one_line_and_exit_2(flags, capsys):
+@pytest.mark.parametrize("line", BAD_FLAGS)
+def test_bad_flags_are_one_line_and_exit_2(line, capsys):
     with pytest.raises(SystemExit) as info:
-        tu.parse_args("test", shlex.split(flags))
+        flags.parse_args("test", shlex.split(line))
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and BAD_FLAGS[flags] in err
+    assert err.count("\n") == 1 and BAD_FLAGS[line] in err
 
 
 def test_help_shows_every_real_default():
-    text = " ".join(tu.build_parser("x").format_help().split())
+    text = " ".join(flags.build_parser("x").format_help().split())
     assert "--seed N seed for weights" in text and "(default: 0)" in text  # 0 is a default, not "none"
     assert "(default: None)" not in text and "(default: False)" not in text
 
@@ -87,16 +101,16 @@ def test_help_shows_every_real_default():
 def test_bad_flags_are_printed_by_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):
-        tu.parse_args("test", ["--batch-size", "0"])
+        flags.parse_args("test", ["--batch-size", "0"])
     assert capsys.readouterr().err == ""
 
 
 def test_global_batch_must_split_evenly():
-    assert tu.per_process_batch(1024, 4) == 256 and tu.per_process_batch(256, 1) == 256
+    assert du.per_process_batch(1024, 4) == 256 and du.per_process_batch(256, 1) == 256
     with pytest.raises(UserError, match=r"--batch-size 1000 does not split evenly over 3 processes.*999 or 1002"):
-        tu.per_process_batch(1000, 3)
+        du.per_process_batch(1000, 3)
     with pytest.raises(UserError, match=r"e\.g\. 8\)"):
-        tu.per_process_batch(3, 8)
+        du.per_process_batch(3, 8)
 
 
 def test_warmup_then_cosine():
@@ -111,7 +125,7 @@ def test_warmup_then_cosine():
 
 
 def test_scheduler_steps_per_optimizer_step():
-    args = tu.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
+    args = flags.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
     optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
     scheduler = tu.make_scheduler(optimizer, args, steps_per_epoch=4)
     lrs = []
@@ -156,54 +170,62 @@ def test_weights_round_trip_and_wrapped_prefixes(tmp_path):
     torch.manual_seed(1)
     source = WideResNet(num_classes=100)
     path = tmp_path / "w.pt"
-    tu.save_weights(source, path)
+    cu.save_weights(source, path)
     loaded = WideResNet(num_classes=100)
-    tu.load_weights(loaded, path)
+    cu.load_weights(loaded, path)
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values()))
     # A state_dict saved from a DDP-wrapped model ('module.' prefixes) loads too.
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
-    tu.load_weights(WideResNet(num_classes=100), path)
+    cu.load_weights(WideResNet(num_classes=100), path)
 
 
 def test_weights_that_do_not_fit_are_refused(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(WideResNet(num_classes=10).state_dict(), path)
     with pytest.raises(UserError, match="does not fit WideResNet.*2 differently shaped tensors .e.g. fc.bias"):
-        tu.load_weights(WideResNet(num_classes=100), path)
+        cu.load_weights(WideResNet(num_classes=100), path)
     path.write_bytes(b"not a torch file")
     with pytest.raises(UserError, match="is not a readable state_dict"):
-        tu.load_weights(WideResNet(num_classes=100), path)
+        cu.load_weights(WideResNet(num_classes=100), path)
     with pytest.raises(UserError, match="no such file"):
-        tu.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
+        cu.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
     torch.save(WideResNet(num_classes=100), path)  # the whole model, pickled: a common mistake
     with pytest.raises(UserError, match=r"holds pickled Python objects .a whole model saved with torch.save.model.\?.,"
                                         r" not a state_dict; save one with torch.save.model.state_dict"):
-        tu.load_weights(WideResNet(num_classes=100), path)
+        cu.load_weights(WideResNet(num_classes=100), path)
 
 
 def test_fast_settings_by_default():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    args = tu.parse_args("test", [])
-    assert args.loader == "device" and not args.compile
-    assert tu.memory_format(args, cuda) == torch.channels_last  # tensor cores want NHWC
-    assert tu.memory_format(args, cpu) == torch.contiguous_format
-    assert tu.memory_format(tu.parse_args("test", ["--no-channels-last"]), cuda) == torch.contiguous_format
-    assert tu.memory_format(tu.parse_args("test", ["--channels-last"]), cpu) == torch.channels_last
+    args = flags.parse_args("test", [])
+    assert args.loader == "auto" and not args.compile
+    assert task.choose_loader("auto", 10e6, 80e9) == ("device", "auto: the data set (10.0 MB) fits in 25% of the "
+                                                                "device's 80 GB")
+    assert task.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
+    assert task.choose_loader("auto", 10, 40)[0] == "device"
+    assert task.choose_loader("device", 11, 40) == ("device", "--loader")
+    assert du_device.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
+    assert du_device.memory_format(args.channels_last, cpu) == torch.contiguous_format
+    assert du_device.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last
+    assert du_device.memory_format(True, cpu) == torch.channels_last        # --channels-last
+    assert flags.parse_args("test", ["--no-channels-last"]).channels_last is False
     assert tu.optimizer_kernels(cuda)["fused"] is True and not tu.optimizer_kernels(cpu)["fused"]
-    assert tu.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
+    assert flags.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
 
 
-def _train_two_steps(flags):
+def _train_two_steps(extra):
     """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
     rng = np.random.default_rng(0)
     data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
                              du.train_transform())
-    args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *flags])
+    args = flags.parse_args("test", ["--batch-size", "8", "--synthetic", *extra])
     train_loader, test_loader = du.build_loaders(data, data, 8, loader="device")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 100))
-    run = tu.prepare_run(model, train_loader, test_loader, args, single_process_context())
+    info = DataInfo("cifar100", "test images", "test images", tuple(map(str, range(100))), data.prep, {})
+    task = Task(model, "a small CNN", "test:cnn", train_loader, test_loader, info, "device", "--loader")
+    run = tu.prepare_run(task, args, single_process_context())
     run.stop = StopRequests(run.ctx)
     done = tu.train_steps(run, iter(train_loader), TrainState(run_id="test"))
     assert done.images == 16
@@ -243,7 +265,7 @@ def _one_step(model, optimizer, scaler=None, factor=1.0):
 
 def test_momentum_buffers_exist_from_the_start_in_each_parameters_layout():
     model = _conv_model().to(memory_format=torch.channels_last)
-    optimizer = tu.make_optimizer(model, tu.parse_args("x", []), torch.device("cpu"))
+    optimizer = tu.make_optimizer(model, flags.parse_args("x", []), torch.device("cpu"))
     for param in model.parameters():
         buffer = optimizer.state[param]["momentum_buffer"]
         assert torch.equal(buffer, torch.zeros_like(param)) and buffer.stride() == param.stride()
@@ -260,7 +282,7 @@ def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory
     """GradScaler skips a step with an overflow; the fused kernel then returns before filling
     the momentum buffers it created (the CPU has the same fused kernel)."""
     model = _conv_model()
-    optimizer = tu.make_optimizer(model, tu.parse_args("x", []), torch.device("cpu"))
+    optimizer = tu.make_optimizer(model, flags.parse_args("x", []), torch.device("cpu"))
     for group in optimizer.param_groups:
         group.update(fused=True, foreach=None)  # the CUDA configuration
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
@@ -280,7 +302,7 @@ def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory
 def test_resumed_optimizer_state_takes_the_parameters_layout():
     """A checkpoint written in NCHW (the CPU, or --no-channels-last) resumed by a channels_last
     model: load_state_dict keeps NCHW buffers, which CUDA's fused kernel refuses."""
-    args, cpu = tu.parse_args("x", []), torch.device("cpu")
+    args, cpu = flags.parse_args("x", []), torch.device("cpu")
     saved = _conv_model()
     saved_optimizer = tu.make_optimizer(saved, args, cpu)
     _one_step(saved, saved_optimizer)

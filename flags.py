@@ -1,0 +1,249 @@
+"""The command line of train.py and train_ddp.py: one definition of every flag, with units
+and defaults in its help, and the checks that need more than one flag.
+
+The flags fall in groups: run length, recipe, task (--model, --dataset and how its images
+are prepared), speed, output, and checkpoints. A bad command line is one line on stderr
+(from global rank 0 only) and exit status 2.
+"""
+
+import argparse
+import math
+import sys
+
+from checkpoint_utils import EXIT_STOPPED, KEEP_CHECKPOINTS
+from data_formats import DATASETS
+from device_utils import UserError, env_rank
+
+DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
+DEFAULT_WARMUP_EPOCHS = 2.0
+MAX_AUTO_WORKERS = 8
+PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
+LOADERS = ("auto", "device", "torchvision")
+AUGMENTATIONS = ("auto", "flip-crop", "crop", "none")
+FOLDER = "folder"  # --dataset folder: an image folder in torchvision's ImageFolder layout
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the docstring's command examples as written and show every default that has a value."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:  # not `in`: 0 == False
+            return action.help
+        return super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line, printed by global rank 0 only
+    (every rank parses the same flags, so the others would only repeat it)."""
+
+    def error(self, message):
+        if rank_or_zero() == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _checked(cast, is_valid, what):
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not is_valid(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _checked(float, lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float = _checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+fraction = _checked(float, lambda v: 0 <= v <= 1, "a number between 0 and 1")
+below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def plugin_ref(text):
+    """FILE.py:NAME or module:NAME, checked for form only (task.py imports it)."""
+    source, _, name = text.rpartition(":")
+    if not source or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not FILE.py:NAME or module:NAME")
+    return text
+
+
+def dataset_name(text):
+    if text in DATASETS or text == FOLDER:
+        return text
+    if ":" in text:
+        return plugin_ref(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a data set: {', '.join(DATASETS)}, {FOLDER} or FILE.py:NAME")
+
+
+def image_size(text):
+    """'64' -> (64, 64); '48x64' -> (48, 64): (height, width) in pixels."""
+    parts = text.lower().split("x")
+    if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
+        height, width = (int(parts[0]), int(parts[-1]))
+        return height, width
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size in pixels (N or HxW, e.g. 64 or 48x64)")
+
+
+def build_parser(description):
+    # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
+    parser = OneLineParser(description=description, formatter_class=_Formatter, allow_abbrev=False)
+    stop = parser.add_argument_group("run length and early stopping")
+    stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
+                      help="maximum number of passes over the training set")
+    stop.add_argument("--target-accuracy", metavar="FRACTION", type=fraction, default=0.95,
+                      help="stop early once validation accuracy (fraction 0-1) has been at or above "
+                           "this for --patience consecutive epochs")
+    stop.add_argument("--patience", metavar="EPOCHS", type=positive_int, default=2,
+                      help="consecutive epochs (count) at or above --target-accuracy before stopping")
+
+    recipe = parser.add_argument_group("recipe (identical for train.py and train_ddp.py)")
+    recipe.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
+                        help="global batch in images per optimizer step, split evenly over all processes")
+    recipe.add_argument("--base-lr", metavar="LR", type=positive_float, default=0.01,
+                        help="peak learning rate, used as given (not scaled with batch size or GPU count)")
+    recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                        help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
+    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=None,
+                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr (default: "
+                             f"{DEFAULT_WARMUP_EPOCHS:g}; given explicitly, at most --epochs)")
+    recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=0.9,
+                        help="SGD momentum coefficient (0 = plain SGD)")
+    recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
+                        help="Nesterov momentum (needs --momentum > 0)")
+    recipe.add_argument("--weight-decay", metavar="COEFF", type=non_negative_float, default=5e-4,
+                        help="SGD L2 weight-decay coefficient, applied to all parameters")
+    recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
+                        help="label smoothing of the training loss (fraction of probability mass); "
+                             "the reported validation loss is plain cross-entropy")
+    recipe.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto = bf16 autocast on GPUs that support it, else fp32; fp16 = autocast "
+                             "with GradScaler (CUDA only); tf32 = fp32 with TF32 matmuls and convolutions "
+                             "(CUDA only); fp32 = strict fp32")
+
+    task = parser.add_argument_group("the task: model and data")
+    task.add_argument("--model", metavar="FILE.py:NAME", type=plugin_ref, default=DEFAULT_MODEL,
+                      help="the network: NAME in FILE.py (a path, relative to the current directory) or in an "
+                           "importable module (module:NAME), a class or function called with num_classes= and "
+                           "in_channels= (and image_size=(H, W) when it takes it) that returns an nn.Module mapping "
+                           "images (B, C, H, W) to logits (B, classes)")
+    task.add_argument("--dataset", metavar="NAME", type=dataset_name, default="cifar100",
+                      help=f"{', '.join(DATASETS)} (files as torchvision lays them out), {FOLDER} (--data-dir "
+                           "holds train/CLASS/IMAGE and test/CLASS/IMAGE, any image Pillow reads), or FILE.py:NAME "
+                           "(NAME(data_dir) returns (train, test) data sets of (image (C, H, W), label) with a "
+                           "classes attribute); it sets the model's classes and input channels")
+    task.add_argument("--data-dir", metavar="DIR", default=None,
+                      help="where the data set is: the folder holding cifar-100-python/, cifar-10-batches-py/, "
+                           f"FashionMNIST/raw/ or MNIST/raw/ (default: datasets/ beside the scripts); for "
+                           f"--dataset {FOLDER} the folder with train/ and test/ (or val/); for FILE.py:NAME the "
+                           "argument NAME gets")
+    task.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
+                      help="download a built-in data set (global rank 0 only) if it is missing")
+    task.add_argument("--synthetic", action="store_true",
+                      help="random images and labels of a built-in data set's shape and size instead of its files: "
+                           "for smoke tests and throughput; accuracy is meaningless")
+    task.add_argument("--augment", choices=AUGMENTATIONS, default="auto",
+                      help="training augmentation: auto = the data set's own (" + "; ".join(
+                          f"{spec.name}: {spec.augmentation()}" for spec in DATASETS.values())
+                      + f"; {FOLDER} and FILE.py:NAME: flip-crop); flip-crop = random horizontal flip and a crop "
+                        "of the zero-padded image (padding 1/8 of the image side); crop = no flips; none")
+    task.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
+                      help=f"--dataset {FOLDER}: resize every image to this size, N or HxW in pixels (scaled to "
+                           "cover, then centre-cropped); default: the training images' most common size")
+    task.add_argument("--cache-dir", metavar="DIR", default=None,
+                      help=f"--dataset {FOLDER}: where the images are kept decoded (uint8 .npy files, rebuilt when "
+                           "the images change; default: datasets/cache/ beside the scripts)")
+    task.add_argument("--loader", choices=LOADERS, default="auto",
+                      help="device = the data set (uint8) lives on the GPU (or in CPU memory) and is cropped, flipped "
+                           "and normalized there in batches, no CPU time per image; torchvision = a DataLoader with "
+                           "--num-workers worker processes; auto = device when the data set fits a quarter of the "
+                           "device's memory, else torchvision")
+    task.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
+                      help="--loader torchvision: worker processes per training process (default: CPU "
+                           f"cores per process - 1, at most {MAX_AUTO_WORKERS})")
+    task.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
+                      help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
+
+    speed = parser.add_argument_group("speed (no effect on the recipe)")
+    speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep activations and weights in NHWC memory layout, which GPU tensor-core "
+                            "convolutions use (default: on with CUDA, off on the CPU)")
+    speed.add_argument("--compile", action="store_true",
+                       help="torch.compile the training model (the first steps then take minutes; the first "
+                            "epoch's throughput is reported separately)")
+
+    run = parser.add_argument_group("run control and output")
+    run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
+                     help="at most this many training and this many evaluation batches per epoch "
+                          "and process (smoke runs, tests)")
+    run.add_argument("--log-interval", metavar="SECONDS", type=non_negative_float, default=60.0,
+                     help="batch logs (stdout not a terminal, e.g. a Slurm .out file): a progress line at most "
+                          "every this many seconds during training and evaluation (0 = none); each line waits "
+                          "for the GPU once. On a terminal one line is updated instead")
+    run.add_argument("--metrics-file", metavar="PATH", default=None,
+                     help="append one JSON line per epoch to this file (global rank 0)")
+    run.add_argument("--weights", metavar="PATH", default=None,
+                     help="start from these model weights (a state_dict file, e.g. from the guide's model)")
+    run.add_argument("--save-weights", metavar="PATH", default=None,
+                     help="write the final model's state_dict here (global rank 0, atomically)")
+    run.add_argument("--eval-only", action="store_true",
+                     help="evaluate the model of --weights (a state_dict or a checkpoint file) on the test set "
+                          "once and exit")
+
+    resilience = parser.add_argument_group("checkpoints and resilience")
+    resilience.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                            help="this run's folder: checkpoints are written here (global rank 0, atomically, "
+                                 f"keeping this run's newest {KEEP_CHECKPOINTS}); a new run refuses a folder that "
+                                 "holds another run's checkpoints")
+    resilience.add_argument("--checkpoint-interval", metavar="MINUTES", type=non_negative_float, default=5.0,
+                            help="checkpoint at the end of an epoch at most every this many minutes (0 = every "
+                                 "epoch); always on a stop request and at the end of training. A crash (kill -9, "
+                                 "node failure) loses at most this much training")
+    resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
+                            help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
+                                 "number of GPUs (same recipe and data); error if there is none. --resume=auto: "
+                                 "continue it if there is a checkpoint, else start a new run there (the job scripts)")
+    resilience.add_argument("--stop-file", metavar="PATH", default=None,
+                            help="stop as on SIGTERM (checkpoint, then exit) when this file appears, but with exit "
+                                 f"status 0 (global rank 0 looks about once a second); signals exit with status "
+                                 f"{EXIT_STOPPED}. The job scripts use it so that torchrun sees a normal exit")
+    resilience.add_argument("--check-sync-every", metavar="STEPS", type=non_negative_int, default=0,
+                            help="DDP: check that all ranks hold identical parameters every this many optimizer "
+                                 "steps (0 = once per epoch, before its checkpoint)")
+    return parser
+
+
+def parse_args(description, argv=None):
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    if args.nesterov and args.momentum == 0:
+        parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
+        args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
+    elif args.warmup_epochs > args.epochs:
+        parser.error(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs}): the "
+                     "learning rate would never reach --base-lr; use fewer warm-up epochs")
+    builtin = args.dataset in DATASETS
+    if args.dataset == FOLDER and not args.data_dir:
+        parser.error(f"--dataset {FOLDER} needs --data-dir DIR, the folder holding train/CLASS/IMAGE and "
+                     "test/CLASS/IMAGE (or val/)")
+    if args.image_size and args.dataset != FOLDER:
+        parser.error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
+    if args.synthetic and not builtin:
+        parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
+    if args.eval_only and not args.weights:
+        parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
+                     "model would be random")
+    return args
+
+
+def rank_or_zero():
+    """Global rank from the environment, 0 when it is unset or unreadable (for messages only)."""
+    try:
+        return env_rank()
+    except UserError:
+        return 0

@@ -1,0 +1,309 @@
+"""--dataset folder: your own images in torchvision's ImageFolder layout, decoded once.
+
+    DIR/train/CLASS/IMAGE     e.g. DIR/train/cat/0001.jpg, DIR/train/dog/a/b.png
+    DIR/test/CLASS/IMAGE      (or DIR/val/CLASS/IMAGE)
+
+Classes are the sorted folder names under train/ (label i is the i-th name). Any image file
+Pillow reads counts, in any mode and size: the images become RGB, or stay gray when every
+one is gray, and are resized to one size (the most common among the training images, or
+--image-size), scaled to cover it and centre-cropped so nothing is stretched. Hidden files
+and files that are not images (by their ending) are ignored; an image that cannot be read
+is one line naming it.
+
+The decoded images are kept as uint8 arrays in .npy files under --cache-dir, one folder per
+image folder and one subfolder per version of its files:
+
+    CACHE/<name>-<hash of its path>/<hash of file names, sizes, times and image size>/
+        train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy, meta.json
+
+A cache is built in a temporary folder and renamed into place when complete, so an
+interrupted build is never used; it is rebuilt when any image file is added, removed or
+changed (a stat of each file, no decoding), and the older version of the same folder is then
+deleted. The arrays are memory-mapped: the device loader copies them to the GPU, the
+torchvision loader's workers read them without loading everything.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from data_formats import DatasetError
+
+SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
+GRAY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+CACHE_FORMAT = 1
+STATS_CHUNK = 4096  # images per chunk when computing mean and std (bounded memory)
+
+
+@dataclass(frozen=True)
+class FolderData:
+    """A decoded image folder: uint8 images (N, H, W, C) and int64 labels (N,) per split."""
+    train: tuple            # (images, labels)
+    test: tuple
+    classes: tuple          # folder names, sorted: label i is classes[i]
+    mean: tuple             # per channel, of the training images scaled to 0..1
+    std: tuple
+    cache: Path             # the folder the arrays are read from
+    notes: tuple            # how the images were prepared, for the start-up block
+
+
+def image_extensions():
+    """File endings of every format this Pillow can open (.jpg, .png, .webp, .tif, ...)."""
+    Image.init()
+    return {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scanning: which files, which classes (a stat per file, nothing decoded).
+
+def split_folder(root, split):
+    """The folder of ``split``: DIR/train, or DIR/test else DIR/val."""
+    for name in SPLIT_FOLDERS[split]:
+        if (root / name).is_dir():
+            return root / name
+    wanted = " or ".join(f"{root / name}/" for name in SPLIT_FOLDERS[split])
+    raise DatasetError(f"--data-dir {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "
+                       f"{root}/test/CLASS/IMAGE, or val/ for test/)")
+
+
+def _visible(path):
+    return not path.name.startswith(".")
+
+
+def class_files(folder, extensions):
+    """(image files, other files) below ``folder``, recursively, sorted; hidden ones skipped."""
+    images, others = [], []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                path = Path(dirpath) / name
+                (images if path.suffix.lower() in extensions else others).append(path)
+    return images, others
+
+
+def scan(root):
+    """(classes, {split: (files, labels)}, ignored files): what is in the folder."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"--data-dir {root}: no such folder")
+    folders = {split: split_folder(root, split) for split in SPLIT_FOLDERS}
+    classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
+    if not classes:
+        raise DatasetError(f"{folders['train']} has no class folders (expected {folders['train']}/CLASS/IMAGE)")
+    extensions = image_extensions()
+    splits, ignored = {}, []
+    for split, folder in folders.items():
+        strays = [p for p in folder.iterdir() if not p.is_dir() and _visible(p)]
+        unknown = sorted(p.name for p in folder.iterdir() if p.is_dir() and _visible(p) and p.name not in classes)
+        if unknown:
+            raise DatasetError(f"{folder}: class folder(s) {', '.join(unknown)} are not in {folders['train']} "
+                               f"(its classes: {', '.join(classes[:10])}{', ...' if len(classes) > 10 else ''})")
+        files, labels = [], []
+        for label, name in enumerate(classes):
+            found, others = class_files(folder / name, extensions) if (folder / name).is_dir() else ([], [])
+            if not found and split == "train":
+                raise DatasetError(f"{folder / name} holds no image files")
+            files += found
+            labels += [label] * len(found)
+            ignored += others
+        if not files:
+            raise DatasetError(f"{folder} holds no image files in its class folders")
+        splits[split] = (files, np.asarray(labels, dtype=np.int64))
+        ignored += strays
+    return tuple(classes), splits, ignored
+
+
+def folder_version(splits, image_size):
+    """A hash of every file's path, size and modification time, and of the requested size:
+    it changes when any image is added, removed or changed."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT} {image_size}".encode())
+    for split, (files, labels) in splits.items():
+        for path, label in zip(files, labels):
+            info = path.stat()
+            digest.update(f"{split}\0{path}\0{label}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding.
+
+def header(path):
+    """(mode, (height, width)) from the file's header, without decoding the pixels."""
+    try:
+        with Image.open(path) as image:
+            return image.mode, (image.height, image.width)
+    except Exception as err:  # Pillow raises many types for damaged files
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path, err):
+    reason = " ".join(str(err).split()) or type(err).__name__
+    return DatasetError(f"{path}: not a readable image ({reason}); remove or replace it")
+
+
+def choose_size(sizes):
+    """The most common (height, width); among equally common ones the smallest."""
+    counts = Counter(sizes)
+    return max(counts, key=lambda size: (counts[size], -size[0] * size[1]))
+
+
+def decode(path, size, mode):
+    """One image as uint8 (H, W, C): converted to ``mode`` (RGB or L), scaled to cover
+    ``size`` (height, width) and centre-cropped to it (no distortion)."""
+    try:
+        with Image.open(path) as image:
+            if image.mode == "P" and "transparency" in image.info:
+                image = image.convert("RGBA")  # what Pillow asks for palette images with transparency
+            image = image.convert(mode)  # decodes: a truncated file fails here
+            if (image.height, image.width) != size:
+                image = ImageOps.fit(image, (size[1], size[0]), Image.Resampling.BILINEAR)
+            array = np.asarray(image, dtype=np.uint8)
+    except DatasetError:
+        raise
+    except Exception as err:
+        raise _unreadable(path, err) from None
+    return array[:, :, None] if array.ndim == 2 else array
+
+
+def decode_all(files, size, mode, out, workers):
+    """Decode ``files`` into ``out`` (N, H, W, C), in order. Pillow releases the GIL while it
+    decodes and resizes, so threads use several cores without worker processes."""
+    with ThreadPoolExecutor(workers) as pool:
+        for i, array in enumerate(pool.map(lambda p: decode(p, size, mode), files)):
+            out[i] = array
+
+
+def channel_stats(images, scale=255):
+    """(mean, std) per channel of images (N, H, W, C) divided by ``scale`` (255: uint8 pixels to
+    0..1), in chunks (float64 sums, so a memory-mapped array is never read whole into memory).
+    A channel that never varies gets std 1 (normalizing by ~0 would blow it up)."""
+    channels = images.shape[-1]
+    total, squares, count = np.zeros(channels), np.zeros(channels), 0
+    for start in range(0, len(images), STATS_CHUNK):
+        chunk = np.asarray(images[start:start + STATS_CHUNK], dtype=np.float64).reshape(-1, channels) / scale
+        total += chunk.sum(axis=0)
+        squares += np.square(chunk).sum(axis=0)
+        count += len(chunk)
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean**2, 0))
+    return tuple(round(float(m), 4) for m in mean), tuple(round(float(s), 4) if s > 1e-4 else 1.0 for s in std)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache.
+
+def cache_root(root, cache_dir):
+    """CACHE/<folder name>-<hash of its absolute path>: one per image folder."""
+    root = Path(root).expanduser().resolve()
+    return Path(cache_dir).expanduser() / f"{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
+
+
+def build_cache(target, splits, classes, image_size, ignored, log, workers):
+    """Decode every image into a temporary folder beside ``target``, then rename it to
+    ``target``. Its meta.json keeps the notes for the start-up block."""
+    headers = {split: _map(header, files, workers) for split, (files, _) in splits.items()}
+    train_sizes = [size for _, size in headers["train"]]
+    size = image_size or choose_size(train_sizes)
+    all_headers = headers["train"] + headers["test"]
+    gray = all(mode in GRAY_MODES for mode, _ in all_headers)
+    mode = "L" if gray else "RGB"
+    resized = sum(s != size for _, s in all_headers)
+    converted = sum(m != mode for m, _ in all_headers)
+    distinct = len(set(train_sizes))
+    how = ("--image-size" if image_size else
+           f"the training images' {'only size' if distinct == 1 else f'most common of {distinct} sizes'}")
+    notes = [f"Images: {size[0]}x{size[1]} ({how}; {resized} resized: scaled to cover, centre-cropped), "
+             + ("gray (every image is gray)" if gray else f"RGB ({converted} converted from other modes)")]
+    if ignored:
+        notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
+
+    total = sum(len(files) for files, _ in splits.values())
+    log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        start = time.perf_counter()
+        for split, (files, labels) in splits.items():
+            out = np.lib.format.open_memmap(tmp / f"{split}_images.npy", mode="w+", dtype=np.uint8,
+                                            shape=(len(files), *size, 1 if gray else 3))
+            decode_all(files, size, mode, out, workers)
+            out.flush()
+            del out
+            np.save(tmp / f"{split}_labels.npy", labels)
+        seconds = time.perf_counter() - start
+        mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
+        meta = {"format": CACHE_FORMAT, "classes": list(classes), "mean": mean, "std": std, "notes": notes,
+                "image_size": list(size), "mode": mode, "decode_s": seconds, "images": total}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, target)  # atomic: the cache appears complete or not at all
+        except OSError:
+            if not (target / "meta.json").is_file():  # not another process that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s, {workers} "
+        f"threads) into {target}")
+
+
+def _map(function, items, workers):
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(function, items))
+
+
+def remove_stale(folder_cache, keep, log):
+    """Delete the older versions of this folder's cache (never anything else)."""
+    for old in folder_cache.iterdir():
+        if old.is_dir() and old.name != keep and not old.name.startswith(".") and (old / "meta.json").is_file():
+            shutil.rmtree(old, ignore_errors=True)
+            log(f"Removed the outdated cache {old}")
+
+
+def default_workers():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cores))
+
+
+def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None):
+    """Make sure the cache of image folder ``root`` is current (build it if not): call on
+    global rank 0 while the other ranks wait. Returns the cache folder."""
+    classes, splits, ignored = scan(root)
+    folder_cache = cache_root(root, cache_dir)
+    target = folder_cache / folder_version(splits, image_size)
+    if not (target / "meta.json").is_file():
+        try:
+            build_cache(target, splits, classes, image_size, ignored, log, workers or default_workers())
+        except OSError as err:
+            raise DatasetError(f"cannot write the image cache in {folder_cache} ({err.strerror or err}); "
+                               "choose a writable --cache-dir") from None
+        remove_stale(folder_cache, target.name, log)
+    return target
+
+
+def read_folder_cache(target):
+    """FolderData from a cache folder that ``prepare_folder`` made: memory-mapped arrays
+    (copy-on-write, so torch can wrap them without a copy or a read-only warning)."""
+    meta_path = Path(target) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        splits = {split: (np.load(target / f"{split}_images.npy", mmap_mode="c"),
+                          np.load(target / f"{split}_labels.npy"))
+                  for split in SPLIT_FOLDERS}
+    except (OSError, ValueError) as err:
+        raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
+                           "see the same --cache-dir, on a shared file system", same_on_every_rank=False) from None
+    notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
+    return FolderData(splits["train"], splits["test"], tuple(meta["classes"]), tuple(meta["mean"]),
+                      tuple(meta["std"]), Path(target), notes)

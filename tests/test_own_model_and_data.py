@@ -1,0 +1,387 @@
+"""Your own model and your own images: --model FILE.py:NAME, --dataset folder, --dataset
+FILE.py:NAME and --augment, end to end as users run them (from their project folder, with
+relative paths), and every mistake in a plug-in as one line."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import checkpoint_utils as cu
+import dataset_utils as du
+import image_folder
+import task
+from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
+                      write_cifar100, write_image_folder)
+from model import WideResNet
+
+# A small network with none of the Wide ResNet's attribute names (no fc, no input_block), so
+# that nothing of the engine can lean on them. It takes image_size, and records it.
+MY_NET = '''
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.seen_size = image_size
+        self.features = nn.Sequential(nn.Conv2d(in_channels, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def tiny(num_classes, in_channels):
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+'''
+SMALL = (*FAST, "--batch-size", "32", "--warmup-epochs", "1", "--base-lr", "0.05", "--log-interval", "0")
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's project folder: my_net.py and an image folder (PNG and JPEG, RGB and gray,
+    32x32 and 40x48, a stray notes.txt and a hidden file), 4 classes."""
+    (tmp_path / "my_net.py").write_text(MY_NET)
+    write_image_folder(tmp_path / "images", classes=4, n_train=32, n_test=8)
+    return tmp_path
+
+
+def folder_args(project, *extra):
+    return ("--model", "my_net.py:Net", "--dataset", "folder", "--data-dir", "images", "--cache-dir", "cache",
+            *SMALL, *extra)
+
+
+def assert_learned(records):
+    assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]
+    assert max(r["val_accuracy"] for r in records) >= 0.5  # chance is 0.25
+
+
+def test_an_image_folder_learns_under_train_py_and_torchrun(project):
+    result = run(python_cmd("train.py", *folder_args(project, "--epochs", "4", "--metrics-file", "one.jsonl")),
+                 cwd=project)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Decoding 160 images of 4 classes into cache/images-" in out
+    assert "Training Net(num_classes=4, in_channels=3, image_size=(32, 32)) from my_net.py" in out
+    assert "the image folder images (4 classes: class_0, class_1, class_2, class_3), 128 training / 32 test" in out
+    assert ("Images: 32x32 (the training images' most common of 2 sizes; 40 resized: scaled to cover, "
+            "centre-cropped), RGB (56 converted from other modes)") in out
+    assert "Ignored 2 file(s) that are not images, e.g. images/" in out  # notes.txt twice; .DS_Store is hidden
+    assert "Augmentation: random horizontal flip, random 32x32 crop of the 4-pixel zero-padded image" in out
+    assert "Traceback" not in result.stderr
+    assert_learned(read_metrics(project / "one.jsonl"))
+
+    # Two processes: the cache is reused (nothing decoded), and the run learns the same way.
+    result = run(torchrun_cmd(2, "train_ddp.py", *folder_args(project, "--epochs", "4", "--metrics-file",
+                                                             "two.jsonl")), cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "Decoding" not in result.stdout and "Cache: cache/images-" in result.stdout
+    records = read_metrics(project / "two.jsonl")
+    assert records[0]["world_size"] == 2 and records[0]["val_samples"] == 32
+    assert_learned(records)
+
+
+def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
+    args = folder_args(project, "--epochs", "20", "--checkpoint-dir", "ckpt", "--metrics-file", "m.jsonl",
+                       "--save-weights", "w.pt", "--checkpoint-interval", "0", "--patience", "20")
+    process = start(python_cmd("train.py", *args), project, project / "first.log")
+    wait_for(project / "first.log", "Epoch 2/20:", process)
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=120) == cu.EXIT_STOPPED
+    assert "Stopped after" in (project / "first.log").read_text()
+
+    # Resuming with the Wide ResNet instead is refused: another model is another run.
+    result = run(python_cmd("train.py", *args, "--resume", "--model", "model:WideResNet"), cwd=project)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: the checkpoint was trained with --model my_net.py:Net, this run has --model model:WideResNet; "
+        "resume with --model my_net.py:Net, or start a new run in another --checkpoint-dir"]
+
+    result = run(python_cmd("train.py", *args, "--resume"), cwd=project)
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(project / "m.jsonl")
+    assert [r["epoch"] for r in records] == list(range(1, 21)) and records[-1]["model"] == "my_net.py:Net"
+
+    # The weights file is the plain state_dict of Net, with the classes in its metadata.
+    state = torch.load(project / "w.pt", weights_only=True)
+    assert set(state) == {"features.0.weight", "features.0.bias", "features.1.weight", "features.1.bias",
+                          "features.1.running_mean", "features.1.running_var", "features.1.num_batches_tracked",
+                          "head.weight", "head.bias"}
+    assert state._metadata[""]["task"]["classes"] == ["class_0", "class_1", "class_2", "class_3"]
+    assert state._metadata[""]["task"]["model"] == "my_net:Net"
+
+    # --eval-only of those weights through --model gives the last epoch's accuracy exactly.
+    result = run(python_cmd("train.py", *folder_args(project, "--eval-only", "--weights", "w.pt")), cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert f"Accuracy={records[-1]['val_accuracy']:.4f} on all 32 test images" in result.stdout
+    assert "Evaluating Net(num_classes=4, in_channels=3, image_size=(32, 32)) from my_net.py weights w.pt" in \
+        result.stdout
+
+
+def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
+    model = WideResNet(num_classes=4)
+    cu.save_weights(model, project / "w.pt", {"classes": ["cat", "dog", "eel", "fox"]})
+    reloaded = WideResNet(num_classes=4)
+    reloaded.load_state_dict(torch.load(project / "w.pt", weights_only=True), strict=True)  # the guide's layout
+    os.chdir(project)
+    assert run_main("train.py", *folder_args(project, "--model", "model:WideResNet", "--eval-only",
+                                             "--weights", "w.pt")) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: --weights w.pt were trained on other classes (label 0 is 'cat' there and 'class_0' here): their "
+        "outputs would be read as the wrong labels; use the data set they were trained on"]
+
+
+def test_the_cache_is_built_once_and_rebuilt_when_an_image_changes(tmp_path):
+    root = write_image_folder(tmp_path / "images", classes=3, n_train=8, n_test=4)
+    said = []
+    first = image_folder.prepare_folder(root, tmp_path / "cache", log=said.append)
+    assert any(line.startswith("Decoding 36 images of 3 classes") for line in said)
+    data = image_folder.read_folder_cache(first)
+    assert data.train[0].shape == (24, 32, 32, 3) and data.train[0].dtype == np.uint8
+    assert data.classes == ("class_0", "class_1", "class_2") and data.train[1].tolist() == [0] * 8 + [1] * 8 + [2] * 8
+    # Files in sorted order; a 32x32 RGB PNG is kept as it is.
+    png = root / "train" / "class_1" / "image_2.png"
+    assert Image.open(png).mode == "RGB" and np.array_equal(data.train[0][8 + 2], np.asarray(Image.open(png)))
+    mean, std = image_folder.channel_stats(data.train[0])
+    assert np.allclose(mean, data.train[0].reshape(-1, 3).mean(0) / 255, atol=1e-4) and data.mean == mean
+
+    said.clear()
+    assert image_folder.prepare_folder(root, tmp_path / "cache", log=said.append) == first and not said
+    Image.new("RGB", (32, 32), "red").save(root / "train" / "class_2" / "image_new.png")
+    second = image_folder.prepare_folder(root, tmp_path / "cache", log=said.append)
+    assert second != first and not first.exists() and f"Removed the outdated cache {first}" in said
+    assert image_folder.read_folder_cache(second).train[0].shape[0] == 25
+    assert not list((tmp_path / "cache").glob("*/.*tmp*"))  # no half-built cache left
+
+
+def test_gray_folders_stay_gray_and_image_size_resizes(tmp_path):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=1, stray=False)
+    data = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", log=lambda _: None))
+    assert data.train[0].shape == (8, 32, 32, 1) and "gray (every image is gray)" in data.notes[0]
+    resized = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", (24, 20),
+                                                                         log=lambda _: None))
+    assert resized.train[0].shape == (8, 24, 20, 1) and "Images: 24x20 (--image-size;" in resized.notes[0]
+    assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == (32, 32)  # a tie: the smaller
+
+
+def test_a_corrupt_image_is_one_line_naming_it(tmp_path, capsys):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2)
+    jpeg = root / "train" / "class_1" / "image_1.jpg"
+    jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "cache",
+                    *SMALL) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.startswith(f"error: {jpeg}: not a readable image (") and line.endswith("; remove or replace it")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-written kept
+
+
+@pytest.mark.parametrize("layout, expected", [
+    ({"train/a/x.png": True}, "no {root}/test/ or {root}/val/"),
+    ({"train/a/x.png": True, "test/b/y.png": True}, "class folder(s) b are not in {root}/train"),
+    ({"train/a/x.png": True, "train/b/notes.txt": False, "test/a/y.png": True}, "{root}/train/b holds no image files"),
+    ({"train/x.png": True, "test/y.png": True}, "{root}/train has no class folders"),
+])
+def test_a_folder_in_the_wrong_layout_is_one_line(tmp_path, capsys, layout, expected):
+    root = tmp_path / "images"
+    for name, is_image in layout.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        if is_image:
+            Image.new("RGB", (8, 8)).save(root / name)
+        else:
+            (root / name).write_text("x")
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *SMALL) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert expected.format(root=root) in line
+
+
+MY_DATA = '''
+import torch
+
+
+class Split(torch.utils.data.Dataset):
+    classes = ["dark", "light"]
+
+    def __init__(self, n, dtype):
+        generator = torch.Generator().manual_seed(n)
+        self.labels = torch.randint(0, 2, (n,), generator=generator)
+        noise = torch.rand(n, 1, 12, 12, generator=generator) * 0.2
+        self.images = (self.labels[:, None, None, None] * 0.7 + noise)
+        if dtype == "uint8":
+            self.images = (self.images * 255).to(torch.uint8)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.labels[i])
+
+
+def make(data_dir):
+    return Split(96, "uint8"), Split(32, "uint8")
+
+
+def make_float(data_dir):
+    return Split(96, "float"), Split(32, "float")
+'''
+
+
+@pytest.mark.parametrize("name", ["make", "make_float"])
+def test_a_data_set_from_your_file_learns(tmp_path, name):
+    (tmp_path / "my_data.py").write_text(MY_DATA)
+    (tmp_path / "my_net.py").write_text(MY_NET)
+    result = run(python_cmd("train.py", "--model", "my_net.py:Net", "--dataset", f"my_data.py:{name}", *SMALL,
+                            "--epochs", "4", "--metrics-file", "m.jsonl", "--batch-size", "16"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"Data: my_data.py:{name}(" in result.stdout and "2 classes, 96 training / 32 test images" in result.stdout
+    assert "Net(num_classes=2, in_channels=1, image_size=(12, 12))" in result.stdout
+    assert_learned(read_metrics(tmp_path / "m.jsonl"))
+
+
+def test_float_images_are_served_alike_by_both_loaders():
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(6, 8, 8, 2)).astype(np.float32)
+    prep = du.preprocessing((8, 8, 2), (0.1, -0.2), (1.5, 0.5), "flip-crop")
+    data = du.InMemoryImages(images, np.arange(6), None, prep)
+    sampler = du.CropFlipSampler(range(6), 6, seed=3, prep=prep)
+    keys = list(sampler)
+    pil_free = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
+    offsets = torch.tensor([key[1:3] for key in keys])
+    flips = torch.tensor([key[3] for key in keys])
+    on_device = du.normalize_float(du.crop_flip(torch.from_numpy(images), offsets, flips, prep.padding),
+                                   *du.float_stats(prep, "cpu"))
+    assert torch.equal(pil_free, on_device)
+    assert torch.allclose(data[0][0], (torch.from_numpy(images[0]).permute(2, 0, 1) - torch.tensor([0.1, -0.2])[:, None,
+                          None]) / torch.tensor([1.5, 0.5])[:, None, None])
+
+
+def test_augment_chooses_for_any_data_set():
+    cifar, mnist = du.DATASETS["cifar100"], du.DATASETS["mnist"]
+
+    def prep(spec, augment):
+        made = du.preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
+        return made.padding, made.flip
+
+    assert prep(cifar, "auto") == (4, True) and prep(mnist, "auto") == (2, False)
+    assert prep(mnist, "flip-crop") == (2, True) and prep(cifar, "crop") == (4, False)
+    assert prep(cifar, "none") == (0, False)
+    assert du.preprocessing((64, 48, 3), (0,) * 3, (1,) * 3).padding == 6  # a folder: 1/8 of the shorter side
+    # none: the device loader serves the images only normalized.
+    images = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+    plain = du.preprocessing((8, 8, 3), (0.5,) * 3, (0.25,) * 3, "none")
+    loader = du.DeviceLoader(du.InMemoryImages(images, np.arange(4), None, plain), 4, range(4), torch.device("cpu"),
+                             augment=True, drop_last=True)
+    [(batch, _)] = list(loader)
+    assert torch.equal(batch, du.normalize(torch.from_numpy(images), du.normalization_table(plain.mean, plain.std)))
+
+
+def test_a_data_set_that_does_not_fit_is_streamed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(task, "DEVICE_DATA_FRACTION", 1e-12)
+    write_cifar100(tmp_path / "data")
+    assert run_main("train.py", "--data-dir", tmp_path / "data", "--synthetic", "--epochs", "1", "--limit-batches",
+                    "1", "--batch-size", "8", "--metrics-file", tmp_path / "m.jsonl", *FAST) == 0
+    out = capsys.readouterr().out
+    assert "Loader: torchvision DataLoader, 0 worker processes per training process; auto: the data set (184.3 MB) " \
+           "does not fit in 0% of the device's" in out
+    assert read_metrics(tmp_path / "m.jsonl")[0]["loader"] == "torchvision"
+
+
+BAD_MODELS = {
+    "missing file": ("", "nothing.py:Net", "error: --model nothing.py:Net: no such file {tmp}/nothing.py"),
+    "missing name": ("class Other: pass\n", "my_net.py:Net",
+                     "error: --model my_net.py:Net: {tmp}/my_net.py has no Net (it defines: Other)"),
+    "no module": ("", "nosuchmodule:Net",
+                  "error: --model nosuchmodule:Net: no module named nosuchmodule (for a file give its path: "
+                  "nosuchmodule.py:Net)"),
+    "not callable": ("Net = 3\n", "my_net.py:Net",
+                     "error: --model my_net.py:Net: Net is not a class or function but a value of type int"),
+    "wrong signature": ("def Net(classes, channels): pass\n", "my_net.py:Net",
+                        "error: --model my_net.py:Net: Net(classes, channels) does not take num_classes and "
+                        "in_channels; it is called as Net(num_classes=N, in_channels=C[, image_size=(H, W)])"),
+    "extra argument": ("def Net(num_classes, in_channels, depth): pass\n", "my_net.py:Net",
+                       "error: --model my_net.py:Net: Net(num_classes, in_channels, depth) also requires depth (give "
+                       "it a default); it is called as Net(num_classes=N, in_channels=C[, image_size=(H, W)])"),
+    "not a module": ("def Net(num_classes, in_channels):\n    return [num_classes]\n", "my_net.py:Net",
+                     "error: --model my_net.py:Net: Net(...) returned a list, not an nn.Module"),
+    "raises": ("def Net(num_classes, in_channels):\n    width = 0\n    raise ValueError(f'bad width {width}')\n",
+               "my_net.py:Net", "error: --model my_net.py:Net raised ValueError: bad width 0 (at {tmp}/my_net.py, "
+                                "line 3, in Net: raise ValueError(f'bad width {{width}}'))"),
+    "wrong output": ("import torch.nn as nn\ndef Net(num_classes, in_channels):\n"
+                     "    return nn.Sequential(nn.Flatten(), nn.LazyLinear(7))\n", "my_net.py:Net",
+                     "error: --model my_net.py:Net maps images (2, 3, 32, 32) to (2, 7), not to logits (2, 100) for "
+                     "the data's 100 classes"),
+    "syntax": ("def Net(:\n", "my_net.py:Net", "error: --model my_net.py:Net: importing my_net.py raised SyntaxError"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MODELS)
+def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
+    source, ref, expected = BAD_MODELS[case]
+    (tmp_path / "my_net.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "my_net", raising=False)
+    assert run_main("train.py", "--synthetic", "--model", ref, "--epochs", "1", *FAST) == 2
+    err = capsys.readouterr().err
+    [line] = error_lines(err)
+    assert line.startswith(expected.format(tmp=tmp_path)), line
+    assert "Traceback" not in err
+
+
+BAD_DATA = {
+    "one set": ("def make(data_dir):\n    return [1, 2, 3]\n",
+                "error: --dataset my_data.py:make: make(data_dir) returned a list, not (train, test)"),
+    "not images": ("def make(data_dir):\n    return [('a', 0)], [('b', 1)]\n",
+                   "error: --dataset my_data.py:make: the training set[0]: the image is a str, not a tensor (C, H, W)"),
+    "two sizes": ("import torch\ndef make(data_dir):\n"
+                  "    return [(torch.zeros(1, 8, 8), 0), (torch.zeros(1, 9, 8), 1)], [(torch.zeros(1, 8, 8), 0)]\n",
+                  "error: --dataset my_data.py:make: the training set[1] is float32 (9, 8, 1) (H, W, C), item 0 "
+                  "float32 (8, 8, 1): every image must have one size and type"),
+    "labels": ("import torch\nclass S(list):\n    classes = ['a', 'b']\ndef make(data_dir):\n"
+               "    return S([(torch.zeros(1, 8, 8), 0), (torch.zeros(1, 8, 8), 2)]), S([(torch.zeros(1, 8, 8), 0)])\n",
+               "error: --dataset my_data.py:make: training labels run from 0 to 2, outside 0..1 of its 2 classes"),
+    "raises": ("def make(data_dir):\n    return open(data_dir + '/nothing.csv')\n",
+               "error: --dataset my_data.py:make raised FileNotFoundError: [Errno 2] No such file or directory"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_every_bad_data_set_is_one_line(tmp_path, capsys, monkeypatch, case):
+    source, expected = BAD_DATA[case]
+    (tmp_path / "my_data.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "my_data", raising=False)
+    assert run_main("train.py", "--dataset", "my_data.py:make", "--epochs", "1", *FAST) == 2
+    err = capsys.readouterr().err
+    [line] = error_lines(err)
+    assert line.startswith(expected), line
+    if case == "raises":
+        assert f"(at {tmp_path.resolve()}/my_data.py, line 2, in make: return open(" in line
+    assert "Traceback" not in err
+
+
+def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
+    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "folder"]) == 0
+    assert len(list((tmp_path / "demo" / "train" / "class_3").glob("image_*"))) == 64
+    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "folder"]) == 2
+    assert f"error: {tmp_path / 'demo' / 'train'} exists already" in capsys.readouterr().err
+    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "mnist"]) == 0
+    images, labels = du.read_split(tmp_path / "demo", "train", du.DATASETS["mnist"])
+    assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
+    assert json.dumps(sorted(p.name for p in (tmp_path / "demo").iterdir())) == '["MNIST", "test", "train"]'
+
+
+def test_a_job_script_takes_your_model_and_folder_relative_to_the_submit_directory(project):
+    from test_job_scripts import job_env  # the stand-ins for apptainer, nvidia-smi and scontrol
+
+    result = run(["bash", REPO / "singlegpu_job.sh", "--model", "my_net.py:Net", "--dataset", "folder", "--data-dir",
+                  "images", "--cache-dir", "cache", "--epochs", "2", "--num-workers", "0", "--log-interval", "0"],
+                 cwd=project, env=job_env(project, SLURM_SUBMIT_DIR=project, PROJECT_DIR=REPO))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Training Net(num_classes=4, in_channels=3, image_size=(32, 32)) from my_net.py" in result.stdout
+    weights = next((project / "checkpoints").glob("singlegpu_*/weights.pt"))
+    assert torch.load(weights, weights_only=True)._metadata[""]["task"]["classes"][0] == "class_0"
+    assert "Traceback" not in result.stderr
