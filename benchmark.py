@@ -6,6 +6,7 @@ one device (a GPU when there is one, else the CPU):
     python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python benchmark.py --compile              # the project's recipe with torch.compile
     python benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
+    python benchmark.py --dataset folder --data-dir my_images --image-size 64 --model my_net.py:Net  # yours
     python benchmark.py --profile              # and torch.profiler's table of the project's steps
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python benchmark.py --json bench.json  # on Olivia
 
@@ -23,7 +24,8 @@ Measures:
               steps, with the device synchronized before each clock reading.
 
 Data: the --dataset (default CIFAR-100) from --data-dir when it is there, otherwise synthetic
-images of the same size (throughput does not depend on pixel values).
+images of the same size (throughput does not depend on pixel values); an image folder or a
+FILE.py:NAME data set from --data-dir.
 """
 
 import argparse
@@ -41,7 +43,7 @@ from checkpoint_utils import check_writable
 from data_formats import DATASETS, default_data_dir, missing_files
 from dataset_utils import InMemoryImages, build_loaders, set_loader_epoch, train_transform
 from device_utils import device_name, memory_format, single_process_context, synchronize
-from flags import DEFAULT_MODEL, OneLineParser, parse_args, plugin_ref, positive_int
+from flags import DEFAULT_MODEL, OneLineParser, dataset_name, image_size, parse_args, plugin_ref, positive_int
 from task import build_task, default_num_workers
 from train_utils import run_cli, time_training_steps
 
@@ -71,8 +73,11 @@ def build_parser():
     parser.add_argument("--profile", metavar="STEPS", type=positive_int, nargs="?", const=5, default=None,
                         help="after the measurements, profile this many training steps of the project's recipe "
                              "(default 5) with torch.profiler and print its table of the most expensive operations")
-    parser.add_argument("--dataset", choices=DATASETS, default="cifar100",
-                        help="the data set (its image size and channels set the model's and the pipeline's work)")
+    parser.add_argument("--dataset", metavar="NAME", type=dataset_name, default="cifar100",
+                        help="the data set, as train.py's --dataset (its image size and channels set the model's and "
+                             "the pipeline's work)")
+    parser.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
+                        help="--dataset folder: resize the images to N or HxW pixels, as train.py's --image-size")
     parser.add_argument("--model", metavar="FILE.py:NAME", type=plugin_ref, default=DEFAULT_MODEL,
                         help="the network, as train.py's --model (default: the guide's WideResNet)")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
@@ -128,14 +133,15 @@ def benchmark(opts):
     ctx = single_process_context()
     device = ctx.device
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
-    spec = DATASETS[opts.dataset]
-    real = not missing_files(opts.data_dir, spec)
-    common = {"device": device_name(device), "batch_size": batch, "dataset": spec.name,
-              "data": spec.title if real else "synthetic", "model": opts.model,
+    spec = DATASETS.get(opts.dataset)
+    real = spec is None or not missing_files(opts.data_dir, spec)
+    common = {"device": device_name(device), "batch_size": batch, "dataset": opts.dataset,
+              "data": (spec.title if spec else opts.data_dir) if real else "synthetic", "model": opts.model,
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
     rows = []
     for recipe, flags in RECIPES.items():
-        flags = [*flags, "--batch-size", str(batch), "--dataset", spec.name, "--model", opts.model,
+        flags = [*flags, "--batch-size", str(batch), "--dataset", opts.dataset, "--model", opts.model,
+                 *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []),
                  *(["--compile"] if opts.compile and recipe == "project" else [])]
         if recipe == "guide" and device.type == "cuda":
             flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions

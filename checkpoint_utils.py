@@ -311,7 +311,7 @@ def check_resumable(checkpoint, args, fingerprint, model_key, check_fits):
     same run). ``check_fits(state_dict, source)`` raises when the model's shape differs.
     Checkpoints from before a flag existed count as its default."""
     saved = {**FLAG_DEFAULTS, **checkpoint["args"]}
-    trained_on = checkpoint["data"].get("dataset", "cifar100")
+    trained_on = checkpoint["data"].get("dataset", FLAG_DEFAULTS["dataset"])
     if trained_on != fingerprint["dataset"]:
         raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
                         f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")

@@ -41,7 +41,8 @@ from data_formats import DatasetError
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
 CACHE_FORMAT = 1
-STATS_CHUNK = 4096  # images per chunk when computing mean and std (bounded memory)
+PROGRESS_S = 30  # seconds between progress lines of a long decode
+STATS_VALUES = 2**24  # values per chunk when computing mean and std (16 MB of uint8, bounded memory)
 
 
 @dataclass(frozen=True)
@@ -175,27 +176,41 @@ def decode(path, size, mode):
     return array[:, :, None] if array.ndim == 2 else array
 
 
-def decode_all(files, size, mode, out, workers):
+def decode_all(files, size, mode, out, workers, log=None):
     """Decode ``files`` into ``out`` (N, H, W, C), in order. Pillow releases the GIL while it
-    decodes and resizes, so threads use several cores without worker processes."""
-    with ThreadPoolExecutor(workers) as pool:
-        for i, array in enumerate(pool.map(lambda p: decode(p, size, mode), files)):
-            out[i] = array
+    decodes and resizes, so threads use several cores without worker processes. A line at
+    most every PROGRESS_S seconds says how far it is."""
+    last = time.perf_counter()
+    for i, array in enumerate(_map(lambda p: decode(p, size, mode), files, workers)):
+        out[i] = array
+        if log and time.perf_counter() - last >= PROGRESS_S:
+            last = time.perf_counter()
+            log(f"  {i + 1} of {len(files)} images decoded")
 
 
 def channel_stats(images, scale=255):
     """(mean, std) per channel of images (N, H, W, C) divided by ``scale`` (255: uint8 pixels to
-    0..1), in chunks (float64 sums, so a memory-mapped array is never read whole into memory).
-    A channel that never varies gets std 1 (normalizing by ~0 would blow it up)."""
+    0..1), read in chunks of about STATS_VALUES values, so that a memory-mapped array is never
+    read whole into memory. uint8 images are counted by value (exact, and fast); float images
+    are summed in float64. A channel that never varies gets std 1 (not a division by ~0)."""
     channels = images.shape[-1]
-    total, squares, count = np.zeros(channels), np.zeros(channels), 0
-    for start in range(0, len(images), STATS_CHUNK):
-        chunk = np.asarray(images[start:start + STATS_CHUNK], dtype=np.float64).reshape(-1, channels) / scale
-        total += chunk.sum(axis=0)
-        squares += np.square(chunk).sum(axis=0)
-        count += len(chunk)
-    mean = total / count
-    std = np.sqrt(np.maximum(squares / count - mean**2, 0))
+    step = max(1, STATS_VALUES // max(1, int(np.prod(images.shape[1:]))))
+    if images.dtype == np.uint8:
+        counts = np.zeros((channels, 256), dtype=np.int64)
+        for start in range(0, len(images), step):
+            chunk = np.asarray(images[start:start + step])
+            for c in range(channels):
+                counts[c] += np.bincount(chunk[..., c].ravel(), minlength=256)
+        values = np.arange(256) / scale
+        count = counts.sum(axis=1)
+        mean, squares = counts @ values / count, counts @ values**2 / count
+    else:
+        total, squared, count = np.zeros(channels), np.zeros(channels), 0
+        for start in range(0, len(images), step):
+            chunk = np.asarray(images[start:start + step], dtype=np.float64).reshape(-1, channels) / scale
+            total, squared, count = total + chunk.sum(axis=0), squared + np.square(chunk).sum(axis=0), count + len(chunk)
+        mean, squares = total / count, squared / count
+    std = np.sqrt(np.maximum(squares - mean**2, 0))
     return tuple(round(float(m), 4) for m in mean), tuple(round(float(s), 4) if s > 1e-4 else 1.0 for s in std)
 
 
@@ -211,7 +226,10 @@ def cache_root(root, cache_dir):
 def build_cache(target, splits, classes, image_size, ignored, log, workers):
     """Decode every image into a temporary folder beside ``target``, then rename it to
     ``target``. Its meta.json keeps the notes for the start-up block."""
-    headers = {split: _map(header, files, workers) for split, (files, _) in splits.items()}
+    total = sum(len(files) for files, _ in splits.values())
+    log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
+    start = time.perf_counter()
+    headers = {split: list(_map(header, files, workers)) for split, (files, _) in splits.items()}
     train_sizes = [size for _, size in headers["train"]]
     size = image_size or choose_size(train_sizes)
     all_headers = headers["train"] + headers["test"]
@@ -227,25 +245,22 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
     if ignored:
         notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
 
-    total = sum(len(files) for files, _ in splits.values())
-    log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        start = time.perf_counter()
         for split, (files, labels) in splits.items():
             out = np.lib.format.open_memmap(tmp / f"{split}_images.npy", mode="w+", dtype=np.uint8,
                                             shape=(len(files), *size, 1 if gray else 3))
-            decode_all(files, size, mode, out, workers)
+            decode_all(files, size, mode, out, workers, log)
             out.flush()
             del out
             np.save(tmp / f"{split}_labels.npy", labels)
-        seconds = time.perf_counter() - start
         mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
+        seconds = time.perf_counter() - start  # headers, decoding, statistics
         meta = {"format": CACHE_FORMAT, "classes": list(classes), "mean": mean, "std": std, "notes": notes,
-                "image_size": list(size), "mode": mode, "decode_s": seconds, "images": total}
+                "image_size": list(size), "mode": mode, "build_s": seconds, "images": total}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, target)  # atomic: the cache appears complete or not at all
@@ -254,13 +269,18 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s, {workers} "
+    log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with {workers} "
         f"threads) into {target}")
 
 
 def _map(function, items, workers):
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(function, items))
+    """function(item) for each item, in order, on ``workers`` threads. Ctrl-C or an error
+    cancels what has not started (a ``with`` block would wait for every queued item)."""
+    pool = ThreadPoolExecutor(workers)
+    try:
+        yield from pool.map(function, items)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def remove_stale(folder_cache, keep, log):

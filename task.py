@@ -299,7 +299,7 @@ def choose_loader(requested, data_bytes, memory_bytes):
     """(loader, why) for --loader: auto puts the data set on the device when it fits
     DEVICE_DATA_FRACTION of the device's memory, else streams it through the DataLoader."""
     if requested != "auto":
-        return requested, "--loader"
+        return requested, f"--loader {requested}"
     budget = DEVICE_DATA_FRACTION * memory_bytes
     fits = data_bytes <= budget
     return ("device" if fits else "torchvision",

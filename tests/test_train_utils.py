@@ -203,7 +203,7 @@ def test_fast_settings_by_default():
                                                                 "device's 80 GB")
     assert task.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
     assert task.choose_loader("auto", 10, 40)[0] == "device"
-    assert task.choose_loader("device", 11, 40) == ("device", "--loader")
+    assert task.choose_loader("device", 11, 40) == ("device", "--loader device")
     assert du_device.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
     assert du_device.memory_format(args.channels_last, cpu) == torch.contiguous_format
     assert du_device.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last
