@@ -40,8 +40,6 @@ UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, 
 # Flags that define the run: a resumed run must keep them, or it would not be the same run.
 RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
                 "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic", "augment")
-# What a checkpoint written before a flag existed ran with (that flag's behaviour back then).
-FLAG_DEFAULTS = {"dataset": "cifar100", "model": "model:WideResNet", "augment": "auto"}
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 STOP_FILE_POLL_S = 1.0  # rank 0 looks for --stop-file at most this often (a metadata call on a shared FS)
 
@@ -306,24 +304,28 @@ def load_agreed_checkpoint(directory, ctx, log):
     return Path(path), chosen["checkpoint"]
 
 
-def check_resumable(checkpoint, args, fingerprint, model_key, check_fits):
+def check_resumable(checkpoint, args, fingerprint, model_key, check_fits, defaults):
     """Refuse to continue a run with another model, data set or recipe (it would not be the
-    same run). ``check_fits(state_dict, source)`` raises when the model's shape differs.
-    Checkpoints from before a flag existed count as its default."""
-    saved = {**FLAG_DEFAULTS, **checkpoint["args"]}
-    trained_on = checkpoint["data"].get("dataset", FLAG_DEFAULTS["dataset"])
+    same run). ``check_fits(state_dict, source)`` raises when the model's shape differs. A
+    checkpoint written before a flag existed ran with its default (``defaults``: the flags'
+    defaults, by name)."""
+    saved = {**defaults, **checkpoint["args"]}
+    trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
     if trained_on != fingerprint["dataset"]:
         raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
                         f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
-    if checkpoint.get("model_key", FLAG_DEFAULTS["model"]) != model_key:
+    if checkpoint.get("model_key", defaults["model"]) != model_key:
         raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {args.model}; "
                         f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
     old, new = checkpoint["data"], fingerprint
-    if any(old[key] != new[key] for key in old.keys() & new.keys()):
+    differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
+    if differ:
+        other = {"train_labels_sha256": "different labels", "classes": "other classes",
+                 "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now"}
         raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
                         f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
-                        f"{', different labels' if old['train_images'] == new['train_images'] else ''})")
+                        + "".join(f", {other[key]}" for key in other if key in differ) + ")")
     changed = [f"--{name.replace('_', '-')} {saved.get(name)} (now {getattr(args, name)})"
                for name in RECIPE_FLAGS if saved.get(name) != getattr(args, name)]
     if changed:

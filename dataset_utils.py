@@ -394,12 +394,16 @@ def set_loader_epoch(loader, epoch):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read; "
-                                                 "or write a small demo copy of one (--write-demo).")
-    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100",
-                        help="which data set (folder: only with --write-demo)")
-    parser.add_argument("--data-dir", default=str(default_data_dir()),
+                                                 "decode an image folder into its cache; or write a small demo copy "
+                                                 "of a data set (--write-demo).")
+    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100", help="which data set")
+    parser.add_argument("--data-dir", default=None,
                         help="directory that gets the data set's folder, e.g. cifar-100-python/ or MNIST/raw/ "
-                             "(default: datasets/ beside this script)")
+                             "(default: datasets/ beside this script); for folder: the folder of train/ and test/")
+    parser.add_argument("--image-size", metavar="PIXELS", default=None,
+                        help="folder: resize to N or HxW pixels, as train.py's --image-size")
+    parser.add_argument("--cache-dir", metavar="DIR", default=None,
+                        help="folder: where the decoded images go, as train.py's --cache-dir")
     parser.add_argument("--write-demo", metavar="DIR", default=None,
                         help="write a small learnable copy of --dataset into DIR instead (each class a colour plus "
                              "noise): 512 training and 128 test images of 10 classes in the data set's format, or "
@@ -408,17 +412,36 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.write_demo:
         return write_demo(Path(args.write_demo), args.dataset)
-    if args.dataset == "folder":
-        parser.error("--dataset folder needs --write-demo DIR (your own folder needs no download)")
-    spec = DATASETS[args.dataset]
     try:
-        prepare(args.data_dir, spec, download=True)
-        sizes = {split: len(read_split(args.data_dir, split, spec)[1]) for split in spec.split_sizes}
+        if args.dataset == "folder":
+            return prepare_image_folder(parser, args)
+        spec = DATASETS[args.dataset]
+        data_dir = Path(args.data_dir or default_data_dir())
+        prepare(data_dir, spec, download=True)
+        sizes = {split: len(read_split(data_dir, split, spec)[1]) for split in spec.split_sizes}
     except DatasetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{spec.title} ready in {Path(args.data_dir) / spec.folder}: "
-          f"{sizes['train']} training and {sizes['test']} test images")
+    print(f"{spec.title} ready in {data_dir / spec.folder}: {sizes['train']} training and {sizes['test']} test images")
+    return 0
+
+
+def prepare_image_folder(parser, args):
+    """``python dataset_utils.py --dataset folder --data-dir DIR``: build the cache ahead of a
+    job (on a login node, so that no allocation waits for it)."""
+    import image_folder
+    from flags import image_size
+
+    if not args.data_dir:
+        parser.error("--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE and test/CLASS/IMAGE")
+    try:
+        size = image_size(args.image_size) if args.image_size else None
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"--image-size: {err}")
+    target = image_folder.prepare_folder(args.data_dir, args.cache_dir or image_folder.default_cache_dir(), size)
+    data = image_folder.read_folder_cache(target)
+    print(f"Image folder {args.data_dir} ready in {target}: {len(data.train[1])} training and {len(data.test[1])} "
+          f"test images of {len(data.classes)} classes")
     return 0
 
 

@@ -91,6 +91,11 @@ def reset_peak_memory(device: torch.device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its Slurm allocation's, not the node's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def memory_format(channels_last, device: torch.device) -> torch.memory_format:
     """The layout of the model and its input batches: channels_last (NHWC, what tensor-core
     convolutions use) on CUDA, contiguous (NCHW) on the CPU, unless --[no-]channels-last

@@ -233,12 +233,19 @@ def parse_args(description, argv=None):
                      "test/CLASS/IMAGE (or val/)")
     if args.image_size and args.dataset != FOLDER:
         parser.error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
+    if args.cache_dir and args.dataset != FOLDER:
+        parser.error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
     if args.synthetic and not builtin:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")
     return args
+
+
+def defaults():
+    """Every flag's default, by name: what a checkpoint written before a flag existed ran with."""
+    return vars(build_parser("").parse_args([]))
 
 
 def rank_or_zero():

@@ -5,30 +5,31 @@
 
 Classes are the sorted folder names under train/ (label i is the i-th name). Any image file
 Pillow reads counts, in any mode and size: the images become RGB, or stay gray when every
-one is gray, and are resized to one size (the most common among the training images, or
+one is gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the most common among the training images, or
 --image-size), scaled to cover it and centre-cropped so nothing is stretched. Hidden files
 and files that are not images (by their ending) are ignored; an image that cannot be read
 is one line naming it.
 
 The decoded images are kept as uint8 arrays in .npy files under --cache-dir, one folder per
-image folder and one subfolder per version of its files:
+image folder and one subfolder per version of its files and requested size:
 
-    CACHE/<name>-<hash of its path>/<hash of file names, sizes, times and image size>/
+    CACHE/<name>-<hash of its path>/<auto or HxW>-<hash of file names, sizes and times>/
         train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy, meta.json
 
 A cache is built in a temporary folder and renamed into place when complete, so an
 interrupted build is never used; it is rebuilt when any image file is added, removed or
-changed (a stat of each file, no decoding), and the older version of the same folder is then
-deleted. The arrays are memory-mapped: the device loader copies them to the GPU, the
-torchvision loader's workers read them without loading everything.
+changed (a stat of each file, no decoding), and the older version at the same requested
+size is then deleted. The arrays are memory-mapped: the device loader copies them to the
+GPU, the torchvision loader's workers read them without loading everything.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from data_formats import DatasetError
+from data_formats import DatasetError, default_data_dir
+from device_utils import available_cores
 
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
-GRAY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
+WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
 CACHE_FORMAT = 1
 PROGRESS_S = 30  # seconds between progress lines of a long decode
 STATS_VALUES = 2**24  # values per chunk when computing mean and std (16 MB of uint8, bounded memory)
@@ -83,7 +86,11 @@ def _visible(path):
 def class_files(folder, extensions):
     """(image files, other files) below ``folder``, recursively, sorted; hidden ones skipped."""
     images, others = [], []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+
+    def unreadable(err):
+        raise err  # os.walk would skip a folder it cannot read
+
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if not name.startswith("."):
@@ -93,8 +100,15 @@ def class_files(folder, extensions):
 
 
 def scan(root):
-    """(classes, {split: (files, labels)}, ignored files): what is in the folder."""
-    root = Path(root).expanduser()
+    """(classes, {split: (files, labels)}, ignored files): what is in the folder. A folder or
+    file that cannot be read is one line naming it."""
+    try:
+        return _scan(Path(root).expanduser())
+    except OSError as err:
+        raise DatasetError(f"cannot read {err.filename or root} ({err.strerror or err})") from None
+
+
+def _scan(root):
     if not root.is_dir():
         raise DatasetError(f"--data-dir {root}: no such folder")
     folders = {split: split_folder(root, split) for split in SPLIT_FOLDERS}
@@ -124,15 +138,21 @@ def scan(root):
     return tuple(classes), splits, ignored
 
 
-def folder_version(splits, image_size):
-    """A hash of every file's path, size and modification time, and of the requested size:
-    it changes when any image is added, removed or changed."""
-    digest = hashlib.sha256(f"{CACHE_FORMAT} {image_size}".encode())
-    for split, (files, labels) in splits.items():
-        for path, label in zip(files, labels):
-            info = path.stat()
-            digest.update(f"{split}\0{path}\0{label}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
+def folder_version(root, splits, image_size):
+    """The name of this version of the cache: the requested size (auto or HxW), then a hash
+    of every file's path (within ``root``, however --data-dir was spelled), size and
+    modification time. It changes when any image is added, removed or changed."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}".encode())
+    try:
+        for split, (files, labels) in splits.items():
+            for path, label in zip(files, labels):
+                info = path.stat()
+                name = path.relative_to(root)
+                digest.update(f"{split}\0{name}\0{label}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    except OSError as err:  # a file deleted since the scan, a broken link
+        raise DatasetError(f"cannot read {err.filename} ({err.strerror or err})") from None
+    size = "x".join(map(str, image_size)) if image_size else "auto"
+    return f"{size}-{digest.hexdigest()[:16]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,15 +185,27 @@ def decode(path, size, mode):
         with Image.open(path) as image:
             if image.mode == "P" and "transparency" in image.info:
                 image = image.convert("RGBA")  # what Pillow asks for palette images with transparency
+            if image.mode in WIDE_GRAY_MODES:  # convert() would clip 16-bit values at 255
+                image = Image.fromarray(_to_8_bits(np.asarray(image), image.mode))
             image = image.convert(mode)  # decodes: a truncated file fails here
             if (image.height, image.width) != size:
                 image = ImageOps.fit(image, (size[1], size[0]), Image.Resampling.BILINEAR)
             array = np.asarray(image, dtype=np.uint8)
-    except DatasetError:
-        raise
     except Exception as err:
         raise _unreadable(path, err) from None
     return array[:, :, None] if array.ndim == 2 else array
+
+
+def _to_8_bits(pixels, mode):
+    """16-bit (or 32-bit integer) gray pixels scaled to 0..255; 32-bit float ones (mode F)
+    taken as 0..1 when they are, else scaled from their own range."""
+    pixels = pixels.astype(np.float64)
+    if mode == "F":
+        low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
+        pixels = (pixels - low) / max(high - low, 1e-12) * 255
+    else:
+        pixels = pixels / 257  # 65535 -> 255
+    return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
 
 
 def decode_all(files, size, mode, out, workers, log=None):
@@ -208,7 +240,9 @@ def channel_stats(images, scale=255):
         total, squared, count = np.zeros(channels), np.zeros(channels), 0
         for start in range(0, len(images), step):
             chunk = np.asarray(images[start:start + step], dtype=np.float64).reshape(-1, channels) / scale
-            total, squared, count = total + chunk.sum(axis=0), squared + np.square(chunk).sum(axis=0), count + len(chunk)
+            total += chunk.sum(axis=0)
+            squared += np.square(chunk).sum(axis=0)
+            count += len(chunk)
         mean, squares = total / count, squared / count
     std = np.sqrt(np.maximum(squares - mean**2, 0))
     return tuple(round(float(m), 4) for m in mean), tuple(round(float(s), 4) if s > 1e-4 else 1.0 for s in std)
@@ -216,6 +250,11 @@ def channel_stats(images, scale=255):
 
 # ---------------------------------------------------------------------------------------------
 # The cache.
+
+def default_cache_dir():
+    """--cache-dir: datasets/cache/ beside the scripts, where the guide's data sets go too."""
+    return default_data_dir() / "cache"
+
 
 def cache_root(root, cache_dir):
     """CACHE/<folder name>-<hash of its absolute path>: one per image folder."""
@@ -246,9 +285,7 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
         notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))  # unique across nodes too
     try:
         for split, (files, labels) in splits.items():
             out = np.lib.format.open_memmap(tmp / f"{split}_images.npy", mode="w+", dtype=np.uint8,
@@ -274,37 +311,50 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
 
 
 def _map(function, items, workers):
-    """function(item) for each item, in order, on ``workers`` threads. Ctrl-C or an error
-    cancels what has not started (a ``with`` block would wait for every queued item)."""
-    pool = ThreadPoolExecutor(workers)
+    """function(item) for each item, in order, on ``workers`` threads, with at most
+    8 x workers items under way (Executor.map would queue a million futures at once). Ctrl-C
+    or an error cancels what has not started."""
+    pool, pending = ThreadPoolExecutor(workers), deque()
     try:
-        yield from pool.map(function, items)
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) >= 8 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def remove_stale(folder_cache, keep, log):
-    """Delete the older versions of this folder's cache (never anything else)."""
+    """Delete the older versions of this folder's cache at the same requested size (a cache
+    at another --image-size stays), and temporary folders of builds killed a day ago or
+    more. Each is renamed aside first, so a half-deleted cache is never taken for one."""
+    size = keep.split("-")[0]
     for old in folder_cache.iterdir():
-        if old.is_dir() and old.name != keep and not old.name.startswith(".") and (old / "meta.json").is_file():
-            shutil.rmtree(old, ignore_errors=True)
-            log(f"Removed the outdated cache {old}")
-
-
-def default_workers():
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(32, cores))
+        try:
+            outdated = old.name != keep and old.name.startswith(f"{size}-") and (old / "meta.json").is_file()
+            abandoned = old.name.startswith(".") and ".tmp" in old.name and time.time() - old.stat().st_mtime > 86400
+            if old.is_dir() and (outdated or abandoned):
+                aside = old.with_name(f".{old.name}.deleting{os.getpid()}")
+                os.replace(old, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                if outdated:
+                    log(f"Removed the outdated cache {old}")
+        except OSError:  # another process removed it first
+            continue
 
 
 def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None):
     """Make sure the cache of image folder ``root`` is current (build it if not): call on
     global rank 0 while the other ranks wait. Returns the cache folder."""
+    root = Path(root).expanduser()
     classes, splits, ignored = scan(root)
     folder_cache = cache_root(root, cache_dir)
-    target = folder_cache / folder_version(splits, image_size)
+    target = folder_cache / folder_version(root, splits, image_size)
     if not (target / "meta.json").is_file():
         try:
-            build_cache(target, splits, classes, image_size, ignored, log, workers or default_workers())
+            build_cache(target, splits, classes, image_size, ignored, log, workers or min(32, available_cores()))
         except OSError as err:
             raise DatasetError(f"cannot write the image cache in {folder_cache} ({err.strerror or err}); "
                                "choose a writable --cache-dir") from None
@@ -323,7 +373,8 @@ def read_folder_cache(target):
                   for split in SPLIT_FOLDERS}
     except (OSError, ValueError) as err:
         raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
-                           "see the same --cache-dir, on a shared file system", same_on_every_rank=False) from None
+                           "see the same --cache-dir, on a shared file system (if it is damaged, delete it to "
+                           "rebuild it)", same_on_every_rank=False) from None
     notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
     return FolderData(splits["train"], splits["test"], tuple(meta["classes"]), tuple(meta["mean"]),
                       tuple(meta["std"]), Path(target), notes)

@@ -17,8 +17,9 @@ image_size=(H, W) when its signature takes it) and returns an nn.Module that map
 
 A FILE.py:NAME data set is two map-style data sets of (image, int label) items: the image a
 tensor (C, H, W), uint8 or float, or a PIL image; a ``classes`` attribute names the labels
-(torchvision's data sets have one). Every rank reads it whole once into memory and then
-serves it like the others: on the device when it fits, else through the DataLoader.
+(torchvision's data sets have one). Global rank 0 calls NAME first, then the other ranks;
+each reads it whole once into memory and serves it like the others: on the device when it
+fits, else through the DataLoader.
 
 A mistake in the user's file is the user's to see: a missing file or name, a signature that
 does not fit, a wrong output shape, and an exception raised inside it are each one line,
@@ -44,9 +45,9 @@ from checkpoint_utils import load_weights
 from data_formats import DATASETS, default_data_dir
 from dataset_utils import (InMemoryImages, build_datasets, build_loaders, eval_transform, per_process_batch,
                            preprocessing, train_transform)
-from device_utils import UserError, from_rank0, memory_format
+from device_utils import UserError, available_cores, from_rank0, memory_format
 from flags import DEFAULT_MODEL, FOLDER, MAX_AUTO_WORKERS
-from image_folder import channel_stats, prepare_folder, read_folder_cache
+from image_folder import channel_stats, default_cache_dir, prepare_folder, read_folder_cache
 
 DEVICE_DATA_FRACTION = 0.25  # --loader auto: the data set goes on the device when it fits this share of its memory
 
@@ -56,7 +57,7 @@ class DataInfo:
     """What the engine knows of the data: names and numbers for the log, checkpoints and
     saved weights."""
     key: str               # the --dataset it was built from, as recorded in checkpoints
-    title: str             # for people: CIFAR-100, the image folder DIR, my_data.py:make
+    title: str             # for people: CIFAR-100, image folder DIR, my_data.py:make
     source: str            # where the images come from, for the start-up block
     classes: tuple         # label i is classes[i]
     prep: object           # dataset_utils.Preprocessing: image shape, normalization, augmentation
@@ -112,10 +113,19 @@ def build_model(args, ctx, data):
     torch.manual_seed(args.seed)  # each epoch then reseeds per rank (checkpoint_utils.epoch_seed)
     model, name = make_model(factory, args.model, num_classes=len(data.classes), in_channels=channels,
                              image_size=(height, width))
-    check_output(model, args.model, (channels, height, width), len(data.classes))
+    layout = memory_format(args.channels_last, ctx.device)
+    shape = (channels, height, width)
+    # Probed on its device (a model may use operations only the GPU has), first in NCHW, which
+    # gives lazy modules their shapes, then in the layout training feeds it (x.view fails on
+    # channels_last).
+    model = model.to(ctx.device)
+    check_output(model, args.model, shape, len(data.classes), ctx.device)
+    model = model.to(memory_format=layout)
+    if layout != torch.contiguous_format:
+        check_output(model, args.model, shape, len(data.classes), ctx.device, layout)
     if args.weights:
         load_weights(model, args.weights, name, expected=data.weights_metadata())
-    return model.to(ctx.device, memory_format=memory_format(args.channels_last, ctx.device)), name
+    return model, name
 
 
 def make_model(factory, ref, num_classes, in_channels, image_size):
@@ -150,13 +160,15 @@ def make_model(factory, ref, num_classes, in_channels, image_size):
     return model, f"{label}({shown})" + ("" if ref == DEFAULT_MODEL else f" from {ref.rpartition(':')[0]}")
 
 
-def check_output(model, ref, image_shape, num_classes):
+def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torch.contiguous_format):
     """A forward pass of two zero images in eval mode (no statistics updated, nothing
     random): the output must be logits (2, num_classes). Lazy modules get their shapes."""
+    images = torch.zeros(2, *image_shape, device=device).contiguous(memory_format=layout)
+    what = f"--model {ref} on images (2, {', '.join(map(str, image_shape))})" + (
+        "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
     model.eval()
     with torch.no_grad():
-        out = call_user_code(lambda: model(torch.zeros(2, *image_shape)), f"--model {ref} on images (2, "
-                             f"{', '.join(map(str, image_shape))})", ref)
+        out = call_user_code(lambda: model(images), what, ref)
     model.train()
     shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
     if shape != (2, num_classes):
@@ -173,7 +185,10 @@ def build_data(args, ctx):
         return builtin_data(args, ctx)
     if args.dataset == FOLDER:
         return folder_data(args, ctx)
-    return plugin_data(args)
+    # Global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others.
+    loaded = {}
+    from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group)
+    return loaded["data"] if ctx.is_main else plugin_data(args)
 
 
 def builtin_data(args, ctx):
@@ -191,17 +206,15 @@ def builtin_data(args, ctx):
 def folder_data(args, ctx):
     """The image folder, decoded into its cache by global rank 0 (the others wait), then
     memory-mapped by every rank."""
-    cache_dir = Path(args.cache_dir) if args.cache_dir else default_data_dir() / "cache"
-    say = print if ctx.is_main else (lambda *_: None)
-    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size, log=say)),
-                        ctx.control_group)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size)), ctx.control_group)
     folder = read_folder_cache(Path(target))
     prep = preprocessing(folder.train[0].shape[1:], folder.mean, folder.std, args.augment)
     train = InMemoryImages(*folder.train, train_transform(prep), prep)
     test = InMemoryImages(*folder.test, eval_transform(prep), prep)
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown})"
-    return train, test, DataInfo(FOLDER, f"the image folder {args.data_dir}", source, folder.classes, prep,
+    return train, test, DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
                                  data_fingerprint(FOLDER, False, train.labels, len(test), folder.classes,
                                                   prep.image_shape),
                                  notes=(*folder.notes,
@@ -277,6 +290,7 @@ def as_hwc(image, what):
         shape = f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else ""
         raise UserError(f"{what}: the image is a {type(image).__name__}{shape}, not a tensor (C, H, W) or a PIL "
                         "image (for a numpy (H, W, C) array: torch.from_numpy(a).permute(2, 0, 1))")
+    image = image.detach().cpu()
     image = image[None] if image.ndim == 2 else image
     if image.dtype == torch.uint8:
         return image.permute(1, 2, 0).numpy()
@@ -323,26 +337,28 @@ def device_memory(device):
 
 def default_num_workers(local_world_size):
     """One loader worker per spare CPU core of this process's share, capped."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(MAX_AUTO_WORKERS, cores // local_world_size - 1))
+    return max(0, min(MAX_AUTO_WORKERS, available_cores() // local_world_size - 1))
 
 
 # ---------------------------------------------------------------------------------------------
 # The user's code: FILE.py:NAME or module:NAME.
 
+def is_file(source):
+    """Whether the part before NAME is a file (my_net.py, nets/my_net.py) or a module (my_net)."""
+    return source.endswith(".py") or "/" in source or os.sep in source
+
+
 def plugin_key(ref):
-    """What identifies --model or --dataset across runs: my_net.py:Net and ./my_net:Net are
-    one (a checkpoint may move between folders and machines)."""
+    """What identifies --model or --dataset across runs: my_net.py:Net, ./my_net.py:Net and
+    my_net:Net are one (a checkpoint may move between folders and machines)."""
     source, _, name = ref.rpartition(":")
-    if source.endswith(".py") or "/" in source:
-        source = Path(source).stem
-    return f"{source}:{name}"
+    return f"{Path(source).stem if is_file(source) else source}:{name}"
 
 
 def load_plugin(ref, flag):
     """The object NAME of FILE.py:NAME (a path) or module:NAME (importable)."""
     source, _, name = ref.rpartition(":")
-    if source.endswith(".py") or "/" in source or os.sep in source:
+    if is_file(source):
         module = import_file(Path(source).expanduser(), flag, ref)
     else:
         try:
@@ -402,7 +418,7 @@ def call_user_code(call, what, ref):
 def plugin_file(ref):
     """The file FILE.py:NAME or module:NAME lives in, or None."""
     source = ref.rpartition(":")[0]
-    if source.endswith(".py") or "/" in source:
+    if is_file(source):
         return Path(source).expanduser().resolve()
     module = sys.modules.get(source)
     return Path(module.__file__).resolve() if getattr(module, "__file__", None) else None

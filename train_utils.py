@@ -35,6 +35,7 @@ from dataset_utils import set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
                           from_rank0, gather_objects, memory_format, network_report, peak_memory_gib,
                           reset_peak_memory, synchronize)
+from flags import defaults as flag_defaults
 from flags import rank_or_zero
 from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_run, epoch_line,
                        eta_seconds, summarize, timestamp)
@@ -96,7 +97,7 @@ def start_or_resume(run, continuing):
         return TrainState(run_id=new_run_id()), None
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
     check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
-                    partial(check_state_fits, run.module, model_name=run.task.model_name))
+                    partial(check_state_fits, run.module, model_name=run.task.model_name), flag_defaults())
     state, rng_state = restore(run, checkpoint)
     fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
@@ -290,7 +291,6 @@ class Run:
     device_name: str       # what runs: GPU model and memory, or the CPU
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None
-
 
 
 def prepare_run(task, args, ctx, continuing=False):

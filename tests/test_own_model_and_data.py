@@ -385,3 +385,39 @@ def test_a_job_script_takes_your_model_and_folder_relative_to_the_submit_directo
     weights = next((project / "checkpoints").glob("singlegpu_*/weights.pt"))
     assert torch.load(weights, weights_only=True)._metadata[""]["task"]["classes"][0] == "class_0"
     assert "Traceback" not in result.stderr
+
+
+def test_the_cache_can_be_built_ahead_and_other_sizes_are_kept(tmp_path, capsys):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
+    cache = tmp_path / "cache"
+    assert du.main(["--dataset", "folder", "--data-dir", str(root), "--cache-dir", str(cache),
+                    "--image-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith(f"Image folder {root} ready in {cache}/images-") and \
+        out.endswith(": 8 training and 4 test images of 2 classes\n")
+    [built] = (cache).glob("images-*/16x16-*")
+    # train.py at the same size finds it: nothing decoded again.
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", cache, "--image-size",
+                    "16x16", "--model", "model:WideResNet", "--epochs", "1", "--batch-size", "4", *FAST) == 0
+    assert "Decoding" not in capsys.readouterr().out
+    # The size chosen from the data is another cache; the one at 16x16 stays.
+    image_folder.prepare_folder(root, cache, log=lambda _: None)
+    assert built.exists() and len(list(cache.glob("images-*/auto-*"))) == 1
+
+
+def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
+    root = tmp_path / "images"
+    for split in ("train", "test"):
+        (root / split / "a").mkdir(parents=True)
+        Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(root / split / "a" / "x.png")
+    assert Image.open(root / "train" / "a" / "x.png").mode.startswith("I")
+    data = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", log=lambda _: None))
+    assert data.train[0].shape == (1, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
+
+
+def test_a_broken_link_among_the_images_is_one_line(tmp_path, capsys):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=2, n_test=1, stray=False)
+    (root / "train" / "class_0" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *SMALL) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: cannot read {root}/train/class_0/gone.png (No such file or directory)"]

@@ -182,23 +182,29 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     data = {"dataset": "cifar100", "synthetic": False, "train_images": 50000, "test_images": 10000,
             "train_labels_sha256": "a"}
     model = WideResNet(num_classes=100)
-    key = "model:WideResNet"
-    cu.check_resumable(_checkpoint_like(args, data, model), args, data, key, _fits(model))  # the same run: fine
+
+    def check(checkpoint, run_args=args, fingerprint=data, key="model:WideResNet"):
+        cu.check_resumable(checkpoint, run_args, fingerprint, key, _fits(model), flags.defaults())
+
+    check(_checkpoint_like(args, data, model))  # the same run: fine
     before = {k: v for k, v in data.items() if k != "dataset"}  # a checkpoint from before --dataset: CIFAR-100
     old_args = {k: v for k, v in vars(args).items() if k not in ("model", "augment")}  # ... and before --model
-    cu.check_resumable({**_checkpoint_like(args, before, model), "args": old_args}, args, data, key, _fits(model))
+    check({**_checkpoint_like(args, before, model), "args": old_args})
     with pytest.raises(UserError, match="does not fit WideResNet"):
-        cu.check_resumable(_checkpoint_like(args, data, WideResNet(num_classes=10)), args, data, key, _fits(model))
+        check(_checkpoint_like(args, data, WideResNet(num_classes=10)))
     with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "
                                         "50000, synthetic=False, different labels"):
-        cu.check_resumable(_checkpoint_like(args, data, model), args, {**data, "train_labels_sha256": "b"}, key,
-                           _fits(model))
+        check(_checkpoint_like(args, data, model), fingerprint={**data, "train_labels_sha256": "b"})
+    folder = {**data, "dataset": "folder", "classes": ["a", "b"], "image_shape": [32, 32, 3]}
+    with pytest.raises(UserError, match=r"now 50000, synthetic=False, images of shape \[32, 32, 3\] then, "
+                                        r"\[64, 64, 3\] now\)"):
+        check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
     other = flags.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\)"):
-        cu.check_resumable(_checkpoint_like(args, data, model), other, data, key, _fits(model))
+        check(_checkpoint_like(args, data, model), run_args=other)
     with pytest.raises(UserError, match=r"trained with --model model:WideResNet, this run has --model my_net.py:Net"):
         mine = flags.parse_args("x", ["--batch-size", "256", "--model", "my_net.py:Net"])
-        cu.check_resumable(_checkpoint_like(args, data, model), mine, data, "my_net:Net", _fits(model))
+        check(_checkpoint_like(args, data, model), run_args=mine, key="my_net:Net")
 
 
 def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):

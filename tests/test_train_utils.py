@@ -74,6 +74,7 @@ BAD_FLAGS = {
                           "or FILE.py:NAME",
     "--dataset folder": "--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE",
     "--image-size 64": "--image-size applies to --dataset folder",
+    "--cache-dir c": "--cache-dir applies to --dataset folder",
     "--dataset folder --data-dir d --image-size 0": "--image-size: '0' is not a size in pixels",
     "--dataset folder --data-dir d --image-size 3x": "--image-size: '3x' is not a size in pixels",
     "--model my_net.py": "--model: 'my_net.py' is not FILE.py:NAME or module:NAME",
