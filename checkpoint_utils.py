@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import signal
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -79,16 +80,33 @@ def atomic_save(obj, path):
         raise
 
 
+def check_outputs(args, ctx):
+    """Every output path of the command line, checked by global rank 0 before any data is read
+    or any step trained: a folder that cannot be written (someone else's project area, a
+    read-only mount) is one line and exit status 2 at start, not a traceback after hours of
+    training that loses the model. Every rank gets rank 0's verdict."""
+    def check():
+        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
+            if path:
+                check_writable(path, flag)
+        if args.checkpoint_dir:
+            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+
+    from_rank0(check, ctx.control_group)
+
+
 def check_writable(path, flag):
     """Fail at start, not after hours of training, when an output file cannot be written.
-    Nothing is created: folders are made when the file is first written, so a command that
-    fails leaves no empty folder behind."""
+    Nothing is left behind: folders are made when the file is first written, so a command
+    that fails leaves no empty folder."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path}: not a writable file path (it is a folder)")
     if path.exists():
-        if not os.access(path, os.W_OK):
-            raise UserError(f"{flag} {path}: not a writable file path")
+        try:
+            open(path, "ab").close()  # opened for appending, nothing written: the file is unchanged
+        except OSError as err:
+            raise UserError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
         return
     why = _why_not_creatable(path.parent)
     if why:
@@ -100,20 +118,24 @@ def check_writable_dir(directory, flag):
     directory = Path(directory)
     why = _why_not_creatable(directory)
     if why:
-        raise UserError(f"{flag} {directory}: cannot create it ({why})")
-    if directory.exists() and not os.access(directory, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {directory}: not a writable folder")
+        raise UserError(f"{flag} {directory}: cannot {'write in' if directory.is_dir() else 'create'} it ({why})")
 
 
 def _why_not_creatable(directory):
-    """Why ``directory`` cannot exist as a writable folder, or None; creates nothing."""
+    """Why ``directory`` cannot be (or become) a folder that files can be written into, or None.
+    The nearest existing folder is probed with a real file, removed at once: permissions,
+    ACLs, a read-only mount and root squash all show, which os.access misses for root."""
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:  # the nearest existing ancestor
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file" if existing != directory.absolute() else "a file of that name exists"
-    if existing != directory.absolute() and not os.access(existing, os.W_OK | os.X_OK):
-        return f"no permission to write in {existing}"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")
+    except OSError as err:
+        return f"{existing}: {err.strerror or err}"
+    os.close(handle)
+    os.unlink(probe)
     return None
 
 
@@ -428,8 +450,9 @@ class StopRequests:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, ctx, stop_file=None):
+    def __init__(self, ctx, stop_file=None, checkpoint_dir=None):
         self.ctx = ctx
+        self.checkpoint_dir = checkpoint_dir
         self.stop_file = Path(stop_file) if stop_file and ctx.is_main else None
         self.received = None  # the name of the first signal
         self.file_seen = False
@@ -446,7 +469,10 @@ class StopRequests:
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == "SIGINT":
-            raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait
+            # Ctrl-C twice: the user does not want to wait.
+            raise KeyboardInterrupt("a second Ctrl-C: " + (f"nothing saved since the last checkpoint in "
+                                                           f"{self.checkpoint_dir}" if self.checkpoint_dir
+                                                           else "the model is lost (no --checkpoint-dir)"))
         self.received = self.received or signal.Signals(signum).name
 
     def _local(self):

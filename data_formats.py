@@ -16,8 +16,10 @@ files already present are never overwritten, and a failed one leaves nothing beh
 import gzip
 import pickle
 import shutil
+import socket
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,9 @@ import numpy as np
 from device_utils import UserError
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049  # the idx files' magic numbers: uint8 data, 3 or 1 dimensions
+# A download that receives nothing for this long fails (seconds): a compute node whose network
+# never answers (a firewall that drops packets, a dead proxy) must not hang until the time limit.
+DOWNLOAD_STALL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,18 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parent / "datasets"
 
 
+def data_root(root, spec) -> Path:
+    """The folder that holds ``spec.folder``. --data-dir naming the data set's own folder
+    (.../cifar-100-python, .../FashionMNIST or .../FashionMNIST/raw) is a common slip: it
+    means its parent, unless the data set's folder really is inside it."""
+    root = Path(root)
+    parts = Path(spec.folder).parts
+    for k in range(len(parts), 0, -1):
+        if root.parts[-k:] == parts[:k] and not (root / spec.folder).exists():
+            return root.parents[k - 1]
+    return root
+
+
 def fetch_hint(root, spec) -> str:
     return f"python dataset_utils.py --dataset {spec.name} --data-dir {root}"
 
@@ -132,17 +149,43 @@ def prepare(root, spec, download=True):
     created = _new_folders(root / spec.folder)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:  # same file system as the data
+        with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp, _no_answer_after(DOWNLOAD_STALL_S):
             (_download_idx if spec.is_idx else _download_cifar)(root, spec, Path(tmp))
     except (OSError, RuntimeError, tarfile.TarError, EOFError) as err:
-        for folder in created:  # deepest first; only if still empty
-            try:
-                folder.rmdir()
-            except OSError:
-                pass
-        reason = " ".join(str(err).split()) or type(err).__name__
+        _remove_empty(created)
+        reason = (f"no answer from the network for {DOWNLOAD_STALL_S:g} s" if _timed_out(err)
+                  else " ".join(str(err).split()) or type(err).__name__)
         raise DatasetError(f"{what} and downloading it failed ({reason}); on a machine with internet (e.g. a "
                            f"login node) run: {fetch_hint(root, spec)}") from None
+    except BaseException:  # Ctrl-C: the temporary folder is gone, and so are the folders made for it
+        _remove_empty(created)
+        raise
+
+
+@contextmanager
+def _no_answer_after(seconds):
+    """Every socket opened inside (urllib's, in torchvision's download) gives up when a connect
+    or a read waits longer than ``seconds``: a stalled download fails instead of hanging. A
+    slow but moving download is not cut: the limit is per read, not for the whole file."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _timed_out(err):
+    """urllib reports a socket timeout as TimeoutError or as URLError(reason=TimeoutError)."""
+    return isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+
+
+def _remove_empty(folders):
+    for folder in folders:  # deepest first; only if still empty
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def _new_folders(folder):
@@ -165,6 +208,7 @@ def _download_cifar(root, spec, tmp):
     from torchvision.datasets.utils import download_url
 
     source = getattr(torchvision.datasets, spec.source)
+    print(f"Downloading {spec.title} from {source.url} into {root}", flush=True)
     download_url(source.url, str(tmp), source.filename, source.tgz_md5)
     with tarfile.open(tmp / source.filename, "r:gz") as archive:
         # filter="data" refuses links and paths outside tmp (Python >= 3.11.4 / 3.12).
@@ -184,6 +228,7 @@ def _download_idx(root, spec, tmp):
     for name in missing_files(root, spec):
         errors = []
         for mirror in source.mirrors:
+            print(f"Downloading {spec.title} {name} from {mirror}{name}.gz into {root}", flush=True)
             try:
                 download_url(f"{mirror}{name}.gz", str(tmp), f"{name}.gz", md5s[f"{name}.gz"])
                 break

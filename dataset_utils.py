@@ -39,7 +39,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from data_formats import DATASETS, DatasetError, default_data_dir, describe_augmentation, prepare, read_split
+from data_formats import (DATASETS, DatasetError, data_root, default_data_dir, describe_augmentation, prepare,
+                          read_split)
 from device_utils import UserError, from_rank0
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
@@ -315,16 +316,18 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100, augment="auto"):
+def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100, augment="auto",
+                   group=None):
     """(train_set, test_set) of data set ``spec``, each built once, augmented as --augment
-    says. Global rank 0 fetches missing files while the other ranks wait, so the download
-    happens at most once and is never raced."""
+    says. Global rank 0 fetches missing files while the other ranks wait (in ``group``: the
+    gloo control group, so the wait is not an NCCL collective), so the download happens at
+    most once and is never raced."""
     if synthetic:
         splits = {split: synthetic_split(split, seed, spec) for split in spec.split_sizes}
     else:
-        root = Path(data_dir).expanduser() if data_dir else default_data_dir()
+        root = data_root(Path(data_dir).expanduser() if data_dir else default_data_dir(), spec)
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
-        from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None)
+        from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
     prep = preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
     return (InMemoryImages(*splits["train"], train_transform(prep), prep),
@@ -416,12 +419,15 @@ def main(argv=None):
         if args.dataset == "folder":
             return prepare_image_folder(parser, args)
         spec = DATASETS[args.dataset]
-        data_dir = Path(args.data_dir or default_data_dir())
+        data_dir = data_root(Path(args.data_dir or default_data_dir()), spec)
         prepare(data_dir, spec, download=True)
         sizes = {split: len(read_split(data_dir, split, spec)[1]) for split in spec.split_sizes}
-    except DatasetError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a download or a decode in progress leaves no partial files behind
+        print("Interrupted (Ctrl-C): no partial files were kept", file=sys.stderr)
+        return 130
     print(f"{spec.title} ready in {data_dir / spec.folder}: {sizes['train']} training and {sizes['test']} test images")
     return 0
 

@@ -6,8 +6,10 @@ rank 0 is the one process that prints and writes files; local rank only picks th
 """
 
 import ctypes
+import inspect
 import os
 import platform
+import time
 from dataclasses import dataclass
 
 import torch
@@ -168,9 +170,21 @@ def setup_distributed() -> DistContext:
                        local_world_size=local_world_size, process_group=True, control_group=control_group)
 
 
+# PyTorch 2.7's gloo process group joins its worker threads in its destructor while holding
+# the GIL (fixed in 2.8, pytorch/pytorch#154976). A worker still freeing the tensors of the
+# last collective (all_gather_object's) needs the GIL for them: the process hangs in
+# destroy_process_group, at the end of a run. Half a second with the GIL released lets the
+# workers finish first (it struck 2 of 4 runs of
+# tests/test_resilience.py's 2-process tests on 2.7.1 here, and none with the pause).
+GLOO_SETTLE_S = 0.5
+
+
 def cleanup_distributed():
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not _group_active():
+        return
+    if torch.__version__ < "2.8":  # TorchVersion compares as a version: 2.8.0a0 counts as before 2.8
+        time.sleep(GLOO_SETTLE_S)
+    dist.destroy_process_group()
 
 
 def _group_active() -> bool:
@@ -234,6 +248,16 @@ def all_reduce(tensor: torch.Tensor, op="sum") -> torch.Tensor:
     if _group_active():
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
     return tensor
+
+
+def no_forward_buffer_sync() -> dict:
+    """DDP's keyword argument that turns off the broadcast of rank 0's buffers before every
+    forward: ``forward_sync_buffers`` since PyTorch 2.13 (where ``broadcast_buffers`` prints a
+    FutureWarning on every rank), ``broadcast_buffers`` in 2.7 and 2.8."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    new = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if new else "broadcast_buffers": False}
 
 
 def broadcast_buffers(module: torch.nn.Module):

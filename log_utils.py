@@ -68,8 +68,9 @@ class RunLogger:
     can be, and every record is also in the checkpoints (a resume writes what a file lacks).
     """
 
-    def __init__(self, enabled, metrics_file=None, stream=None):
+    def __init__(self, enabled, metrics_file=None, stream=None, checkpointed=False):
         self.enabled = enabled
+        self.checkpointed = checkpointed  # the records are in --checkpoint-dir's checkpoints too
         self.metrics_path = Path(metrics_file) if (enabled and metrics_file) else None
         self.stream = stream
         self.pending = []  # JSON lines not written yet
@@ -89,7 +90,8 @@ class RunLogger:
                 f.write("".join(self.pending))
         except OSError as err:
             self.info(f"WARNING: cannot append to --metrics-file {self.metrics_path} ({err.strerror or err}); "
-                      f"{len(self.pending)} line(s) kept for the next epoch, and in the checkpoints")
+                      f"{_count(len(self.pending), 'line', 'lines')} kept in memory for the next epoch"
+                      + (", and in the checkpoints" if self.checkpointed else ""))
             return
         self.pending = []
 
@@ -143,7 +145,6 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
     is resumed)."""
     data = task.data
-    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
     workers = task.train_loader.num_workers
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
@@ -151,7 +152,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                    "process")
     lines = [
         f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
-        f"Size: {args.batch_size} ({task.train_loader.batch_size} per process x {ctx.world_size} {accel}, "
+        f"Size: {args.batch_size} ({task.train_loader.batch_size} per process x {processes(ctx, ctx.world_size)}, "
         f"{_count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, args.compile),
         f"Loader: {loader}; {task.loader_reason}",
@@ -178,11 +179,15 @@ def _count(n, one, many):
     return f"{n} {one if n == 1 else many}"
 
 
+def processes(ctx, n):
+    """'1 GPU', '4 GPUs', '1 CPU process', '2 CPU processes'."""
+    return _count(n, "GPU", "GPUs") if ctx.device.type == "cuda" else _count(n, "CPU process", "CPU processes")
+
+
 def describe_evaluation(args, ctx, name, precision, channels_last, task):
     """The start-up block of --eval-only: what is evaluated where, no training recipe."""
-    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} test set "
-            f"({task.test_loader.batch_size} images per batch and process x {ctx.world_size} {accel})",
+            f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
             describe_device(ctx, name, precision, channels_last, False),
             f"Data: {describe_data(task.data, None, task.test_loader)}",
             *size_warning(task.data, None, task.test_loader)]
@@ -250,9 +255,10 @@ def accuracy_scope(record, test_size):
     return f"on {seen} of {test_size} test images (--limit-batches)"
 
 
-def summarize(records, ctx, test_size=None, wall_s=None):
+def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
     """The guide's final summary: accuracy and on how many images, training, evaluation and
-    wall time apart, and throughput with the warm-up epoch separated from the steady state."""
+    wall time apart, and throughput with the warm-up epoch separated from the steady state.
+    ``resumed``: this process continued a run, so some epochs ran before it."""
     if not records:
         return []
     last = records[-1]
@@ -262,8 +268,9 @@ def summarize(records, ctx, test_size=None, wall_s=None):
     eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
     lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
              f"{accuracy_scope(last, test_size)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
-             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's {len(records)} epoch(s)"
-             + (f" (before a resume too); wall time of this process {wall_s:.1f}s (with start-up, data loading "
+             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
+             f"{_count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
+             + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading "
                 "and checkpoints)" if wall_s is not None else ""),
              f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
     if len(records) > 1:

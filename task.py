@@ -194,7 +194,7 @@ def build_data(args, ctx):
 def builtin_data(args, ctx):
     spec = DATASETS[args.dataset]
     train, test = build_datasets(args.data_dir, args.download, args.synthetic, args.seed, ctx.rank, spec,
-                                 args.augment)
+                                 args.augment, ctx.control_group)
     source = ("SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic
               else f"{spec.title} from {args.data_dir or 'datasets/ beside the scripts'}")
     classes = tuple(str(label) for label in range(spec.num_classes))

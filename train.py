@@ -15,6 +15,7 @@ The recipe and every flag are shared with train_ddp.py, so 1-GPU and N-GPU runs 
 like with like.
 """
 
+from checkpoint_utils import check_outputs
 from device_utils import single_process_context
 from flags import parse_args
 from task import build_task
@@ -24,6 +25,7 @@ from train_utils import fit, run_cli
 def main():
     args = parse_args(__doc__)
     ctx = single_process_context()
+    check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
     task = build_task(args, ctx)  # the model and the data of --model and --dataset
     fit(task, args, ctx)
 

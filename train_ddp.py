@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from device_utils import cleanup_distributed, setup_distributed
+from checkpoint_utils import check_outputs
+from device_utils import cleanup_distributed, no_forward_buffer_sync, setup_distributed
 from flags import parse_args
 from task import build_task
 from train_utils import fit, run_cli
@@ -29,15 +30,17 @@ def main():
     args = parse_args(__doc__)
     ctx = setup_distributed()  # reads RANK/LOCAL_RANK/WORLD_SIZE, picks the GPU, joins the group
     try:
+        check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
         task = build_task(args, ctx)  # this rank's shard of the data, the model on this rank's GPU
         # DDP broadcasts rank 0's weights here, so every rank starts from the same model.
-        # broadcast_buffers=False: no buffer broadcast before every forward. Training uses batch
+        # No buffer broadcast before every forward (forward_sync_buffers=False, or
+        # broadcast_buffers=False before PyTorch 2.13). Training uses batch
         # statistics, and fit broadcasts rank 0's BatchNorm running statistics before each
         # evaluation and checkpoint. gradient_as_bucket_view: gradients are views into the
         # all-reduce buckets, so no second copy of them is kept (with zero_grad(set_to_none=True)
         # each step's new gradient is still copied into its bucket once).
         model = DDP(task.model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                    broadcast_buffers=False, gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True, **no_forward_buffer_sync())
         fit(replace(task, model=model), args, ctx)
     finally:
         cleanup_distributed()

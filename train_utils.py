@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint_utils import (Checkpointer, StopRequests, TrainingStopped, TrainState, check_resumable,
-                              check_state_fits, check_writable, check_writable_dir, continues_run, epoch_seed,
+                              check_state_fits, continues_run, epoch_seed,
                               load_agreed_checkpoint, new_run_id, reconcile_metrics, restore, restore_rng,
                               rng_snapshot, save_weights)
 from dataset_utils import set_loader_epoch
@@ -38,7 +38,7 @@ from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, 
 from flags import defaults as flag_defaults
 from flags import rank_or_zero
 from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_run, epoch_line,
-                       eta_seconds, summarize, timestamp)
+                       eta_seconds, processes, summarize, timestamp)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
@@ -62,7 +62,7 @@ def fit(task, args, ctx):
         return [evaluate_once(run, test_loader)]
     state, rng_state = start_or_resume(run, continuing)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with StopRequests(ctx, args.stop_file) as run.stop:
+    with StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop:
         while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None
@@ -74,7 +74,7 @@ def fit(task, args, ctx):
             run.checkpointer.save(run, state)  # the finished run (no-op when just written)
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
-    for line in summarize(state.records, ctx, len(test_loader.dataset), run.clock.elapsed()):
+    for line in summarize(state.records, ctx, len(test_loader.dataset), run.clock.elapsed(), continuing):
         run.log.info(line)
     if run.checkpointer.count:
         wall = run.clock.elapsed()
@@ -101,8 +101,9 @@ def start_or_resume(run, continuing):
     state, rng_state = restore(run, checkpoint)
     fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
-    run.log.info(f"Resuming from {path}: epoch {state.epoch}, after step {state.step} "
-                 f"(saved by {checkpoint['world_size']} process(es), now {ctx.world_size})"
+    where = f"epoch {state.epoch}, after step {state.step}" if state.step else f"after epoch {state.epoch - 1}"
+    run.log.info(f"Resuming from {path}: {where} (saved by {processes(ctx, checkpoint['world_size'])}, "
+                 f"now {ctx.world_size})"
                  + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
@@ -298,13 +299,7 @@ def prepare_run(task, args, ctx, continuing=False):
     values once."""
     model, train_loader = task.model, task.train_loader
     precision = configure_precision(args.precision, ctx.device)
-    log = RunLogger(ctx.is_main, args.metrics_file)
-    if ctx.is_main:  # checked, not created: a command that fails leaves no empty folder behind
-        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
-            if path:
-                check_writable(path, flag)
-        if args.checkpoint_dir:
-            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+    log = RunLogger(ctx.is_main, args.metrics_file, checkpointed=bool(args.checkpoint_dir))
     steps = min(len(train_loader), args.limit_batches or len(train_loader))
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
@@ -486,7 +481,7 @@ def run_cli(main):
         if rank == 0 or not err.same_on_every_rank:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
         if rank == 0:
-            print("Interrupted: nothing saved since the last checkpoint", file=sys.stderr)
+            print(f"Interrupted ({str(err) or 'Ctrl-C'})", file=sys.stderr)
         sys.exit(130)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -46,10 +47,45 @@ def run(cmd, cwd, env=None, timeout=300):
                           text=True, timeout=timeout)
 
 
+_BACKGROUND = []  # processes of ``start``, killed when their test ends
+
+
 def start(cmd, cwd, log, env=None):
-    """Start a command in the background, its output going to ``log``."""
-    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    """Start a command in the background, its output going to ``log``, in a session of its own:
+    whatever it leaves running when its test ends (passed or failed) is killed then."""
+    process = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=open(log, "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    _BACKGROUND.append(process)
+    return process
+
+
+@pytest.fixture(autouse=True)
+def kill_background_processes():
+    """A test that fails while a torchrun or a job script runs must not leave it training."""
+    yield
+    while _BACKGROUND:
+        process = _BACKGROUND.pop()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def spawn(worker, args, nprocs=2, timeout=120):
+    """torch.multiprocessing.spawn with a deadline (spawn's join has none): a hang fails the test
+    and its processes are killed, instead of blocking CI."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.time() + timeout
+    try:
+        while not context.join(timeout=1):
+            assert time.time() < deadline, f"the {nprocs} processes hang (still running after {timeout} s)"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
 
 
 def wait_for(path, text, process, timeout=120):

@@ -105,7 +105,7 @@ def test_a_metrics_line_that_cannot_be_written_is_kept_for_the_next_one(tmp_path
     logger = lu.RunLogger(True, tmp_path / "logs" / "m.jsonl", stream=out)
     logger.record({"epoch": 1})
     assert out.getvalue().startswith(f"WARNING: cannot append to --metrics-file {tmp_path / 'logs' / 'm.jsonl'} (")
-    assert "1 line(s) kept for the next epoch" in out.getvalue()
+    assert out.getvalue().endswith("); 1 line kept in memory for the next epoch\n")  # no checkpoints
     (tmp_path / "logs").unlink()  # the disk is back
     logger.record({"epoch": 2})
     assert [json.loads(line)["epoch"] for line in (tmp_path / "logs" / "m.jsonl").read_text().splitlines()] == [1, 2]
@@ -122,8 +122,9 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
     text = "\n".join(lu.summarize(records, ctx, test_size=10_000, wall_s=9.5))
     assert "Final Accuracy: 0.2000 on 320 of 10000 test images (--limit-batches) (best 0.3000 at epoch 2)" in text
-    assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epoch(s) (before a resume too); wall time of "
-            "this process 9.5s") in text
+    assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time of this process 9.5s") in text
+    resumed = "\n".join(lu.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
+    assert "over the run's 3 epochs (those before the resume too); wall time" in resumed
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
     assert "on all 320 test images" in "\n".join(lu.summarize(records, ctx, test_size=320))

@@ -1,0 +1,127 @@
+"""What a new user's walk broke: outputs that cannot be written, downloads that never answer,
+--data-dir naming the data set's own folder, Ctrl-C before training. Each case is one line
+and a non-zero exit, before any training, with nothing half-written left behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+import data_formats as df
+from conftest import (FAST, error_lines, python_cmd, run, run_main, start, torchrun_cmd, wait_for, clean_env,
+                      write_cifar100)
+
+SMOKE = ("--synthetic", "--epochs", "1", "--limit-batches", "1", "--batch-size", "8", *FAST)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only mount (tmpfs) holding one file, old.jsonl: root may write anywhere else."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", folder], capture_output=True).returncode != 0:
+        pytest.skip("needs mount (root) to make a read-only file system")
+    try:
+        (folder / "old.jsonl").write_text('{"epoch": 1}\n')
+        subprocess.run(["mount", "-o", "remount,ro", folder], check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", folder], check=True)
+
+
+@pytest.mark.parametrize("flag, name", [("--save-weights", "w.pt"), ("--save-weights", "sub/w.pt"),
+                                        ("--metrics-file", "old.jsonl"), ("--metrics-file", "m.jsonl"),
+                                        ("--checkpoint-dir", "ck")])
+def test_an_output_on_a_read_only_file_system_is_refused_before_training(read_only_dir, capsys, flag, name):
+    assert run_main("train.py", *SMOKE, flag, read_only_dir / name) == 2
+    out, err = capsys.readouterr()
+    [line] = error_lines(err)
+    assert line.startswith(f"error: {flag} {read_only_dir / name}: cannot ") and "Read-only file system" in line
+    assert "Training" not in out  # refused before the data and the model are built
+    assert sorted(p.name for p in read_only_dir.iterdir()) == ["old.jsonl"]
+
+
+def test_a_read_only_checkpoint_folder_stops_every_rank_at_start(read_only_dir, tmp_path):
+    result = run(torchrun_cmd(2, "train_ddp.py", *SMOKE, "--checkpoint-dir", read_only_dir), cwd=tmp_path)
+    assert result.returncode != 0
+    [line] = error_lines(result.stderr)  # rank 0's verdict, printed once
+    assert line == f"error: --checkpoint-dir {read_only_dir}: cannot write in it ({read_only_dir}: Read-only file system)"
+    assert "Training" not in result.stdout
+    assert "train_ddp.py\", line" not in result.stderr  # torchrun reports the exit status; no rank's traceback
+
+
+@pytest.fixture
+def silent_proxy(monkeypatch):
+    """A proxy that accepts connections and never answers, as a compute node's network that
+    drops packets does: connect works (the kernel's backlog), every read waits forever."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    env = {"https_proxy": url, "http_proxy": url, "HTTPS_PROXY": url, "HTTP_PROXY": url, "no_proxy": ""}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield env
+    server.close()
+
+
+def test_a_download_that_never_answers_fails_with_one_line(silent_proxy, tmp_path, monkeypatch):
+    monkeypatch.setattr(df, "DOWNLOAD_STALL_S", 1.5)
+    start_time = time.monotonic()
+    with pytest.raises(df.DatasetError) as caught:
+        df.prepare(tmp_path / "datasets", df.DATASETS["cifar100"])
+    assert time.monotonic() - start_time < 30
+    assert "downloading it failed (no answer from the network for 1.5 s); on a machine with internet" in str(caught.value)
+    assert f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'datasets'}" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # no empty data folder, no partial archive
+
+
+@pytest.mark.parametrize("script", ["dataset_utils.py", "train.py"])
+def test_ctrl_c_during_a_stalled_download_leaves_nothing_and_no_traceback(silent_proxy, tmp_path, script):
+    data = tmp_path / "datasets"
+    args = ("--data-dir", data) + (("--epochs", "1", *FAST) if script == "train.py" else ())
+    process = start(python_cmd(script, *args), tmp_path, tmp_path / "log", env=clean_env(**silent_proxy))
+    wait_for(tmp_path / "log", f"Downloading CIFAR-100 from https://www.cs.toronto.edu/", process, timeout=60)
+    time.sleep(0.5)  # inside the download
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 130
+    log = (tmp_path / "log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+    last = log.strip().splitlines()[-1]
+    assert last == ("Interrupted (Ctrl-C): no partial files were kept" if script == "dataset_utils.py"
+                    else "Interrupted (Ctrl-C)")  # no talk of checkpoints: there are none
+    assert not data.exists()
+
+
+@pytest.mark.parametrize("given, root", [("x/cifar-100-python", "x"), ("x/FashionMNIST", "x"),
+                                         ("x/FashionMNIST/raw", "x"), ("x/MNIST/raw", "x"), ("x", "x"),
+                                         ("cifar-100-python", ".")])
+def test_data_dir_naming_the_data_sets_own_folder_means_its_parent(given, root):
+    name = "fashion-mnist" if "FashionMNIST" in given else "mnist" if "MNIST" in given else "cifar100"
+    assert df.data_root(df.Path(given), df.DATASETS[name]) == df.Path(root)
+
+
+def test_the_real_data_sets_folder_inside_one_of_that_name_is_kept(tmp_path):
+    write_cifar100(tmp_path / "cifar-100-python")  # the files are in .../cifar-100-python/cifar-100-python
+    assert df.data_root(tmp_path / "cifar-100-python", df.DATASETS["cifar100"]) == tmp_path / "cifar-100-python"
+
+
+def test_train_py_accepts_the_data_sets_own_folder(tmp_path):
+    write_cifar100(tmp_path / "data")
+    result = run(python_cmd("train.py", "--data-dir", tmp_path / "data" / "cifar-100-python", "--epochs", "1",
+                            "--batch-size", "8", "--limit-batches", "1", *FAST), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Training complete." in result.stdout
+    assert not (tmp_path / "data" / "cifar-100-python" / "cifar-100-python").exists()
+
+
+def test_a_missing_data_set_names_the_parent_folder_to_fetch_into(tmp_path, capsys):
+    given = tmp_path / "data" / "cifar-100-python"
+    assert run_main("train.py", "--data-dir", given, "--no-download", "--epochs", "1", *FAST) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.endswith(f"fetch it first with: python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'data'}")
+    assert f"not found in {given}" in line
+    assert not (tmp_path / "data").exists()
