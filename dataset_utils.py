@@ -39,8 +39,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from data_formats import (DATASETS, DatasetError, data_root, default_data_dir, describe_augmentation, prepare,
-                          read_split)
+from data_formats import DATASETS, data_root, default_data_dir, describe_augmentation, prepare, read_split
 from device_utils import UserError, from_rank0
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here

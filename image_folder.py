@@ -5,10 +5,10 @@
 
 Classes are the sorted folder names under train/ (label i is the i-th name). Any image file
 Pillow reads counts, in any mode and size: the images become RGB, or stay gray when every
-one is gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the most common among the training images, or
---image-size), scaled to cover it and centre-cropped so nothing is stretched. Hidden files
-and files that are not images (by their ending) are ignored; an image that cannot be read
-is one line naming it.
+one is gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the
+most common among the training images, or --image-size), scaled to cover it and
+centre-cropped so nothing is stretched. Hidden files and files that are not images (by their
+ending) are ignored; an image that cannot be read is one line naming it.
 
 The decoded images are kept as uint8 arrays in .npy files under --cache-dir, one folder per
 image folder and one subfolder per version of its files and requested size:

@@ -2,7 +2,6 @@
 --data-dir naming the data set's own folder, Ctrl-C before training. Each case is one line
 and a non-zero exit, before any training, with nothing half-written left behind."""
 
-import os
 import signal
 import socket
 import subprocess
@@ -48,7 +47,8 @@ def test_a_read_only_checkpoint_folder_stops_every_rank_at_start(read_only_dir, 
     result = run(torchrun_cmd(2, "train_ddp.py", *SMOKE, "--checkpoint-dir", read_only_dir), cwd=tmp_path)
     assert result.returncode != 0
     [line] = error_lines(result.stderr)  # rank 0's verdict, printed once
-    assert line == f"error: --checkpoint-dir {read_only_dir}: cannot write in it ({read_only_dir}: Read-only file system)"
+    ro = read_only_dir
+    assert line == f"error: --checkpoint-dir {ro}: cannot write in it ({ro}: Read-only file system)"
     assert "Training" not in result.stdout
     assert "train_ddp.py\", line" not in result.stderr  # torchrun reports the exit status; no rank's traceback
 
@@ -74,7 +74,8 @@ def test_a_download_that_never_answers_fails_with_one_line(silent_proxy, tmp_pat
     with pytest.raises(df.DatasetError) as caught:
         df.prepare(tmp_path / "datasets", df.DATASETS["cifar100"])
     assert time.monotonic() - start_time < 30
-    assert "downloading it failed (no answer from the network for 1.5 s); on a machine with internet" in str(caught.value)
+    message = str(caught.value)
+    assert "downloading it failed (no answer from the network for 1.5 s); on a machine with internet" in message
     assert f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'datasets'}" in str(caught.value)
     assert list(tmp_path.iterdir()) == []  # no empty data folder, no partial archive
 
@@ -84,7 +85,7 @@ def test_ctrl_c_during_a_stalled_download_leaves_nothing_and_no_traceback(silent
     data = tmp_path / "datasets"
     args = ("--data-dir", data) + (("--epochs", "1", *FAST) if script == "train.py" else ())
     process = start(python_cmd(script, *args), tmp_path, tmp_path / "log", env=clean_env(**silent_proxy))
-    wait_for(tmp_path / "log", f"Downloading CIFAR-100 from https://www.cs.toronto.edu/", process, timeout=60)
+    wait_for(tmp_path / "log", "Downloading CIFAR-100 from https://www.cs.toronto.edu/", process, timeout=60)
     time.sleep(0.5)  # inside the download
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 130
@@ -122,6 +123,7 @@ def test_a_missing_data_set_names_the_parent_folder_to_fetch_into(tmp_path, caps
     given = tmp_path / "data" / "cifar-100-python"
     assert run_main("train.py", "--data-dir", given, "--no-download", "--epochs", "1", *FAST) == 2
     [line] = error_lines(capsys.readouterr().err)
-    assert line.endswith(f"fetch it first with: python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'data'}")
+    fetch = f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'data'}"
+    assert line.endswith(f"fetch it first with: {fetch}")
     assert f"not found in {given}" in line
     assert not (tmp_path / "data").exists()

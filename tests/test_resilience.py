@@ -141,7 +141,8 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     assert (f"WARNING: checkpoint {newest} is unreadable (RuntimeError: PytorchStreamReader failed reading zip "
             f"archive: failed finding central directory); renamed it to {newest.name}.unreadable and trying the "
             "previous one\n") in result.stdout
-    assert f"Resuming from {older}: after epoch 2 (saved by 1 CPU process, now 1)" in result.stdout and "Epoch 3/3:" in result.stdout
+    assert f"Resuming from {older}: after epoch 2 (saved by 1 CPU process, now 1)" in result.stdout
+    assert "Epoch 3/3:" in result.stdout
     assert f"\nWeights: from the newest readable checkpoint in {tmp_path / 'ckpt'} (resuming)\n" in result.stdout
     for path in (tmp_path / "ckpt").glob("checkpoint_*.pt"):
         path.write_bytes(b"garbage")

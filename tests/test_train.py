@@ -59,8 +59,8 @@ def test_training_run_prints_writes_metrics_and_weights(tmp_path, cifar_dir):
 
 def test_same_seed_same_run_and_another_seed_differs(tmp_path, cifar_dir):
     def losses(seed, name):
-        result = train(tmp_path, cifar_dir, "--epochs", "1", "--batch-size", "8", "--limit-batches", "2", "--seed", seed,
-                       "--metrics-file", tmp_path / name)
+        result = train(tmp_path, cifar_dir, "--epochs", "1", "--batch-size", "8", "--limit-batches", "2",
+                       "--seed", seed, "--metrics-file", tmp_path / name)
         assert result.returncode == 0, result.stderr
         assert "Note: the 2 warm-up epochs are longer than this 1-epoch run: the learning rate peaks at 50%" \
             in result.stdout  # the default warm-up, said, not refused: smoke runs stay one command
@@ -154,8 +154,8 @@ def test_a_metrics_file_that_cannot_be_written_mid_run_is_a_warning(tmp_path, ci
     result = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "8", "--limit-batches", "1",
                    "--metrics-file", "/dev/full", "--checkpoint-dir", tmp_path / "ck")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    warning = "WARNING: cannot append to --metrics-file /dev/full (No space left on device); 1 line kept in memory for "
-               "the next epoch, and in the checkpoints"
+    warning = ("WARNING: cannot append to --metrics-file /dev/full (No space left on device); 1 line kept in memory "
+               "for the next epoch, and in the checkpoints")
     assert warning in result.stdout
     assert "2 lines kept" in result.stdout and "Epoch 2/2: Time=" in result.stdout  # training went on
     state = torch.load(next(Path(tmp_path / "ck").glob("*.pt")), weights_only=True)["state"]
