@@ -10,8 +10,9 @@ written.
   starts from; every rank loads exactly that file, or the run stops with one error.
 - Checkpoints are written at the end of an epoch at most every ``--checkpoint-interval``
   minutes (0 = every epoch), and always on a stop request and at the end of training.
-- Stop requests: SIGUSR1, SIGTERM and SIGINT (Ctrl-C; a second one quits at once), and the
-  appearance of ``--stop-file``. All ranks agree on them after every step.
+- Stop requests: SIGUSR1, SIGTERM and SIGINT (Ctrl-C; a second one quits at once), the
+  appearance of ``--stop-file``, and the exit of the torchrun that started the ranks. All
+  ranks agree on them after every step.
 - ``--metrics-file`` keeps every epoch of a run exactly once across resumes.
 - Weights files (``--save-weights``) are the plain state_dict (the guide's layout), with the
   data's class names and image size in its metadata, so an evaluation maps labels the same way.
@@ -33,14 +34,15 @@ from pathlib import Path
 import torch
 
 from dataset_utils import derived_seed
-from device_utils import UserError, any_rank, from_rank0, gather_objects, max_over_ranks
+from device_utils import UserError, any_rank, from_rank0, gather_objects, launcher_gone, max_over_ranks
 
 EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
 # Flags that define the run: a resumed run must keep them, or it would not be the same run.
+# --epochs is not among them: a larger one extends the run (see check_resumable).
 RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
-                "label_smoothing", "precision", "seed", "epochs", "limit_batches", "synthetic", "augment")
+                "label_smoothing", "precision", "seed", "limit_batches", "synthetic", "augment")
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 STOP_FILE_POLL_S = 1.0  # rank 0 looks for --stop-file at most this often (a metadata call on a shared FS)
 
@@ -55,6 +57,7 @@ class TrainState:
     history: list = field(default_factory=list)      # validation accuracy of each finished epoch
     records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
     checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
+    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (train_utils.Cycle as lists)
 
 
 def new_run_id():
@@ -350,6 +353,9 @@ def check_resumable(checkpoint, args, fingerprint, model_key, check_fits, defaul
                         + "".join(f", {other[key]}" for key in other if key in differ) + ")")
     changed = [f"--{name.replace('_', '-')} {saved.get(name)} (now {getattr(args, name)})"
                for name in RECIPE_FLAGS if saved.get(name) != getattr(args, name)]
+    if args.epochs < saved["epochs"]:
+        changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
+                       "--epochs, not shortened)")
     if changed:
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir")
@@ -439,9 +445,9 @@ NO_STOP, STOP_FILE, STOP_SIGNAL = 0, 1, 2
 
 class StopRequests:
     """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption, torchrun
-    passing either on) and SIGINT (Ctrl-C) only set a flag, and so does ``stop_file``
-    appearing (seen by global rank 0): the loop stops after the current step, checkpoints,
-    and exits. A second Ctrl-C quits at once.
+    passing either on) and SIGINT (Ctrl-C) only set a flag, and so do ``stop_file`` appearing
+    (seen by global rank 0) and the death of the torchrun that started this rank: the loop
+    stops after the current step, checkpoints, and exits. A second Ctrl-C quits at once.
 
     Exit status: EXIT_STOPPED after a signal; 0 after the stop file, which the job scripts
     use to stop training before the time limit without signalling torchrun (it would report
@@ -476,6 +482,8 @@ class StopRequests:
         self.received = self.received or signal.Signals(signum).name
 
     def _local(self):
+        if not self.received and launcher_gone(self.ctx):  # an orphan: nobody would see its output or exit
+            self.received = "torchrun, its launcher, has exited"
         if self.received:
             return STOP_SIGNAL
         if self.stop_file is not None and not self.file_seen and time.monotonic() >= self._next_look:

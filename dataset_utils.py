@@ -326,7 +326,7 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
     else:
         root = data_root(Path(data_dir).expanduser() if data_dir else default_data_dir(), spec)
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
-        from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group)
+        from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group, patient=True)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
     prep = preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
     return (InMemoryImages(*splits["train"], train_transform(prep), prep),

@@ -10,7 +10,10 @@ import inspect
 import os
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,16 @@ class UserError(Exception):
 
 class RunAborted(UserError):
     """Training must stop and nothing from its current state may be saved: a non-finite
-    loss, or ranks whose parameters differ. One line, exit status 3."""
+    loss, ranks whose parameters differ, or ranks that stopped responding. One line, exit
+    status 3."""
 
     exit_code = 3
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_MIN = 10.0  # NCCL's own default; gloo's is 30 minutes
+NCCL_TIMEOUT_MARGIN_MIN = 1.0  # NCCL waits this much longer than the gloo group, which names the rank
+ROLL_CALL_S = 30.0  # after a failed collective: how long the ranks that are alive wait for each other
+PATIENT_WAIT = timedelta(days=1)  # waits for rank 0's one-off work (a download, a decode): the job's limit bounds them
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class DistContext:
     local_world_size: int = 1
     process_group: bool = False
     control_group: object = None  # gloo group for small CPU-side collectives (None: the default group)
+    launcher_pid: int = None      # torchrun's process, the parent of this one (None: not started by torchrun)
 
     @property
     def is_main(self) -> bool:
@@ -137,6 +148,19 @@ def _env_int(name, default):
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def launcher_pid():
+    """The PID of the torchrun that started this process, or None. torchrun starts each rank
+    in a session of its own, so a signal that kills torchrun (a user's kill, a misdirected
+    signal) does not reach its ranks: they must notice that their parent is gone."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def launcher_gone(ctx: DistContext) -> bool:
+    """True when torchrun has exited under this rank (it is now some other process's child).
+    One system call, cheap enough for every step."""
+    return ctx.launcher_pid is not None and os.getppid() != ctx.launcher_pid
+
+
 def single_process_context() -> DistContext:
     """For train.py: one process, no process group. Accepts torchrun with one process."""
     world_size = _env_int("WORLD_SIZE", 1)
@@ -144,15 +168,34 @@ def single_process_context() -> DistContext:
         raise UserError(
             f"train.py trains with one process but WORLD_SIZE={world_size}; "
             "use train_ddp.py for several processes (torchrun --nproc_per_node=N train_ddp.py)")
-    return DistContext(device=use_device(_env_int("LOCAL_RANK", 0)))
+    return DistContext(device=use_device(_env_int("LOCAL_RANK", 0)), launcher_pid=launcher_pid())
 
 
-def setup_distributed() -> DistContext:
+def flight_recorder_settings(directory, version=None) -> dict:
+    """The environment that makes NCCL's flight recorder (on by default since PyTorch 2.6: each
+    rank's last 2000 collectives) dump on a collective timeout into ``directory`` as
+    nccl_trace_rank_N, read with ``torchfrtrace DIR/nccl_trace_rank_``. PyTorch 2.11 renamed the
+    variables (TORCH_NCCL_* -> TORCH_FR_*) and warns about the old names, which 2.7 needs."""
+    version = torch.torch_version.TorchVersion(version or torch.__version__)
+    prefix = str(Path(directory) / "nccl_trace_rank_")
+    if version >= "2.11":
+        return {"TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, trace_dir=None) -> DistContext:
     """For train_ddp.py: read torchrun's variables, pick this rank's GPU, join the group.
 
     The GPU is selected before init_process_group so that NCCL binds each rank to its own
     device (otherwise every rank opens a context on cuda:0). nccl on CUDA, gloo on CPU:
     the same code path runs on a laptop and on GH200 nodes.
+
+    ``collective_timeout_min``: how long a rank waits in a collective for the others. The gloo
+    group (the per-step stop agreement every rank joins) times out first, so a rank that
+    stops responding is named by ``named_collective_failures``; NCCL's watchdog, given
+    NCCL_TIMEOUT_MARGIN_MIN more, is the backstop for a hang the gloo group does not see.
+    ``trace_dir`` (the checkpoint folder): where NCCL's flight recorder dumps on a timeout,
+    unless the environment names a place already.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(
@@ -162,12 +205,21 @@ def setup_distributed() -> DistContext:
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     device = use_device(local_rank)  # before init_process_group: NCCL binds to the current device
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(minutes=collective_timeout_min)
+    if device.type == "cuda":
+        dumps = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_FR_DUMP_ON_TIMEOUT")
+        if trace_dir and not any(name in os.environ for name in dumps):
+            os.environ.update(flight_recorder_settings(trace_dir))  # read when NCCL's group is made
+        dist.init_process_group(backend="nccl", timeout=timeout + timedelta(minutes=NCCL_TIMEOUT_MARGIN_MIN))
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
     # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
     # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
-    control_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
     return DistContext(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
-                       local_world_size=local_world_size, process_group=True, control_group=control_group)
+                       local_world_size=local_world_size, process_group=True, control_group=control_group,
+                       launcher_pid=launcher_pid())
 
 
 # PyTorch 2.7's gloo process group joins its worker threads in its destructor while holding
@@ -177,6 +229,63 @@ def setup_distributed() -> DistContext:
 # workers finish first (it struck 2 of 4 runs of
 # tests/test_resilience.py's 2-process tests on 2.7.1 here, and none with the pause).
 GLOO_SETTLE_S = 0.5
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective that timed out or lost a peer (gloo or NCCL), as opposed to an error in the
+    user's model or data, which also arrive as RuntimeError."""
+    dist_error = getattr(dist, "DistError", ())
+    text = str(err)
+    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and (
+        "gloo" in text or "NCCL" in text or "Connection closed by peer" in text or "Connection reset" in text))
+
+
+def roll_call(ctx: DistContext, wait_s: float):
+    """After a failed collective: the ranks that did not check in within ``wait_s`` seconds,
+    through the rendezvous store (which lives in torchrun, not in any rank). The ranks that
+    are alive hit the same failure at about the same time. None when the store is gone too."""
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private, but in PyTorch 2.7 to 2.15
+        store.set(f"roll-call/{ctx.rank}", "alive")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [rank for rank in range(ctx.world_size) if not store.check([f"roll-call/{rank}"])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.2)
+    except Exception:  # the store's host is gone: nobody can be asked
+        return None
+
+
+@contextmanager
+def process_group_scope(ctx: DistContext, timeout_min: float):
+    """The process group's life in train_ddp.py: destroyed at the end, also after an error.
+
+    A collective that timed out or lost a peer becomes one line naming the ranks that stopped
+    responding (RunAborted, exit status 3), printed by the lowest rank still alive, instead
+    of a traceback on every rank. Then nothing is written and the group is not destroyed (a
+    hung NCCL communicator can hang its destruction): the checkpoints so far are the run's."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not _group_active() or not is_collective_failure(err):
+            cleanup_distributed()
+            raise
+        missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
+        reason = str(err).strip().splitlines()[0]
+        reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
+        reason = reason.split(". ", 1)[0].rstrip(".")  # the first sentence: gloo goes on with advice
+        who = (f"rank(s) {missing} stopped responding" if missing
+               else "every rank is alive but a collective failed" if missing == []
+               else "a collective failed and the rendezvous store cannot be reached")
+        alive = [rank for rank in range(ctx.world_size) if rank not in (missing or [])]
+        raise RunAborted(f"{who} ({reason}; --collective-timeout {timeout_min:g} min): stopping every rank; the "
+                         "checkpoints written so far are kept, continue with --resume",
+                         same_on_every_rank=missing is not None and ctx.rank != alive[0]) from None
+    except BaseException:
+        cleanup_distributed()
+        raise
+    cleanup_distributed()
 
 
 def cleanup_distributed():
@@ -202,16 +311,22 @@ def broadcast_from_rank0(obj, group=None):
     return box[0]
 
 
-def from_rank0(decide, group=None):
+def from_rank0(decide, group=None, patient=False):
     """Call ``decide()`` on global rank 0 only; every rank returns its result, or raises the
     UserError it raised, once rank 0 is done. For what one process must decide or do for all
-    (which checkpoint to load, writing a file) while the others wait."""
+    (which checkpoint to load, writing a file) while the others wait.
+
+    ``patient``: rank 0's work may take longer than --collective-timeout (a download, decoding
+    an image folder, a user's data code): the others wait for it in a barrier of its own
+    (gloo's monitored_barrier, ``group`` must be gloo) with a deadline of PATIENT_WAIT."""
     outcome = None
     if not _group_active() or dist.get_rank() == 0:
         try:
             outcome = (True, decide())
         except UserError as err:
             outcome = (False, err)
+    if patient and _group_active():
+        dist.monitored_barrier(group=group, timeout=PATIENT_WAIT)
     ok, value = broadcast_from_rank0(outcome, group)
     if not ok:
         raise value
@@ -365,7 +480,8 @@ def network_report(ctx: DistContext, environ=None) -> list:
     if ctx.device.type == "cuda":
         lines.append(nccl_report())
     in_effect = [f"{name}={environ[name]}" for name in sorted(environ)
-                 if name.startswith(("NCCL_", "FI_")) or name in ("MASTER_ADDR", "MASTER_PORT")]
+                 if name.startswith(("NCCL_", "FI_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_"))
+                 or name in ("MASTER_ADDR", "MASTER_PORT")]
     lines.append("Network settings: " + (" ".join(in_effect) or "none"))
     if ctx.num_nodes > 1:
         missing = [name for name in MULTINODE_SETTINGS if name not in environ]

@@ -12,7 +12,7 @@ import sys
 
 from checkpoint_utils import EXIT_STOPPED, KEEP_CHECKPOINTS
 from data_formats import DATASETS
-from device_utils import UserError, env_rank
+from device_utils import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, UserError, env_rank
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
 DEFAULT_WARMUP_EPOCHS = 2.0
@@ -203,12 +203,20 @@ def build_parser(description):
                                  "node failure) loses at most this much training")
     resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
                             help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
-                                 "number of GPUs (same recipe and data); error if there is none. --resume=auto: "
+                                 "number of GPUs (same recipe and data; a larger --epochs extends the run with a warm "
+                                 "restart of the learning rate); error if there is none. --resume=auto: "
                                  "continue it if there is a checkpoint, else start a new run there (the job scripts)")
     resilience.add_argument("--stop-file", metavar="PATH", default=None,
                             help="stop as on SIGTERM (checkpoint, then exit) when this file appears, but with exit "
                                  f"status 0 (global rank 0 looks about once a second); signals exit with status "
                                  f"{EXIT_STOPPED}. The job scripts use it so that torchrun sees a normal exit")
+    resilience.add_argument("--collective-timeout", metavar="MINUTES", type=positive_float,
+                            default=DEFAULT_COLLECTIVE_TIMEOUT_MIN,
+                            help="DDP: how long a rank waits for the others in a collective (the per-step stop "
+                                 "agreement, checkpoints; NCCL's gradient all-reduce gets "
+                                 f"{NCCL_TIMEOUT_MARGIN_MIN:g} min more) before every rank stops with one line naming "
+                                 "the ranks that stopped responding (a frozen node, a stuck file system). Waits for "
+                                 "rank 0's downloads and image decoding are not bounded by it")
     resilience.add_argument("--check-sync-every", metavar="STEPS", type=non_negative_int, default=0,
                             help="DDP: check that all ranks hold identical parameters every this many optimizer "
                                  "steps (0 = once per epoch, before its checkpoint)")

@@ -64,6 +64,11 @@ for i in "${!args[@]}"; do
     esac
 done
 
+# A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
+# error instead of holding the allocation until the time limit; train_ddp.py also has each
+# rank dump its NCCL flight recorder into the checkpoint folder then (docs/checkpoints.md).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+
 # Sample GPU utilization in the background (appending: a requeued job keeps the first
 # run's samples); on any exit stop exactly this monitor (by PID) and drop the stop file.
 rm -f "$STOP_FILE"

@@ -187,7 +187,7 @@ def build_data(args, ctx):
         return folder_data(args, ctx)
     # Global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others.
     loaded = {}
-    from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group)
+    from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
     return loaded["data"] if ctx.is_main else plugin_data(args)
 
 
@@ -207,7 +207,8 @@ def folder_data(args, ctx):
     """The image folder, decoded into its cache by global rank 0 (the others wait), then
     memory-mapped by every rank."""
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size)), ctx.control_group)
+    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size)), ctx.control_group,
+                        patient=True)
     folder = read_folder_cache(Path(target))
     prep = preprocessing(folder.train[0].shape[1:], folder.mean, folder.std, args.augment)
     train = InMemoryImages(*folder.train, train_transform(prep), prep)

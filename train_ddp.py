@@ -20,7 +20,7 @@ from dataclasses import replace
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint_utils import check_outputs
-from device_utils import cleanup_distributed, no_forward_buffer_sync, setup_distributed
+from device_utils import no_forward_buffer_sync, process_group_scope, setup_distributed
 from flags import parse_args
 from task import build_task
 from train_utils import fit, run_cli
@@ -28,8 +28,9 @@ from train_utils import fit, run_cli
 
 def main():
     args = parse_args(__doc__)
-    ctx = setup_distributed()  # reads RANK/LOCAL_RANK/WORLD_SIZE, picks the GPU, joins the group
-    try:
+    # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang.
+    ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir)
+    with process_group_scope(ctx, args.collective_timeout):  # a rank that stops answering: one line, exit 3
         check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
         task = build_task(args, ctx)  # this rank's shard of the data, the model on this rank's GPU
         # DDP broadcasts rank 0's weights here, so every rank starts from the same model.
@@ -42,8 +43,6 @@ def main():
         model = DDP(task.model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, **no_forward_buffer_sync())
         fit(replace(task, model=model), args, ctx)
-    finally:
-        cleanup_distributed()
 
 
 if __name__ == "__main__":

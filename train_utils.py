@@ -94,11 +94,19 @@ def start_or_resume(run, continuing):
     if not continuing:
         if args.resume == "auto":
             run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
-        return TrainState(run_id=new_run_id()), None
+        return TrainState(run_id=new_run_id(), lr_cycles=[list(first_cycle(args, run.steps))]), None
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
     check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
                     partial(check_state_fits, run.module, model_name=run.task.model_name), flag_defaults())
+    planned = checkpoint["args"]["epochs"]
+    cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(argparse.Namespace(
+        **{**vars(args), **checkpoint["args"]}), run.steps)]  # written before extensions existed: one cycle
+    if args.epochs > planned:
+        cycles = extend(cycles, args, run.steps, checkpoint["scheduler"]["last_epoch"], args.lr_schedule)
+        run.log.info(describe_extension(planned, args, Cycle(*cycles[-1]), run.steps))
+    run.scheduler = make_scheduler(run.optimizer, args, run.steps, cycles)  # restore loads its step
     state, rng_state = restore(run, checkpoint)
+    state.lr_cycles = [list(c) for c in cycles]
     fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
     where = f"epoch {state.epoch}, after step {state.step}" if state.step else f"after epoch {state.epoch - 1}"
@@ -110,6 +118,13 @@ def start_or_resume(run, continuing):
     if run.log.metrics_path:
         reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
     return state, rng_state
+
+
+def describe_extension(planned, args, cycle, steps_per_epoch):
+    then = f"then {args.lr_schedule} to 0 at epoch {args.epochs}" if args.lr_schedule == "cosine" else "then constant"
+    return (f"Extending the run from {planned} to {args.epochs} epochs: warm restart of the learning rate from "
+            f"{cycle.start_factor * args.base_lr:.3g} back up to {args.base_lr:g} over {cycle.warmup} steps "
+            f"({cycle.warmup / steps_per_epoch:g} epochs), {then}")
 
 
 def evaluate_once(run, test_loader):
@@ -264,7 +279,8 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
             "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
             "precision": run.precision.name, "synthetic": run.args.synthetic,
-            "dataset": run.args.dataset, "model": run.args.model,
+            "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
+            "lr_cycle": len(state.lr_cycles),
             "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
@@ -427,11 +443,47 @@ def fit_optimizer_to_params(optimizer, device):
                     state[key] = torch.empty_like(param).copy_(value)  # empty_like keeps param's strides
 
 
-def make_scheduler(optimizer, args, steps_per_epoch):
-    """Per-step LR schedule (LambdaLR multiplies --base-lr by ``lr_factor``)."""
-    factor = partial(lr_factor, total_steps=args.epochs * steps_per_epoch,
-                     warmup_steps=round(args.warmup_epochs * steps_per_epoch), schedule=args.lr_schedule)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+class Cycle(NamedTuple):
+    """One stretch of the LR schedule: from optimizer step ``start`` on, the factor of --base-lr
+    rises linearly from ``start_factor`` to 1 over ``warmup`` steps, then follows --lr-schedule
+    to 0 at step ``end``. A run has one; each extension (a resume with a larger --epochs) adds one."""
+    start: int
+    warmup: int
+    end: int
+    start_factor: float = 0.0
+
+
+def first_cycle(args, steps_per_epoch):
+    return Cycle(0, round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch)
+
+
+def schedule_factor(step, cycles, schedule):
+    """Multiplier of --base-lr for optimizer step ``step`` (0-based) in the newest cycle that has
+    begun. The first cycle is exactly ``lr_factor``; an extension's warm-up starts from the
+    factor the run had reached (nearly 0 at the end of a cosine), so the LR does not jump."""
+    cycle = Cycle(*max((c for c in cycles if c[0] <= step), key=lambda c: c[0]))
+    factor = lr_factor(step - cycle.start, cycle.end - cycle.start, cycle.warmup, schedule)
+    if step - cycle.start < cycle.warmup:
+        factor = cycle.start_factor + (1 - cycle.start_factor) * factor
+    return factor
+
+
+def extend(cycles, args, steps_per_epoch, at_step, schedule):
+    """The cycles of a run resumed with a larger --epochs at optimizer step ``at_step``: a warm
+    restart, from the LR in use back up to --base-lr over --warmup-epochs (at most a quarter of
+    the added steps, so a short extension still decays), then --lr-schedule to 0 at the new
+    last epoch (for --lr-schedule constant the LR simply returns to --base-lr)."""
+    end = args.epochs * steps_per_epoch
+    warmup = min(round(args.warmup_epochs * steps_per_epoch), (end - at_step) // 4)
+    return [*cycles, Cycle(at_step, warmup, end, schedule_factor(at_step, cycles, schedule))]
+
+
+def make_scheduler(optimizer, args, steps_per_epoch, cycles=None):
+    """Per-step LR schedule (LambdaLR multiplies --base-lr by ``schedule_factor``) of ``cycles``,
+    by default the run's first and only one."""
+    cycles = [tuple(c) for c in cycles] if cycles else [first_cycle(args, steps_per_epoch)]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(schedule_factor, cycles=cycles,
+                                                                schedule=args.lr_schedule))
 
 
 def unwrap(model):

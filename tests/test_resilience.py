@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint_utils as cu
+import device_utils
 import flags
 import train_utils as tu
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, spawn, start, torchrun_cmd,
@@ -465,3 +466,98 @@ def test_a_folder_without_permission_is_refused(tmp_path):
     (tmp_path / "ro").mkdir(mode=0o500)
     with pytest.raises(UserError, match=r"cannot create it \(.*/ro: Permission denied\)"):
         cu.check_writable_dir(tmp_path / "ro" / "ck", "--checkpoint-dir")
+
+
+def _gone(pid):
+    """True when ``pid`` has exited (a zombie waiting for a parent that never reaps it counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(tmp_path):
+    """torchrun starts each rank in a session of its own: a signal to torchrun's process group
+    (a user's kill) ends torchrun alone. Its orphaned ranks must not train on unseen."""
+    args = (*RUN[:1], "--epochs", "200", *RUN[3:], "--checkpoint-dir", tmp_path / "ckpt")
+    process = start(torchrun_cmd(2, "train_ddp.py", *args), tmp_path, tmp_path / "log")
+    wait_for(tmp_path / "log", "Epoch 1/200:", process)
+    ranks = [_rank_pid(process.pid, rank) for rank in range(2)]
+    try:
+        os.killpg(process.pid, signal.SIGUSR1)  # kills torchrun (no handler for it); not its ranks
+        assert process.wait(timeout=30) == -signal.SIGUSR1
+        deadline = time.time() + 60
+        while not all(_gone(pid) for pid in ranks):
+            assert time.time() < deadline, "the orphaned ranks train on"
+            time.sleep(0.2)
+    finally:
+        for pid in ranks:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "log").read_text()
+    match = re.search(r"^Stopped after step (\d) of epoch (\d+) \(torchrun, its launcher, has exited\); checkpoint "
+                      r"(.*/checkpoint_\d+\.pt): continue with --resume$", log, re.M)
+    assert match, log
+    assert int(match[2]) < 200 and Path(match[3]).exists()
+    assert torch.load(match[3], weights_only=True)["state"]["step"] == int(match[1])
+
+
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, how):
+    """SIGSTOP (a frozen node, a stuck file system) or SIGKILL of rank 1 mid-run: the other rank
+    stops within --collective-timeout plus a margin, naming rank 1, and the checkpoints stay."""
+    args = (*RUN[:1], "--epochs", "200", *RUN[3:], "--checkpoint-dir", tmp_path / "ckpt", "--collective-timeout",
+            "0.1")
+    process = start(torchrun_cmd(2, "train_ddp.py", *args), tmp_path, tmp_path / "log")
+    wait_for(tmp_path / "log", "Epoch 2/200:", process)  # a checkpoint after epochs 1 and 2
+    rank1 = _rank_pid(process.pid, 1)
+    try:
+        os.kill(rank1, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
+        stopped = time.monotonic()
+        process.wait(timeout=6 + 30 + 60)  # the timeout, the roll call, torchrun's grace for rank 1, a margin
+        elapsed = time.monotonic() - stopped
+    finally:
+        if not _gone(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    assert process.returncode != 0
+    log = (tmp_path / "log").read_text()
+    if how == "frozen":  # rank 0 timed out in the stop agreement and asked who is still there
+        [line] = error_lines(log)
+        assert line.startswith("error: rank(s) [1] stopped responding (Timed out waiting 6000ms for ")
+        assert line.endswith("; --collective-timeout 0.1 min): stopping every rank; the checkpoints written so far "
+                             "are kept, continue with --resume")
+    else:  # torchrun sees the death and stops rank 0 itself
+        assert elapsed < 60
+    assert f'File "{REPO}' not in log  # no traceback through this project's code (torchrun prints its own)
+    kept = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))
+    assert kept and all(torch.load(path, weights_only=True)["format"] == cu.CHECKPOINT_FORMAT for path in kept)
+
+
+def test_a_finished_run_is_extended_by_a_larger_epochs_and_never_shortened(tmp_path, capsys):
+    args = (*RUN, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "m.jsonl")
+    assert run(python_cmd("train.py", *args), cwd=tmp_path).returncode == 0
+    longer = run(python_cmd("train.py", *args, "--resume", "--epochs", "5"), cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr
+    assert ("Extending the run from 3 to 5 epochs: warm restart of the learning rate from 0 back up to 0.01 over 2 "
+            "steps (0.5 epochs), then cosine to 0 at epoch 5") in longer.stdout
+    assert "Epoch 4/5:" in longer.stdout and "Epoch 3/" not in longer.stdout
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [(r["epoch"], r["epochs"], r["lr_cycle"]) for r in records] == [(1, 3, 1), (2, 3, 1), (3, 3, 1),
+                                                                           (4, 5, 2), (5, 5, 2)]
+    # The LR of each epoch's last step: near 0 at the end of the first cosine, near the top
+    # again after the restart's warm-up, then down its own cosine.
+    assert records[3]["lr"] > 5 * records[2]["lr"] and records[4]["lr"] < records[3]["lr"] / 5
+    newest = sorted((tmp_path / "ck").glob("checkpoint_*.pt"))[-1]
+    assert torch.load(newest, weights_only=True)["state"]["lr_cycles"] == [[0, 8, 12, 0.0], [12, 2, 20, 0.0]]
+    assert run_main("train.py", *args, "--resume", "--epochs", "4") == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert "--epochs 5 (now 4: a run can be extended with a larger --epochs, not shortened)" in line
+    again = run(python_cmd("train.py", *args, "--resume", "--epochs", "5"), cwd=tmp_path)
+    assert "is complete (epoch 5): nothing to train" in again.stdout
+
+
+def test_nccl_flight_recorder_dumps_go_to_the_checkpoint_folder_under_the_names_this_torch_reads():
+    old, new = device_utils.flight_recorder_settings("ck", "2.7.1"), device_utils.flight_recorder_settings("ck", "2.15.0")
+    assert old == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "ck/nccl_trace_rank_"}
+    assert new == {"TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "ck/nccl_trace_rank_"}
+    assert device_utils.flight_recorder_settings("ck", "2.8.0a0+5228986c39") == old  # NGC 25.06's prerelease

@@ -160,6 +160,8 @@ def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
     assert text.count("Training WideResNet") == 2  # both runs' output, appended to one file
     assert f"Resuming from {checkpoint_dir}/checkpoint_" in text and "Training complete." in text
     assert "Traceback" not in text + errors, errors
+    for symptom in ("exit barrier", "RendezvousConnectionError", "DistNetworkError", "DistStoreError"):
+        assert symptom not in text + errors, errors  # torchrun's end, logged even without a traceback
     assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]  # each epoch once
     assert (tmp_path / checkpoint_dir / "weights.pt").exists()
     assert not list(tmp_path.glob(".*.stop"))
@@ -173,12 +175,15 @@ def test_single_gpu_job_meets_its_time_limit_requeues_and_resumes(cluster, tmp_p
     assert (tmp_path / f"singlegpu_{job_id}_gpu.csv").read_text().count("timestamp,") == 2  # both runs logged
 
 
-def test_multi_node_job_across_two_slurmd_meets_its_time_limit_requeues_and_resumes(cluster, tmp_path):
+# Five times: the end of a multi-node job once printed torchrun's "Error waiting on exit
+# barrier" traceback now and then (a race between the nodes' torchruns; multinode_job.sh).
+@pytest.mark.parametrize("attempt", range(1, 6))
+def test_multi_node_job_across_two_slurmd_meets_its_time_limit_requeues_and_resumes(cluster, tmp_path, attempt):
     # Slurm's node names (node1, node2) do not resolve here: the rendezvous uses localhost.
     env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
                      TORCHRUN_PATH="torchrun")
     text, job_id = stop_requeue_resume(cluster, tmp_path, env, "multinode_job.sh", "multinode")
-    assert "2 nodes x 1 GPUs" in text
+    assert "nodes: 2, GPUs per node: 1" in text
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in text
     for node in ("node1", "node2"):  # srun ran a task on each slurmd, each logging its own GPUs
         assert (tmp_path / f"multinode_{job_id}_gpu_{node}.csv").exists()

@@ -30,7 +30,7 @@ def test_training_run_prints_writes_metrics_and_weights(tmp_path, cifar_dir):
                    "--metrics-file", metrics, "--save-weights", weights, "--log-interval", "0.001")
     assert result.returncode == 0, result.stderr
     out = result.stdout  # a pipe, as in a batch job's .out file
-    assert "Batch Size: 8 (8 per process x 1 CPU processes, 1 node)" in out
+    assert "Batch Size: 8 (8 per process x 1 CPU process, 1 node)" in out
     assert "32 training / 20 test images, 4 steps per epoch" in out
     assert "WARNING: this CIFAR-100 has 32 training images instead of 50000 and 20 test images instead of 10000" in out
     assert "Device: cpu (CPU: " in out and "Weights: random initialization (--seed 0)" in out

@@ -347,3 +347,24 @@ def test_every_entry_point_makes_its_gpu_current_and_autotunes(monkeypatch):
     assert torch.backends.cudnn.benchmark is True
     with pytest.raises(UserError, match="LOCAL_RANK=5 but this node shows only 4 GPU"):
         du_device.use_device(5)
+
+
+def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
+    args = flags.parse_args("test", ["--epochs", "10", "--warmup-epochs", "2"])
+    first = [tu.first_cycle(args, 10)]  # 10 steps per epoch: 100 steps, 20 of warm-up
+    assert [tu.schedule_factor(s, first, "cosine") for s in range(100)] == [tu.lr_factor(s, 100, 20, "cosine")
+                                                                            for s in range(100)]
+    longer = flags.parse_args("test", ["--epochs", "15", "--warmup-epochs", "2"])
+    for at in (100, 60):  # a finished run (factor ~0), and one extended half-way (factor ~0.6)
+        cycles = tu.extend(first, longer, 10, at, "cosine")
+        before = tu.schedule_factor(at, first, "cosine")
+        warmup = min(20, (150 - at) // 4)  # --warmup-epochs, at most a quarter of the extension
+        assert cycles[-1] == tu.Cycle(at, warmup, 150, before) and warmup == (12 if at == 100 else 20)
+        factors = [tu.schedule_factor(s, cycles, "cosine") for s in range(at, 150)]
+        assert abs(factors[0] - before) <= (1 - before) / warmup + 1e-12  # no jump: one warm-up increment
+        assert factors[warmup] == 1.0 and max(factors) == 1.0  # back at --base-lr after the warm-up
+        assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:])) and 0 < factors[-1] < 0.01
+        assert [tu.schedule_factor(s, cycles, "cosine") for s in range(at)] == [tu.lr_factor(s, 100, 20, "cosine")
+                                                                                for s in range(at)]  # the past stays
+    constant = tu.extend(first, longer, 10, 100, "constant")
+    assert {tu.schedule_factor(s, constant, "constant") for s in range(20, 150)} == {1.0}  # only back to the top
