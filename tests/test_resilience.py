@@ -557,7 +557,8 @@ def test_a_finished_run_is_extended_by_a_larger_epochs_and_never_shortened(tmp_p
 
 
 def test_nccl_flight_recorder_dumps_go_to_the_checkpoint_folder_under_the_names_this_torch_reads():
-    old, new = device_utils.flight_recorder_settings("ck", "2.7.1"), device_utils.flight_recorder_settings("ck", "2.15.0")
+    old = device_utils.flight_recorder_settings("ck", "2.7.1")
+    new = device_utils.flight_recorder_settings("ck", "2.15.0")
     assert old == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "ck/nccl_trace_rank_"}
     assert new == {"TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "ck/nccl_trace_rank_"}
     assert device_utils.flight_recorder_settings("ck", "2.8.0a0+5228986c39") == old  # NGC 25.06's prerelease
