@@ -57,7 +57,7 @@ class TrainState:
     history: list = field(default_factory=list)      # validation accuracy of each finished epoch
     records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
     checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
-    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (train_utils.Cycle as lists)
+    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (lr_schedule.Cycle as lists)
 
 
 def new_run_id():
@@ -101,19 +101,21 @@ def check_outputs(args, ctx):
 def check_writable(path, flag):
     """Fail at start, not after hours of training, when an output file cannot be written.
     Nothing is left behind: folders are made when the file is first written, so a command
-    that fails leaves no empty folder."""
+    that fails leaves no empty folder. The folder must take new files even when the file
+    exists: it is replaced through a temporary file beside it (atomic_save, reconcile_metrics).
+    (os.path, not pathlib: a folder that cannot be entered is "not there", not a traceback.)"""
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):
         raise UserError(f"{flag} {path}: not a writable file path (it is a folder)")
-    if path.exists():
+    if os.path.exists(path):
         try:
             open(path, "ab").close()  # opened for appending, nothing written: the file is unchanged
         except OSError as err:
             raise UserError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
-        return
     why = _why_not_creatable(path.parent)
     if why:
-        raise UserError(f"{flag} {path}: cannot create {path.parent} ({why})")
+        verb = "write in" if os.path.isdir(path.parent) else "create"
+        raise UserError(f"{flag} {path}: cannot {verb} {path.parent} ({why})")
 
 
 def check_writable_dir(directory, flag):
@@ -121,7 +123,8 @@ def check_writable_dir(directory, flag):
     directory = Path(directory)
     why = _why_not_creatable(directory)
     if why:
-        raise UserError(f"{flag} {directory}: cannot {'write in' if directory.is_dir() else 'create'} it ({why})")
+        raise UserError(f"{flag} {directory}: cannot {'write in' if os.path.isdir(directory) else 'create'} it "
+                        f"({why})")
 
 
 def _why_not_creatable(directory):
@@ -129,9 +132,9 @@ def _why_not_creatable(directory):
     The nearest existing folder is probed with a real file, removed at once: permissions,
     ACLs, a read-only mount and root squash all show, which os.access misses for root."""
     existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:  # the nearest existing ancestor
+    while not os.path.exists(existing) and existing != existing.parent:  # the nearest existing ancestor
         existing = existing.parent
-    if not existing.is_dir():
+    if not os.path.isdir(existing):
         return f"{existing} is a file" if existing != directory.absolute() else "a file of that name exists"
     try:
         handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")

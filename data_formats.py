@@ -233,6 +233,8 @@ def _download_idx(root, spec, tmp):
                 download_url(f"{mirror}{name}.gz", str(tmp), f"{name}.gz", md5s[f"{name}.gz"])
                 break
             except (OSError, RuntimeError) as err:
+                if _timed_out(err):  # the network does not answer: the next mirror would not either
+                    raise
                 errors.append(f"{mirror}: {' '.join(str(err).split()) or type(err).__name__}")
         else:
             raise RuntimeError("; ".join(errors))

@@ -10,7 +10,6 @@ import inspect
 import os
 import platform
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +44,6 @@ class RunAborted(UserError):
 
 DEFAULT_COLLECTIVE_TIMEOUT_MIN = 10.0  # NCCL's own default; gloo's is 30 minutes
 NCCL_TIMEOUT_MARGIN_MIN = 1.0  # NCCL waits this much longer than the gloo group, which names the rank
-ROLL_CALL_S = 30.0  # after a failed collective: how long the ranks that are alive wait for each other
 PATIENT_WAIT = timedelta(days=1)  # waits for rank 0's one-off work (a download, a decode): the job's limit bounds them
 
 
@@ -231,72 +229,15 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
 GLOO_SETTLE_S = 0.5
 
 
-def is_collective_failure(err: BaseException) -> bool:
-    """A collective that timed out or lost a peer (gloo or NCCL), as opposed to an error in the
-    user's model or data, which also arrive as RuntimeError."""
-    dist_error = getattr(dist, "DistError", ())
-    text = str(err)
-    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and (
-        "gloo" in text or "NCCL" in text or "Connection closed by peer" in text or "Connection reset" in text))
-
-
-def roll_call(ctx: DistContext, wait_s: float):
-    """After a failed collective: the ranks that did not check in within ``wait_s`` seconds,
-    through the rendezvous store (which lives in torchrun, not in any rank). The ranks that
-    are alive hit the same failure at about the same time. None when the store is gone too."""
-    try:
-        store = dist.distributed_c10d._get_default_store()  # private, but in PyTorch 2.7 to 2.15
-        store.set(f"roll-call/{ctx.rank}", "alive")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [rank for rank in range(ctx.world_size) if not store.check([f"roll-call/{rank}"])]
-            if not missing or time.monotonic() >= deadline:
-                return missing
-            time.sleep(0.2)
-    except Exception:  # the store's host is gone: nobody can be asked
-        return None
-
-
-@contextmanager
-def process_group_scope(ctx: DistContext, timeout_min: float):
-    """The process group's life in train_ddp.py: destroyed at the end, also after an error.
-
-    A collective that timed out or lost a peer becomes one line naming the ranks that stopped
-    responding (RunAborted, exit status 3), printed by the lowest rank still alive, instead
-    of a traceback on every rank. Then nothing is written and the group is not destroyed (a
-    hung NCCL communicator can hang its destruction): the checkpoints so far are the run's."""
-    try:
-        yield
-    except RuntimeError as err:
-        if not _group_active() or not is_collective_failure(err):
-            cleanup_distributed()
-            raise
-        missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
-        reason = str(err).strip().splitlines()[0]
-        reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
-        reason = reason.split(". ", 1)[0].rstrip(".")  # the first sentence: gloo goes on with advice
-        who = (f"rank(s) {missing} stopped responding" if missing
-               else "every rank is alive but a collective failed" if missing == []
-               else "a collective failed and the rendezvous store cannot be reached")
-        alive = [rank for rank in range(ctx.world_size) if rank not in (missing or [])]
-        raise RunAborted(f"{who} ({reason}; --collective-timeout {timeout_min:g} min): stopping every rank; the "
-                         "checkpoints written so far are kept, continue with --resume",
-                         same_on_every_rank=missing is not None and ctx.rank != alive[0]) from None
-    except BaseException:
-        cleanup_distributed()
-        raise
-    cleanup_distributed()
-
-
 def cleanup_distributed():
-    if not _group_active():
+    if not group_active():
         return
     if torch.__version__ < "2.8":  # TorchVersion compares as a version: 2.8.0a0 counts as before 2.8
         time.sleep(GLOO_SETTLE_S)
     dist.destroy_process_group()
 
 
-def _group_active() -> bool:
+def group_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
@@ -304,7 +245,7 @@ def broadcast_from_rank0(obj, group=None):
     """Rank 0's (picklable) ``obj`` on every rank. Every rank blocks here until rank 0
     arrives, so it doubles as a barrier that carries rank 0's outcome. Pass the gloo control
     group to keep the GPU out of it."""
-    if not _group_active():
+    if not group_active():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=group)
@@ -318,14 +259,14 @@ def from_rank0(decide, group=None, patient=False):
 
     ``patient``: rank 0's work may take longer than --collective-timeout (a download, decoding
     an image folder, a user's data code): the others wait for it in a barrier of its own
-    (gloo's monitored_barrier, ``group`` must be gloo) with a deadline of PATIENT_WAIT."""
+    (gloo's monitored_barrier) with a deadline of PATIENT_WAIT, when ``group`` is gloo."""
     outcome = None
-    if not _group_active() or dist.get_rank() == 0:
+    if not group_active() or dist.get_rank() == 0:
         try:
             outcome = (True, decide())
         except UserError as err:
             outcome = (False, err)
-    if patient and _group_active():
+    if patient and group_active() and dist.get_backend(group) == "gloo":
         dist.monitored_barrier(group=group, timeout=PATIENT_WAIT)
     ok, value = broadcast_from_rank0(outcome, group)
     if not ok:
@@ -336,7 +277,7 @@ def from_rank0(decide, group=None, patient=False):
 def max_over_ranks(value: int, group=None) -> int:
     """The largest of every rank's ``value``, on every rank. A one-element all-reduce of a CPU
     tensor (pass the gloo control group): no GPU sync, a few tens of microseconds."""
-    if not _group_active():
+    if not group_active():
         return value
     tensor = torch.tensor([int(value)])
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -350,7 +291,7 @@ def any_rank(flag: bool, group=None) -> bool:
 
 def gather_objects(obj, group=None) -> list:
     """Every rank's picklable ``obj``, in rank order, on every rank."""
-    if not _group_active():
+    if not group_active():
         return [obj]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj, group=group)
@@ -360,7 +301,7 @@ def gather_objects(obj, group=None) -> list:
 def all_reduce(tensor: torch.Tensor, op="sum") -> torch.Tensor:
     """In-place "sum" or "min" over all ranks (no-op with one process). Enqueued on the GPU
     stream: the host only waits when it reads the result."""
-    if _group_active():
+    if group_active():
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
     return tensor
 
@@ -382,7 +323,7 @@ def broadcast_buffers(module: torch.nn.Module):
     updates its running statistics from its own batch, so after the last step they differ.
     Evaluating after this call evaluates exactly the model that rank 0 saves.
     """
-    if _group_active():
+    if group_active():
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
 
@@ -411,7 +352,7 @@ def check_replicas_in_sync(module: torch.nn.Module, where: str):
     any difference is corruption, e.g. NCCL's LL128 protocol between GH200 nodes. Costs one
     all-gather of a few hundred numbers and a GPU sync: call it at checkpoints, not per step.
     """
-    if not _group_active():
+    if not group_active():
         return
     local = parameter_checksums(module)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]

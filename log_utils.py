@@ -90,7 +90,7 @@ class RunLogger:
                 f.write("".join(self.pending))
         except OSError as err:
             self.info(f"WARNING: cannot append to --metrics-file {self.metrics_path} ({err.strerror or err}); "
-                      f"{_count(len(self.pending), 'line', 'lines')} kept in memory for the next epoch"
+                      f"{count(len(self.pending), 'line', 'lines')} kept in memory for the next epoch"
                       + (", and in the checkpoints" if self.checkpointed else ""))
             return
         self.pending = []
@@ -148,12 +148,12 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
     workers = task.train_loader.num_workers
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
-              else f"torchvision DataLoader, {_count(workers, 'worker process', 'worker processes')} per training "
+              else f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per training "
                    "process")
     lines = [
         f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
         f"Size: {args.batch_size} ({task.train_loader.batch_size} per process x {processes(ctx, ctx.world_size)}, "
-        f"{_count(ctx.num_nodes, 'node', 'nodes')})",
+        f"{count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, args.compile),
         f"Loader: {loader}; {task.loader_reason}",
         f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {steps} steps per epoch",
@@ -175,13 +175,13 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     return lines
 
 
-def _count(n, one, many):
+def count(n, one, many):
     return f"{n} {one if n == 1 else many}"
 
 
 def processes(ctx, n):
     """'1 GPU', '4 GPUs', '1 CPU process', '2 CPU processes'."""
-    return _count(n, "GPU", "GPUs") if ctx.device.type == "cuda" else _count(n, "CPU process", "CPU processes")
+    return count(n, "GPU", "GPUs") if ctx.device.type == "cuda" else count(n, "CPU process", "CPU processes")
 
 
 def describe_evaluation(args, ctx, name, precision, channels_last, task):
@@ -269,7 +269,7 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
     lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
              f"{accuracy_scope(last, test_size)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
              f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
-             f"{_count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
+             f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
              + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading "
                 "and checkpoints)" if wall_s is not None else ""),
              f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]

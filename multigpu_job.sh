@@ -65,9 +65,12 @@ for i in "${!args[@]}"; do
 done
 
 # A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
-# error instead of holding the allocation until the time limit; train_ddp.py also has each
-# rank dump its NCCL flight recorder into the checkpoint folder then (docs/checkpoints.md).
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# error instead of holding the allocation until the time limit: 3 = tear down without
+# aborting the communicator first (1 would call ncclCommAbort, which can hang on a hung
+# communicator itself). PyTorch's default today, set so that it holds whatever the
+# container's PyTorch defaults to. train_ddp.py writes each rank's NCCL flight recorder into
+# the checkpoint folder when a collective times out (docs/checkpoints.md).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 
 # Sample GPU utilization in the background (appending: a requeued job keeps the first
 # run's samples); on any exit stop exactly this monitor (by PID) and drop the stop file.

@@ -2,8 +2,9 @@
 # Train with DDP on several nodes in NVIDIA's PyTorch container (guide part 3): one srun
 # task per node runs torchrun, which starts one process per GPU; the nodes meet at a c10d
 # rendezvous whose store this script runs on the first node for the whole job. The host's
-# libfabric, NCCL and aws-ofi-nccl are bound into the container so NCCL can use Slingshot. Submit from the directory that holds
-# train_ddp.py; arguments are passed on to train_ddp.py and override the defaults below:
+# libfabric, NCCL and aws-ofi-nccl are bound into the container so NCCL can use Slingshot.
+# Submit from the directory that holds train_ddp.py; arguments are passed on to
+# train_ddp.py and override the defaults below:
 #
 #   sbatch --account=nnXXXXk multinode_job.sh
 #   sbatch --account=nnXXXXk --nodes=4 multinode_job.sh --epochs 10
@@ -135,9 +136,12 @@ for i in "${!args[@]}"; do
 done
 
 # A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
-# error instead of holding the allocation until the time limit; train_ddp.py also has each
-# rank dump its NCCL flight recorder into the checkpoint folder then (docs/checkpoints.md).
-export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# error instead of holding the allocation until the time limit: 3 = tear down without
+# aborting the communicator first (1 would call ncclCommAbort, which can hang on a hung
+# communicator itself). PyTorch's default today, set so that it holds whatever the
+# container's PyTorch defaults to. train_ddp.py writes each rank's NCCL flight recorder into
+# the checkpoint folder when a collective times out (docs/checkpoints.md).
+export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once. It creates STOP_FILE: global rank 0
@@ -146,7 +150,8 @@ export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HA
 # (--resume=auto).
 rm -f "$STOP_FILE"
 store_pid=""
-trap 'rm -f "$STOP_FILE"; [[ -z "$store_pid" ]] || kill "$store_pid" 2>/dev/null || true' EXIT
+store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
+trap 'rm -f "$STOP_FILE" "$store_ready"; [[ -z "$store_pid" ]] || kill "$store_pid" 2>/dev/null || true' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
@@ -164,19 +169,17 @@ from datetime import timedelta
 import torch.distributed as dist
 store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False,
                       timeout=timedelta(days=7))
+open(sys.argv[3], "w").write("ready")
 signal.pause()  # until this script ends the job and stops it'
-apptainer exec "$CONTAINER_PATH" python3 -c "$store_server" "$RDZV_HOST" "$RDZV_PORT" &
+apptainer exec "$CONTAINER_PATH" python3 -c "$store_server" "$RDZV_HOST" "$RDZV_PORT" "$store_ready" &
 store_pid=$!
-store_ready=""
-for _ in $(seq 600); do  # up to 60 s: the container starts and imports torch
-    kill -0 "$store_pid" 2>/dev/null || die "the rendezvous store did not start on port $RDZV_PORT (taken? set RDZV_PORT)"
-    if (exec 3<>"/dev/tcp/$RDZV_HOST/$RDZV_PORT") 2>/dev/null; then
-        store_ready=1
-        break
-    fi
+for _ in $(seq 1200); do  # up to 120 s: the container starts and imports torch
+    [[ -s "$store_ready" ]] && break
+    kill -0 "$store_pid" 2>/dev/null ||
+        die "the rendezvous store did not start on port $RDZV_PORT of this node (taken? set RDZV_PORT)"
     sleep 0.1
 done
-[[ -n "$store_ready" ]] || die "the rendezvous store on this node does not answer at $RDZV_HOST:$RDZV_PORT after 60 s"
+[[ -s "$store_ready" ]] || die "the rendezvous store did not start within 120 s"
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
     apptainer exec --nv \
         --bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib" \

@@ -20,8 +20,9 @@ from dataclasses import replace
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint_utils import check_outputs
-from device_utils import no_forward_buffer_sync, process_group_scope, setup_distributed
+from device_utils import no_forward_buffer_sync, setup_distributed
 from flags import parse_args
+from lost_ranks import process_group_scope
 from task import build_task
 from train_utils import fit, run_cli
 
@@ -30,7 +31,8 @@ def main():
     args = parse_args(__doc__)
     # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang.
     ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir)
-    with process_group_scope(ctx, args.collective_timeout):  # a rank that stops answering: one line, exit 3
+    # A rank that stops answering ends the run with one line naming it (exit 3), not a hang.
+    with process_group_scope(ctx, args.collective_timeout, args.checkpoint_dir):
         check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
         task = build_task(args, ctx)  # this rank's shard of the data, the model on this rank's GPU
         # DDP broadcasts rank 0's weights here, so every rank starts from the same model.

@@ -1,18 +1,20 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
 epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` is the step; then how the
-run is prepared (optimizer, LR schedule, precision) and the recipe's small pure pieces.
+run is prepared (optimizer, schedule, precision) and the recipe's small pure pieces.
 
 Both entry points build a task.Task (the model and the data) and call ``fit``; train_ddp.py
 also joins a process group, shards the data by rank and wraps the model in DDP, and nothing
 here needs to know. The loop names no model and no data set: it trains whatever the task
 holds. Only global rank 0 prints and writes files. The flags are in flags.py; checkpoints,
-weights files, resume and stop requests in checkpoint_utils.py; what is printed in log_utils.py.
+weights files, resume and stop requests in checkpoint_utils.py; the LR schedule in
+lr_schedule.py; what is printed in log_utils.py.
 """
 
 from __future__ import annotations  # Run names Precision, defined further down with the recipe
 
 import argparse
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -28,17 +30,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint_utils import (Checkpointer, StopRequests, TrainingStopped, TrainState, check_resumable,
-                              check_state_fits, continues_run, epoch_seed,
-                              load_agreed_checkpoint, new_run_id, reconcile_metrics, restore, restore_rng,
-                              rng_snapshot, save_weights)
+                              check_state_fits, continues_run, epoch_seed, load_agreed_checkpoint, new_run_id,
+                              reconcile_metrics, restore, restore_rng, rng_snapshot, save_weights)
 from dataset_utils import set_loader_epoch
 from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
                           from_rank0, gather_objects, memory_format, network_report, peak_memory_gib,
                           reset_peak_memory, synchronize)
 from flags import defaults as flag_defaults
 from flags import rank_or_zero
-from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_run, epoch_line,
-                       eta_seconds, processes, summarize, timestamp)
+from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, count, describe_evaluation, describe_run,
+                       epoch_line, eta_seconds, summarize, timestamp)
+from lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
@@ -94,14 +96,17 @@ def start_or_resume(run, continuing):
     if not continuing:
         if args.resume == "auto":
             run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
-        return TrainState(run_id=new_run_id(), lr_cycles=[list(first_cycle(args, run.steps))]), None
+        return TrainState(run_id=new_run_id(),
+                          lr_cycles=[list(first_cycle(args.epochs, args.warmup_epochs, run.steps))]), None
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
     check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
                     partial(check_state_fits, run.module, model_name=run.task.model_name), flag_defaults())
-    planned = checkpoint["args"]["epochs"]
-    cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(argparse.Namespace(
-        **{**vars(args), **checkpoint["args"]}), run.steps)]  # written before extensions existed: one cycle
-    if args.epochs > planned:
+    saved = checkpoint["args"]
+    planned = saved["epochs"]
+    # A checkpoint written before extensions existed has the one cycle its flags define.
+    cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(planned, saved["warmup_epochs"], run.steps)]
+    finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
+    if args.epochs > planned and not finished:
         cycles = extend(cycles, args, run.steps, checkpoint["scheduler"]["last_epoch"], args.lr_schedule)
         run.log.info(describe_extension(planned, args, Cycle(*cycles[-1]), run.steps))
     run.scheduler = make_scheduler(run.optimizer, args, run.steps, cycles)  # restore loads its step
@@ -110,21 +115,14 @@ def start_or_resume(run, continuing):
     fit_optimizer_to_params(run.optimizer, ctx.device)
     run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
     where = f"epoch {state.epoch}, after step {state.step}" if state.step else f"after epoch {state.epoch - 1}"
-    run.log.info(f"Resuming from {path}: {where} (saved by {processes(ctx, checkpoint['world_size'])}, "
-                 f"now {ctx.world_size})"
+    run.log.info(f"Resuming from {path}: {where} (saved by {count(checkpoint['world_size'], 'process', 'processes')}"
+                 f", now {ctx.world_size})"
                  + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
     if run.log.metrics_path:
         reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
     return state, rng_state
-
-
-def describe_extension(planned, args, cycle, steps_per_epoch):
-    then = f"then {args.lr_schedule} to 0 at epoch {args.epochs}" if args.lr_schedule == "cosine" else "then constant"
-    return (f"Extending the run from {planned} to {args.epochs} epochs: warm restart of the learning rate from "
-            f"{cycle.start_factor * args.base_lr:.3g} back up to {args.base_lr:g} over {cycle.warmup} steps "
-            f"({cycle.warmup / steps_per_epoch:g} epochs), {then}")
 
 
 def evaluate_once(run, test_loader):
@@ -348,17 +346,6 @@ def prepare_run(task, args, ctx, continuing=False):
 # ---------------------------------------------------------------------------------------------
 # Small pure pieces of the recipe.
 
-def lr_factor(step, total_steps, warmup_steps, schedule):
-    """Multiplier of --base-lr for optimizer step ``step`` (0-based): linear warm-up over
-    ``warmup_steps`` (reaching 1 at the last warm-up step), then constant or cosine to 0."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def target_reached(history, target, patience):
     """True when the last ``patience`` validation accuracies are all >= ``target``."""
     return len(history) >= patience and all(acc >= target for acc in history[-patience:])
@@ -443,49 +430,6 @@ def fit_optimizer_to_params(optimizer, device):
                     state[key] = torch.empty_like(param).copy_(value)  # empty_like keeps param's strides
 
 
-class Cycle(NamedTuple):
-    """One stretch of the LR schedule: from optimizer step ``start`` on, the factor of --base-lr
-    rises linearly from ``start_factor`` to 1 over ``warmup`` steps, then follows --lr-schedule
-    to 0 at step ``end``. A run has one; each extension (a resume with a larger --epochs) adds one."""
-    start: int
-    warmup: int
-    end: int
-    start_factor: float = 0.0
-
-
-def first_cycle(args, steps_per_epoch):
-    return Cycle(0, round(args.warmup_epochs * steps_per_epoch), args.epochs * steps_per_epoch)
-
-
-def schedule_factor(step, cycles, schedule):
-    """Multiplier of --base-lr for optimizer step ``step`` (0-based) in the newest cycle that has
-    begun. The first cycle is exactly ``lr_factor``; an extension's warm-up starts from the
-    factor the run had reached (nearly 0 at the end of a cosine), so the LR does not jump."""
-    cycle = Cycle(*max((c for c in cycles if c[0] <= step), key=lambda c: c[0]))
-    factor = lr_factor(step - cycle.start, cycle.end - cycle.start, cycle.warmup, schedule)
-    if step - cycle.start < cycle.warmup:
-        factor = cycle.start_factor + (1 - cycle.start_factor) * factor
-    return factor
-
-
-def extend(cycles, args, steps_per_epoch, at_step, schedule):
-    """The cycles of a run resumed with a larger --epochs at optimizer step ``at_step``: a warm
-    restart, from the LR in use back up to --base-lr over --warmup-epochs (at most a quarter of
-    the added steps, so a short extension still decays), then --lr-schedule to 0 at the new
-    last epoch (for --lr-schedule constant the LR simply returns to --base-lr)."""
-    end = args.epochs * steps_per_epoch
-    warmup = min(round(args.warmup_epochs * steps_per_epoch), (end - at_step) // 4)
-    return [*cycles, Cycle(at_step, warmup, end, schedule_factor(at_step, cycles, schedule))]
-
-
-def make_scheduler(optimizer, args, steps_per_epoch, cycles=None):
-    """Per-step LR schedule (LambdaLR multiplies --base-lr by ``schedule_factor``) of ``cycles``,
-    by default the run's first and only one."""
-    cycles = [tuple(c) for c in cycles] if cycles else [first_cycle(args, steps_per_epoch)]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(schedule_factor, cycles=cycles,
-                                                                schedule=args.lr_schedule))
-
-
 def unwrap(model):
     """The plain module inside a DDP (or similar) wrapper."""
     return getattr(model, "module", model)
@@ -532,6 +476,10 @@ def run_cli(main):
     except UserError as err:
         if rank == 0 or not err.same_on_every_rank:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr)
+        if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(err.exit_code)
         sys.exit(err.exit_code)
     except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
         if rank == 0:

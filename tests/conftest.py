@@ -59,16 +59,35 @@ def start(cmd, cwd, log, env=None):
     return process
 
 
+def descendants(pid):
+    """Every process below ``pid`` (from /proc): torchrun starts its ranks in sessions of
+    their own, which a signal to torchrun's process group does not reach."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 @pytest.fixture(autouse=True)
 def kill_background_processes():
     """A test that fails while a torchrun or a job script runs must not leave it training."""
     yield
     while _BACKGROUND:
         process = _BACKGROUND.pop()
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks
-        except ProcessLookupError:
-            pass
+        for pid in [process.pid, *descendants(process.pid)]:  # the launcher and its ranks
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         process.wait()
 
 

@@ -126,7 +126,7 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08)
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
-    assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in first  # an NCCL hang is an error (in "Network settings:")
+    assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in first  # an NCCL hang is an error (in "Network settings:")
     assert all(r["world_size"] == 2 for r in records) and records[0]["lr"] == pytest.approx(0.08 * 0.5)
     assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
@@ -152,7 +152,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
            "FI_CXI_RDZV_EAGER_SIZE=0", "FI_CXI_RDZV_THRESHOLD=0", "FI_CXI_RDZV_GET_MIN=0", "NCCL_CROSS_NIC=1",
            "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO=^LL128"}
     assert hpe <= seen
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in seen
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in seen
     assert "FI_CXI_DEFAULT_TX_SIZE=1024" in seen and "FI_CXI_DEFAULT_TX_SIZE=2048" not in seen  # override wins
     assert "Network settings: " in first and "NCCL_PROTO=^LL128" in first and "WARNING: multi-node" not in first
     for node in nodes:  # every node logs its own GPUs

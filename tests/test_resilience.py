@@ -127,7 +127,7 @@ def test_signal_to_one_rank_stops_every_rank_and_resumes_on_another_world_size(t
     assert torch.load(newest, weights_only=True)["world_size"] == 2
     result = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path)  # 1 process now
     assert result.returncode == 0, result.stderr
-    assert re.search(r"Resuming from .*: epoch 2, after step \d \(saved by 2 CPU processes, now 1\)", result.stdout)
+    assert re.search(r"Resuming from .*: epoch 2, after step \d \(saved by 2 processes, now 1\)", result.stdout)
     assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
 
 
@@ -142,7 +142,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     assert (f"WARNING: checkpoint {newest} is unreadable (RuntimeError: PytorchStreamReader failed reading zip "
             f"archive: failed finding central directory); renamed it to {newest.name}.unreadable and trying the "
             "previous one\n") in result.stdout
-    assert f"Resuming from {older}: after epoch 2 (saved by 1 CPU process, now 1)" in result.stdout
+    assert f"Resuming from {older}: after epoch 2 (saved by 1 process, now 1)" in result.stdout
     assert "Epoch 3/3:" in result.stdout
     assert f"\nWeights: from the newest readable checkpoint in {tmp_path / 'ckpt'} (resuming)\n" in result.stdout
     for path in (tmp_path / "ckpt").glob("checkpoint_*.pt"):

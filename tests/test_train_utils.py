@@ -13,6 +13,7 @@ import checkpoint_utils as cu
 import dataset_utils as du
 import device_utils as du_device
 import flags
+import lr_schedule
 import task
 import train_utils as tu
 from checkpoint_utils import StopRequests, TrainState
@@ -50,7 +51,7 @@ def test_guide_recipes_are_reachable_by_flags():
                                               "--warmup-epochs 0 --label-smoothing 0 --precision fp32"))
     group = tu.make_optimizer(torch.nn.Linear(2, 2), part1, torch.device("cpu")).param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0, False, 0)
-    assert tu.lr_factor(0, 100, 0, "constant") == tu.lr_factor(99, 100, 0, "constant") == 1.0
+    assert lr_schedule.lr_factor(0, 100, 0, "constant") == lr_schedule.lr_factor(99, 100, 0, "constant") == 1.0
 
 
 BAD_FLAGS = {
@@ -116,26 +117,26 @@ def test_global_batch_must_split_evenly():
 
 def test_warmup_then_cosine():
     total, warmup = 100, 10
-    factors = [tu.lr_factor(s, total, warmup, "cosine") for s in range(total)]
+    factors = [lr_schedule.lr_factor(s, total, warmup, "cosine") for s in range(total)]
     assert factors[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
     assert factors[warmup] == 1.0
-    assert tu.lr_factor(warmup + (total - warmup) // 2, total, warmup, "cosine") == pytest.approx(0.5)
+    assert lr_schedule.lr_factor(warmup + (total - warmup) // 2, total, warmup, "cosine") == pytest.approx(0.5)
     assert 0 < factors[-1] < 0.001
     assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:]))  # decays monotonically
-    assert tu.lr_factor(5, 100, 0, "cosine") < 1.0  # no warm-up: decay starts at once
+    assert lr_schedule.lr_factor(5, 100, 0, "cosine") < 1.0  # no warm-up: decay starts at once
 
 
 def test_scheduler_steps_per_optimizer_step():
     args = flags.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
     optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
-    scheduler = tu.make_scheduler(optimizer, args, steps_per_epoch=4)
+    scheduler = lr_schedule.make_scheduler(optimizer, args, steps_per_epoch=4)
     lrs = []
     for _ in range(12):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert lrs[:4] == pytest.approx([0.1, 0.2, 0.3, 0.4])
-    assert lrs[4:] == pytest.approx([0.4 * tu.lr_factor(s, 12, 4, "cosine") for s in range(4, 12)])
+    assert lrs[4:] == pytest.approx([0.4 * lr_schedule.lr_factor(s, 12, 4, "cosine") for s in range(4, 12)])
 
 
 @pytest.mark.parametrize("history, expected", [
@@ -350,21 +351,22 @@ def test_every_entry_point_makes_its_gpu_current_and_autotunes(monkeypatch):
 
 
 def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
+    ls = lr_schedule
     args = flags.parse_args("test", ["--epochs", "10", "--warmup-epochs", "2"])
-    first = [tu.first_cycle(args, 10)]  # 10 steps per epoch: 100 steps, 20 of warm-up
-    assert [tu.schedule_factor(s, first, "cosine") for s in range(100)] == [tu.lr_factor(s, 100, 20, "cosine")
+    first = [ls.first_cycle(args.epochs, args.warmup_epochs, 10)]  # 10 steps per epoch: 100 steps, 20 of warm-up
+    assert [ls.schedule_factor(s, first, "cosine") for s in range(100)] == [ls.lr_factor(s, 100, 20, "cosine")
                                                                             for s in range(100)]
     longer = flags.parse_args("test", ["--epochs", "15", "--warmup-epochs", "2"])
     for at in (100, 60):  # a finished run (factor ~0), and one extended half-way (factor ~0.6)
-        cycles = tu.extend(first, longer, 10, at, "cosine")
-        before = tu.schedule_factor(at, first, "cosine")
+        cycles = ls.extend(first, longer, 10, at, "cosine")
+        before = ls.schedule_factor(at, first, "cosine")
         warmup = min(20, (150 - at) // 4)  # --warmup-epochs, at most a quarter of the extension
-        assert cycles[-1] == tu.Cycle(at, warmup, 150, before) and warmup == (12 if at == 100 else 20)
-        factors = [tu.schedule_factor(s, cycles, "cosine") for s in range(at, 150)]
+        assert cycles[-1] == ls.Cycle(at, warmup, 150, before) and warmup == (12 if at == 100 else 20)
+        factors = [ls.schedule_factor(s, cycles, "cosine") for s in range(at, 150)]
         assert abs(factors[0] - before) <= (1 - before) / warmup + 1e-12  # no jump: one warm-up increment
         assert factors[warmup] == 1.0 and max(factors) == 1.0  # back at --base-lr after the warm-up
         assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:])) and 0 < factors[-1] < 0.01
-        assert [tu.schedule_factor(s, cycles, "cosine") for s in range(at)] == [tu.lr_factor(s, 100, 20, "cosine")
+        assert [ls.schedule_factor(s, cycles, "cosine") for s in range(at)] == [ls.lr_factor(s, 100, 20, "cosine")
                                                                                 for s in range(at)]  # the past stays
-    constant = tu.extend(first, longer, 10, 100, "constant")
-    assert {tu.schedule_factor(s, constant, "constant") for s in range(20, 150)} == {1.0}  # only back to the top
+    constant = ls.extend(first, longer, 10, 100, "constant")
+    assert {ls.schedule_factor(s, constant, "constant") for s in range(20, 150)} == {1.0}  # only back to the top
