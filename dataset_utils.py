@@ -39,6 +39,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from data_formats import DATASETS, data_root, default_data_dir, describe_augmentation, prepare, read_split
 from device_utils import UserError, from_rank0
 
