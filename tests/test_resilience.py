@@ -17,8 +17,8 @@ import checkpoint_utils as cu
 import device_utils
 import flags
 import train_utils as tu
-from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, spawn, start, torchrun_cmd,
-                      wait_for)
+from conftest import (FAST, REPO, descendants, error_lines, python_cmd, read_metrics, run, run_main, spawn, start,
+                      torchrun_cmd, wait_for)
 from device_utils import (MULTINODE_SETTINGS, DistContext, RunAborted, UserError, check_replicas_in_sync,
                           cleanup_distributed, network_report)
 from model import WideResNet
@@ -91,20 +91,8 @@ def test_a_stop_signal_checkpoints_mid_epoch_and_resume_is_exact(tmp_path, refer
     assert_same_run(*reference, tmp_path / "m.jsonl", tmp_path / "w.pt")
 
 
-def _child_pids(parent):
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
-    return children
-
-
 def _rank_pid(torchrun_pid, rank):
-    for pid in _child_pids(torchrun_pid):
+    for pid in descendants(torchrun_pid):  # its ranks first, then theirs
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
