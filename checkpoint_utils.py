@@ -92,8 +92,10 @@ def check_outputs(args, ctx):
         for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
             if path:
                 check_writable(path, flag)
-        if args.checkpoint_dir:
-            check_writable_dir(args.checkpoint_dir, "--checkpoint-dir")
+        for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard),
+                                ("--profile-dir", args.profile_dir)):
+            if directory:
+                check_writable_dir(directory, flag)
 
     from_rank0(check, ctx.control_group)
 

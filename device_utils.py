@@ -9,6 +9,7 @@ import ctypes
 import inspect
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -383,10 +384,13 @@ def nccl_version_name(code: int) -> str:
 
 
 def loaded_library(name: str, maps: str) -> str | None:
-    """Path of the shared library whose file name starts with ``name`` in a /proc/PID/maps text."""
+    """Path of the shared library ``name``.so (or ``name``.so.2, .so.2.21.5, ...) in a
+    /proc/PID/maps text. Exactly that name: libnccl-net.so (the aws-ofi-nccl plugin, mapped
+    in the same process) and libnccl-tuner.so are not libnccl."""
+    pattern = re.compile(re.escape(name) + r"\.so(\.\d+)*")
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
-        if len(fields) == 6 and os.path.basename(fields[5]).startswith(name):
+        if len(fields) == 6 and pattern.fullmatch(os.path.basename(fields[5])):
             return fields[5]
     return None
 

@@ -13,6 +13,7 @@ import sys
 from checkpoint_utils import EXIT_STOPPED, KEEP_CHECKPOINTS
 from data_formats import DATASETS
 from device_utils import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, UserError, env_rank
+from monitor import tensorboard_missing
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
 DEFAULT_WARMUP_EPOCHS = 2.0
@@ -184,6 +185,19 @@ def build_parser(description):
                           "for the GPU once. On a terminal one line is updated instead")
     run.add_argument("--metrics-file", metavar="PATH", default=None,
                      help="append one JSON line per epoch to this file (global rank 0)")
+    run.add_argument("--tensorboard", metavar="DIR", default=None,
+                     help="write each epoch's losses, accuracy, img/s, LR, times, peak GPU memory, GPU utilization "
+                          "and power as TensorBoard scalars to DIR/RUN_ID (global rank 0; a resumed run continues "
+                          "its own); needs the tensorboard package")
+    run.add_argument("--profile-dir", metavar="DIR", default=None,
+                     help="record --profile-steps training steps with torch.profiler after the first --profile-skip "
+                          "of each process, write one trace per rank here (Perfetto, chrome://tracing) and print "
+                          "the operators that take the most time")
+    run.add_argument("--profile-skip", metavar="STEPS", type=non_negative_int, default=10,
+                     help="--profile-dir: training steps of this process before the window (warm-up: cuDNN "
+                          "autotuning, torch.compile, loader start-up)")
+    run.add_argument("--profile-steps", metavar="STEPS", type=positive_int, default=5,
+                     help="--profile-dir: training steps recorded")
     run.add_argument("--weights", metavar="PATH", default=None,
                      help="start from these model weights (a state_dict file, e.g. from the guide's model)")
     run.add_argument("--save-weights", metavar="PATH", default=None,
@@ -245,6 +259,12 @@ def parse_args(description, argv=None):
         parser.error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
     if args.synthetic and not builtin:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
+    if not args.profile_dir:
+        for flag in ("profile_skip", "profile_steps"):
+            if getattr(args, flag) != parser.get_default(flag):
+                parser.error(f"--{flag.replace('_', '-')} applies with --profile-dir DIR")
+    if args.tensorboard and tensorboard_missing():  # not a usage mistake: no "see --help"
+        raise UserError(tensorboard_missing())
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")

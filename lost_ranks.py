@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,19 +86,31 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None):
             cleanup_distributed()
             raise
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
-        missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
-        reason = reason.split(". ", 1)[0].rstrip(".")  # the first sentence: gloo goes on with advice
-        who = (f"rank(s) {missing} stopped responding" if missing
-               else "every rank is alive but a collective failed" if missing == []
-               else "a collective failed and the rendezvous store cannot be reached")
-        alive = [rank for rank in range(ctx.world_size) if rank not in (missing or [])]
+        lost = who_is_lost(err, ctx, timeout_min)
         traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
-        raise RanksLost(f"{who} ({reason}; --collective-timeout {timeout_min:g} min): stopping every rank; the "
-                        f"checkpoints written so far are kept, continue with --resume{traces}",
-                        same_on_every_rank=missing is not None and ctx.rank != alive[0]) from None
+        raise RanksLost(f"{lost.message}: stopping every rank; the checkpoints written so far are kept, continue "
+                        f"with --resume{traces}", same_on_every_rank=not lost.printed_here) from None
     except BaseException:
         cleanup_distributed()
         raise
     cleanup_distributed()
+
+
+class LostRanks(NamedTuple):
+    message: str        # 'rank(s) [1] stopped responding (Timed out ...; --collective-timeout 0.1 min)'
+    printed_here: bool  # this rank prints it: the lowest rank still alive (every rank when unknown)
+
+
+def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
+    """After the collective failure ``err``: a roll call (up to ROLL_CALL_S) and the line that
+    names the ranks that did not answer, with the first sentence of the error."""
+    missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
+    reason = reason.split(". ", 1)[0].rstrip(".")[:200]  # the first sentence: gloo goes on with advice
+    who = (f"rank(s) {missing} stopped responding" if missing
+           else "every rank is alive but a collective failed" if missing == []
+           else "a collective failed and the rendezvous store cannot be reached")
+    alive = [rank for rank in range(ctx.world_size) if rank not in (missing or [])]
+    return LostRanks(f"{who} ({reason}; --collective-timeout {timeout_min:g} min)",
+                     printed_here=missing is None or ctx.rank == alive[0])

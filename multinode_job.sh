@@ -15,8 +15,16 @@
 # The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
 # PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths,
-# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, and every network setting in NETWORK_DEFAULTS
-# below (export it before sbatch).
+# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, every network setting in NETWORK_DEFAULTS
+# below, and for the network check (export them before sbatch):
+#   NETWORK_CHECK=1       1 (default): run check_network.py on every node before training; 0: skip it
+#   NETWORK_MIN_BUSBW=    GB/s the check's largest all-reduce must reach (--min-busbw); empty: no minimum
+#   NETWORK_CHECK_ARGS=   more check_network.py flags, e.g. "--max-size 1G --iters 50" (docs/network.md)
+# Before training, check_network.py all-reduces 1 KiB to 256 MiB on every GPU over the same
+# path (seconds), checks every result exactly, prints a table of busbw and the network NCCL
+# chose, and warns when that is plain TCP sockets instead of Slingshot. If it fails (a wrong
+# result, busbw below NETWORK_MIN_BUSBW, a rank lost), the job stops with its status before
+# training starts and is not requeued.
 # Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
 # the arguments; on a shared file system); 300 s before the time limit it is stopped with a
 # checkpoint, the job requeues itself and the requeued job resumes from that folder (see
@@ -54,6 +62,9 @@ HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/
 HOST_NCCL_PATH="${HOST_NCCL_PATH:-/cluster/work/support/nccl}"
 HOST_NVIDIA_HPC_LIB_PATH="${HOST_NVIDIA_HPC_LIB_PATH:-/opt/nvidia/hpc_sdk/Linux_aarch64/24.11/compilers/lib}"
 HOST_CXI_LIB_PATH="${HOST_CXI_LIB_PATH:-/usr/lib64}"  # holds libcxi.so.1
+NETWORK_CHECK="${NETWORK_CHECK:-1}"
+NETWORK_MIN_BUSBW="${NETWORK_MIN_BUSBW:-}"
+NETWORK_CHECK_ARGS="${NETWORK_CHECK_ARGS:-}"
 
 # HPE's recommended Slingshot settings, which the site's NCCL module sets on the host but a
 # container does not get unless passed in, and NCCL_PROTO=^LL128: recent NCCL versions can
@@ -84,9 +95,20 @@ done
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 [[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
+[[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
+    die "NETWORK_CHECK=$NETWORK_CHECK is neither 1 (check the network before training) nor 0 (skip the check)"
+[[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
+    die "NETWORK_MIN_BUSBW=$NETWORK_MIN_BUSBW is not a number of GB/s"
+flags_only='^[-A-Za-z0-9_.=+ ]*$'  # check_network.py checks the flags; no quotes, globs or shell syntax
+[[ "$NETWORK_CHECK_ARGS" =~ $flags_only ]] ||
+    die "NETWORK_CHECK_ARGS=$NETWORK_CHECK_ARGS may hold only check_network.py flags and their values"
+read -r -a network_check_args <<<"$NETWORK_CHECK_ARGS"
+[[ -z "$NETWORK_MIN_BUSBW" ]] || network_check_args+=(--min-busbw "$NETWORK_MIN_BUSBW")
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
-    die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+for script in train_ddp.py check_network.py; do
+    [[ -f "$PROJECT_DIR/$script" ]] ||
+        die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+done
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 [[ -n "${SLURM_JOB_NODELIST:-}" && -n "${SLURM_JOB_NUM_NODES:-}" && -n "${SLURM_JOB_ID:-}" ]] ||
@@ -180,18 +202,47 @@ for _ in $(seq 1200); do  # up to 120 s: the container starts and imports torch
     sleep 0.1
 done
 [[ -s "$store_ready" ]] || die "the rendezvous store did not start within 120 s"
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "$node_task" node-task \
-    apptainer exec --nv \
-        --bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib" \
-        --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include" \
-        --bind "$HOST_NCCL_PATH:/opt/nccl" \
-        --bind "$HOST_CXI_LIB_PATH:/usr/lib64" \
-        --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib" \
-        "$CONTAINER_PATH" \
-    bash -c "$container_task" container-task \
-    "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE" \
-        --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" \
-        --rdzv_conf=is_host=false \
+# What each node runs, up to the Python script: the container with the host's libfabric,
+# NCCL and aws-ofi-nccl bound in and found first, and torchrun as a client of the store.
+in_container=(
+    apptainer exec --nv
+        --bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib"
+        --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include"
+        --bind "$HOST_NCCL_PATH:/opt/nccl"
+        --bind "$HOST_CXI_LIB_PATH:/usr/lib64"
+        --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib"
+        "$CONTAINER_PATH"
+    bash -c "$container_task" container-task
+    "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"
+        --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv_conf=is_host=false
+)
+on_every_node=(srun --ntasks-per-node=1 --kill-on-bad-exit=1)
+
+requeue() {
+    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
+    scontrol requeue "$SLURM_JOB_ID"
+}
+
+# The network check, through the same container, libraries and torchrun as training (a
+# rendezvous of its own in the same store), without a GPU monitor: seconds. It runs in the
+# foreground, so a USR1 arriving meanwhile is handled once it is done: training is then
+# skipped and the job requeued. A failure ends the job now, before training, unrequeued.
+if [[ "$NETWORK_CHECK" == 1 ]]; then
+    check_status=0
+    "${on_every_node[@]}" "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID-network" \
+        "$PROJECT_DIR/check_network.py" "${network_check_args[@]}" || check_status=$?
+    if [[ "$check_status" -ne 0 ]]; then
+        echo "error: the network check failed (status $check_status; its output is above): training not" \
+            "started (NETWORK_CHECK=0 skips the check, docs/network.md)" >&2
+        exit "$check_status"
+    fi
+    if [[ -n "$stop_requested" ]]; then
+        requeue
+        exit 0
+    fi
+fi
+
+"${on_every_node[@]}" bash -c "$node_task" node-task "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 \
         --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
@@ -204,7 +255,6 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     wait "$training_pid" || status=$?
 done
 if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
-    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
-    scontrol requeue "$SLURM_JOB_ID"
+    requeue
 fi
 exit "$status"

@@ -7,7 +7,8 @@ job scripts' GPU logs (``*_gpu.csv``).
 
 Prints Markdown (paste it into a README or an issue):
 - a table with one row per run: epochs, GPUs, nodes, batch, precision, accuracy and on how
-  many test images, training and evaluation time, throughput, peak memory;
+  many test images, training and evaluation time, throughput, peak memory, and the GPUs'
+  mean utilization and power draw (NVML, training phases after epoch 1);
 - for runs of one recipe at different GPU counts, the guide's table: throughput, speedup and
   scaling efficiency against the smallest run. Computed the honest way, and said so: only
   runs with the same per-GPU batch, precision, data and device are compared, and epoch 1
@@ -64,6 +65,13 @@ class RunRecords:
         """The epochs whose throughput counts: all but epoch 1 when there are others."""
         later = [r for r in self.records if r["epoch"] > 1]
         return later or self.records
+
+    def gpu_mean(self, key):
+        """Mean of a GPU field (utilization %, power W) over the epochs after epoch 1 that have it,
+        weighted by training time; None when no epoch has it (CPU runs, no NVML)."""
+        timed = [(r[key], r["epoch_time_s"]) for r in self.steady() if r.get(key) is not None]
+        seconds = sum(t for _, t in timed)
+        return sum(v * t for v, t in timed) / seconds if seconds else None
 
     def recipe(self):
         """What must be equal for a fair comparison. A CPU's name carries the threads per
@@ -179,10 +187,12 @@ def runs_table(runs):
             f"{best['val_accuracy']:.4f} (epoch {best['epoch']})",
             last.get("val_samples", "-"), _number(sum(r["epoch_time_s"] for r in run.records)),
             _number(sum(r.get("eval_time_s", 0.0) for r in run.records)), _number(throughput(run.records)),
-            _number(throughput(run.steady())), _number(max(peaks), 2) if peaks else "-", run.value("device", "-")])
+            _number(throughput(run.steady())), _number(max(peaks), 2) if peaks else "-",
+            _number(run.gpu_mean("gpu_util_percent"), 0), _number(run.gpu_mean("gpu_power_w"), 0),
+            run.value("device", "-")])
     header = ["Run", "Epochs", "Processes", "Nodes", "Batch per process", "Precision", "Final accuracy",
               "Best accuracy", "Test images", "Training s", "Evaluation s", "img/s", "img/s after epoch 1",
-              "Peak GiB", "Device"]
+              "Peak GiB", "GPU util %", "GPU W", "Device"]
     return ["## Runs", "", *_table(header, rows)]
 
 
@@ -274,13 +284,19 @@ def plot(runs, logs, path):
     for log in logs:
         for index, samples in sorted(log.samples.items()):
             gpu_ax.plot([t / 60 for t, _ in samples], [u for _, u in samples], label=f"{log.label} GPU {index}")
-    if not logs:
-        gpu_ax.text(0.5, 0.5, "no GPU log given (--gpu-log *_gpu.csv)", ha="center", va="center",
-                    transform=gpu_ax.transAxes)
+    sampled = [run for run in runs if any(r.get("gpu_util_percent") is not None for r in run.records)]
+    if not logs:  # the metrics' own per-epoch means (NVML), when the runs have them
+        for run in sampled:
+            epochs = [r for r in run.records if r.get("gpu_util_percent") is not None]
+            gpu_ax.plot([r["epoch"] for r in epochs], [r["gpu_util_percent"] for r in epochs], marker=".",
+                        label=f"{run.label} (mean per epoch)")
+    if not logs and not sampled:
+        gpu_ax.text(0.5, 0.5, "no GPU log given (--gpu-log *_gpu.csv) and no GPU samples in the metrics",
+                    ha="center", va="center", transform=gpu_ax.transAxes)
     titles = (("Loss (solid: training, dashed: validation)", "epoch", "loss"),
               ("Validation accuracy", "epoch", "fraction of test images"),
               ("Training throughput", "epoch", "images / s"),
-              ("GPU utilization", "minutes since the log's first sample", "%"))
+              ("GPU utilization", "minutes since the log's first sample" if logs else "epoch", "%"))
     for ax, (title, xlabel, ylabel) in zip((loss_ax, acc_ax, rate_ax, gpu_ax), titles):
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         if xlabel == "epoch":

@@ -41,6 +41,7 @@ from flags import rank_or_zero
 from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, count, describe_evaluation, describe_run,
                        epoch_line, eta_seconds, summarize, timestamp)
 from lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
+from monitor import Monitors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
@@ -64,7 +65,8 @@ def fit(task, args, ctx):
         return [evaluate_once(run, test_loader)]
     state, rng_state = start_or_resume(run, continuing)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop:
+    with (StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop,
+          Monitors(args, ctx, run.log, state.run_id, state.epoch, continuing) as run.monitor):
         while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None
@@ -96,7 +98,7 @@ def start_or_resume(run, continuing):
     if not continuing:
         if args.resume == "auto":
             run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
-        return TrainState(run_id=new_run_id(),
+        return TrainState(run_id=from_rank0(new_run_id, ctx.control_group),  # one ID: the traces' names
                           lr_cycles=[list(first_cycle(args.epochs, args.warmup_epochs, run.steps))]), None
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
     check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
@@ -157,6 +159,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     done = train_steps(run, batches, state)
     synchronize(run.ctx.device)
     train_end = time.perf_counter()
+    gpu = run.monitor.gpu_window(start, train_end)  # a partial epoch resumed: its last part only
     loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
     if done.first_bad:
         kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
@@ -173,7 +176,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
     result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr)
+                          time.perf_counter() - train_end, done.lr, gpu)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(result.accuracy)
@@ -182,6 +185,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     if run.checkpointer.due():
         run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
+    run.monitor.record(record)
     run.clock.epoch_done()
     eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
     run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
@@ -224,6 +228,7 @@ def train_steps(run, batches, state):
         first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
         images += y.size(0)
         state.step = step
+        run.monitor.step(state.epoch, step)
         # Reads the running loss (a GPU sync) only when a line is shown.
         progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
@@ -267,9 +272,10 @@ def evaluate(run, loader, label="Evaluation"):
     return eval_summary(*totals.tolist())
 
 
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr):
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, gpu):
     """One line of --metrics-file. Times in seconds; throughput counts training images
-    actually processed on all ranks during the training phase (evaluation excluded)."""
+    actually processed on all ranks during the training phase (evaluation excluded); ``gpu``:
+    monitor.gpu_fields of the training phase (utilization %, power W; None on the CPU)."""
     return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
             "val_accuracy": result.accuracy, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
@@ -279,7 +285,7 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "precision": run.precision.name, "synthetic": run.args.synthetic,
             "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
             "lr_cycle": len(state.lr_cycles),
-            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device),
+            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device), **gpu,
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -306,6 +312,7 @@ class Run:
     device_name: str       # what runs: GPU model and memory, or the CPU
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None
+    monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
 
 
 def prepare_run(task, args, ctx, continuing=False):

@@ -10,6 +10,8 @@ the fused SGD kernel; train_ddp.py under torchrun on NCCL with its gloo control 
 replica check, a stop and a resume; --compile; evaluation under autocast.
 """
 
+import gzip
+import json
 import math
 import os
 import re
@@ -166,3 +168,62 @@ def test_evaluation_under_autocast_agrees_with_fp32(tmp_path):
         assert results[precision]["val_samples"] == 10000
         assert results[precision]["val_loss"] == pytest.approx(results["fp32"]["val_loss"], rel=0.02)
         assert abs(results[precision]["val_accuracy"] - results["fp32"]["val_accuracy"]) <= 0.02
+
+
+def test_nvml_reads_this_processes_gpu():
+    pytest.importorskip("pynvml", reason="NVML sampling needs nvidia-ml-py (the NGC container has it)")
+    import monitor
+    read, why_not = monitor.nvml_reader(torch.device("cuda", 0))
+    assert why_not is None
+    utilization, power = read()
+    assert 0 <= utilization <= 100 and power > 10  # watts: an H100/GH200 idles at 60-100 W
+
+
+def test_gpu_power_tensorboard_and_a_gpu_profile(tmp_path):
+    """Epochs long enough for NVML samples (100 steps of 256): utilization and power in the
+    metrics and TensorBoard; a profile of GPU time with the convolution kernels in the trace."""
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    nvml = True
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        nvml = False
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", "--synthetic", "--epochs", "2", "--limit-batches", "100", "--num-workers", "0",
+                            "--metrics-file", metrics, "--tensorboard", tmp_path / "tb", "--profile-dir",
+                            tmp_path / "prof"), cwd=tmp_path)
+    records = finite_run(result, metrics)
+    assert "Profile of 5 training steps from step 11 of epoch 1 (GPU time of rank 0)" in result.stdout
+    table = result.stdout.split("(GPU time of rank 0)", 1)[1]
+    assert re.search(r"(conv|cudnn)", table) and "ms of operator time on the GPU" in table
+    (trace,) = (tmp_path / "prof").iterdir()
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUPTI recorded the GPU's kernels
+    events = tensorboard.EventAccumulator(str(next((tmp_path / "tb").iterdir())))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "gpu/peak_memory_gib" in tags
+    if nvml:
+        assert "sampled every 1 s by NVML" in result.stdout
+        last = records[-1]
+        assert 0 < last["gpu_util_percent"] <= 100 and last["gpu_power_w"] > 10
+        assert {"gpu/utilization_percent", "gpu/power_w"} <= tags
+    else:
+        assert "not recorded: pynvml is not installed (pip install nvidia-ml-py)" in result.stdout
+
+
+def test_network_check_on_nccl(tmp_path):
+    """check_network.py on NCCL: CUDA events time it, NCCL's own log (NCCL_DEBUG=INFO into a
+    temporary file) names the network it chose, and the version is the loaded library's."""
+    gpus = min(torch.cuda.device_count(), 2)
+    result = run(torchrun_cmd(gpus, "check_network.py", "--max-size", "4M", "--iters", "5"), cwd=tmp_path,
+                 timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"Backend: nccl, world size {gpus}" in out and re.search(r"NCCL version: \d+\.\d+\.\d+", out)
+    assert "Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes NCCL would use" in out
+    assert "unknown (" not in out  # the log was written and read
+    assert re.search(r"Network check passed: 13 sizes x \(5\+5\) all-reduces exact", out)
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert len(rows) == 13 and all(float(row[5]) > 0 for row in rows)  # algbw (GB/s) of every size
+    assert not list(tmp_path.glob("check_network_*"))  # its temporary logs are gone (TMPDIR is elsewhere)

@@ -17,6 +17,7 @@ STUBS = REPO / "tests" / "stubs"
 JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
 TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "2", "--num-workers", "0",
               "--metrics-file", "metrics.jsonl")
+SMALL_CHECK = "--max-size 64K --iters 2 --warmup-iters 1"  # NETWORK_CHECK_ARGS: 7 sizes, about a second
 
 
 def job_id_with_free_port():
@@ -135,14 +136,21 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
 def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     nodes = ("localhost", "127.0.0.1")  # two names for this machine, so the two "nodes" really meet
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="x1000c0s0b0n[0-1]",
-                  FAKE_NODES=" ".join(nodes), FI_CXI_DEFAULT_TX_SIZE=1024)
+                  FAKE_NODES=" ".join(nodes), FI_CXI_DEFAULT_TX_SIZE=1024, NETWORK_CHECK_ARGS=SMALL_CHECK)
     first, second, records = stopped_requeued_and_resumed("multinode_job.sh", tmp_path, env)
     port = 29500 + JOB_ID % 3000
     assert f"Head node: localhost, rendezvous port {port}, nodes: 2, GPUs per node: 1" in first
+    for run_output in (first, second):  # the network check, before training in both runs
+        assert "Backend: gloo, world size 2 (2 nodes x 1 process per node)" in run_output
+        rows = [line.split() for line in run_output.splitlines() if re.match(r"^ +\d+ +\d+ KiB ", line)]
+        assert [row[0] for row in rows] == [str(1024 * 2**k) for k in range(7)] and {row[-1] for row in rows} == {"0"}
+        verdict = run_output.index("Network check passed: 7 sizes x (1+2) all-reduces exact; busbw at 64 KiB: ")
+        assert verdict < run_output.index("Training WideResNet")
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in second
     assert all(r["world_size"] == 2 for r in records)
     log = (tmp_path / "stub.log").read_text()
     assert f"--rdzv_endpoint=localhost:{port}" in log and f"--rdzv_id={JOB_ID}" in log
+    assert f"--rdzv_id={JOB_ID}-network {REPO}/check_network.py {SMALL_CHECK}\n" in log  # its own rendezvous
     # Every torchrun is a client of the store the script holds (see the script).
     assert "--rdzv_backend=c10d" in log and "--rdzv_conf=is_host=false" in log and "import torch.distributed" in log
     assert "--bind /cluster/work/support/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
@@ -158,6 +166,74 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     for node in nodes:  # every node logs its own GPUs
         assert_gpu_log(tmp_path / f"multinode_{JOB_ID}_gpu_{node}.csv")
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=4)
+
+
+def two_node_env(tmp_path, **extra):
+    return job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="n[1-2]",
+                   FAKE_NODES="localhost 127.0.0.1", **extra)
+
+
+@pytest.mark.parametrize("check", ["1", "0"])
+def test_the_network_check_runs_before_training_unless_skipped(tmp_path, check):
+    """torchrun replaced by echo: each node prints the command lines it was given."""
+    env = two_node_env(tmp_path, TORCHRUN_PATH="echo", NETWORK_CHECK=check, NETWORK_MIN_BUSBW="50",
+                       NETWORK_CHECK_ARGS="--max-size 1G  --iters 50")
+    result = run_job("multinode_job.sh", tmp_path, env, "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("--nnodes=2 --nproc_per_node=1 ")]
+    checks = [line for line in lines if "check_network.py" in line]
+    assert lines[:len(checks)] == checks and len(lines) == len(checks) + 2  # the checks, then training on each node
+    if check == "1":
+        assert checks == [f"--nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=localhost:"
+                          f"{29500 + JOB_ID % 3000} --rdzv_conf=is_host=false --rdzv_id={JOB_ID}-network "
+                          f"{REPO}/check_network.py --max-size 1G --iters 50 --min-busbw 50"] * 2
+    else:
+        assert checks == [] and "check_network.py" not in (tmp_path / "stub.log").read_text()
+
+
+def test_a_failed_network_check_stops_the_job_before_training(tmp_path):
+    # The test hook: rank 0's first all-reduce of 1 KiB comes back wrong.
+    env = two_node_env(tmp_path, NETWORK_CHECK_ARGS=SMALL_CHECK, CHECK_NETWORK_FAULT="0:1K:1")
+    result = run_job("multinode_job.sh", tmp_path, env, *TRAIN_ARGS)
+    assert result.returncode == 1  # torchrun's status when a rank fails (the rank exited 3)
+    assert "error: all-reduce of 1 KiB gave wrong values in iteration 1 of 3 on ranks [0] (host " in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1] == (
+        "error: the network check failed (status 1; its output is above): training not started (NETWORK_CHECK=0 "
+        "skips the check, docs/network.md)")
+    log = (tmp_path / "stub.log").read_text()
+    assert "train_ddp.py" not in log and "requeue" not in log and "Training" not in result.stdout
+    assert not (tmp_path / "monitor.pids").exists()  # no GPU monitor started either
+
+
+def test_a_stop_during_the_network_check_requeues_without_training(tmp_path):
+    """USR1 (the time limit's warning) while the check runs: once it is done the job requeues
+    itself instead of starting training. torchrun is a stand-in that takes 3 s to check."""
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/bash\nif [[ "$*" == *check_network.py* ]]; then echo "checking on $SLURMD_NODENAME"; '
+                    'sleep 3; else echo "training on $SLURMD_NODENAME"; fi\n')
+    fake.chmod(0o755)
+    job = start(["bash", REPO / "multinode_job.sh"], tmp_path, tmp_path / "job.log",
+                env=two_node_env(tmp_path, TORCHRUN_PATH=fake))
+    wait_for(tmp_path / "job.log", "checking on", job)
+    job.send_signal(signal.SIGUSR1)
+    assert job.wait(timeout=60) == 0
+    text = (tmp_path / "job.log").read_text()
+    assert text.count("checking on") == 2 and "training on" not in text
+    assert f"Requeueing job {JOB_ID} before its time limit: it continues from checkpoints/multinode_{JOB_ID}" in text
+    assert f"scontrol requeue {JOB_ID}" in (tmp_path / "stub.log").read_text()
+    assert not list(tmp_path.glob(".*.stop"))
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("NETWORK_CHECK", "x", "NETWORK_CHECK=x is neither 1 (check the network before training) nor 0 (skip the check)"),
+    ("NETWORK_MIN_BUSBW", "fast", "NETWORK_MIN_BUSBW=fast is not a number of GB/s"),
+    ("NETWORK_CHECK_ARGS", '--iters "5"',
+     'NETWORK_CHECK_ARGS=--iters "5" may hold only check_network.py flags and their values'),
+])
+def test_a_bad_network_check_setting_is_a_clear_error(tmp_path, variable, value, message):
+    result = run_job("multinode_job.sh", tmp_path, two_node_env(tmp_path, **{variable: value}))
+    assert result.returncode == 2 and result.stderr == f"error: {message}\n"
+    assert not (tmp_path / "stub.log").exists() or "srun" not in (tmp_path / "stub.log").read_text()
 
 
 def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes(tmp_path):

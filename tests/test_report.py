@@ -147,3 +147,20 @@ def test_a_bad_gpu_log_is_one_line(metrics, tmp_path, capsys):
 def test_report_runs_as_a_script(metrics, tmp_path):
     result = run(python_cmd("report.py", metrics[1]), cwd=tmp_path)
     assert result.returncode == 0 and "| one.jsonl | 2 | 1 |" in result.stdout, result.stderr
+
+
+def test_gpu_utilization_and_power_from_the_metrics(metrics, tmp_path, capsys):
+    """NVML's per-epoch means (train_utils via monitor.py): weighted by training time, epoch 1
+    left out, '-' for a run without them (the CPU)."""
+    first, second = read_metrics(metrics[2])
+    sampled = [{**first, "gpu_util_percent": 5.0, "gpu_power_w": 100.0},  # warm-up: left out
+               {**second, "epoch_time_s": 1.0, "gpu_util_percent": 90.0, "gpu_power_w": 300.0},
+               {**second, "epoch": 3, "epoch_time_s": 2.0, "gpu_util_percent": 60.0, "gpu_power_w": 150.0}]
+    gpu_run = tmp_path / "gpu.jsonl"
+    gpu_run.write_text("".join(json.dumps(r) + "\n" for r in sampled))
+    png = tmp_path / "gpu.png"
+    assert report.main([str(gpu_run), str(metrics[1]), "--plot", str(png)]) == 0
+    rows = {row["Run"]: row for row in _rows(capsys.readouterr().out, "Runs")}
+    assert (rows["gpu.jsonl"]["GPU util %"], rows["gpu.jsonl"]["GPU W"]) == ("70", "200")  # (90+2*60)/3, (300+300)/3
+    assert (rows["one.jsonl"]["GPU util %"], rows["one.jsonl"]["GPU W"]) == ("-", "-")
+    assert png.stat().st_size > 0

@@ -260,7 +260,8 @@ def test_network_report_warns_when_a_multinode_run_lacks_the_settings():
 
 def test_job_script_passes_exactly_the_recommended_settings():
     text = (REPO / "multinode_job.sh").read_text()
-    block = text[text.index("NETWORK_DEFAULTS=(") + len("NETWORK_DEFAULTS=("):text.index(")", text.index("NETWORK_DEFAULTS=("))]
+    start = text.index("NETWORK_DEFAULTS=(") + len("NETWORK_DEFAULTS=(")
+    block = text[start:text.index(")", start)]
     defaults = dict(line.strip().strip('"').split("=", 1) for line in block.strip().splitlines())
     assert defaults == MULTINODE_SETTINGS
 

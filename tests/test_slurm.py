@@ -175,16 +175,27 @@ def test_single_gpu_job_meets_its_time_limit_requeues_and_resumes(cluster, tmp_p
     assert (tmp_path / f"singlegpu_{job_id}_gpu.csv").read_text().count("timestamp,") == 2  # both runs logged
 
 
-# Five times: the end of a multi-node job once printed torchrun's "Error waiting on exit
-# barrier" traceback now and then (a race between the nodes' torchruns; multinode_job.sh).
-@pytest.mark.parametrize("attempt", range(1, 6))
+# Three times: the end of a multi-node job once printed torchrun's "Error waiting on exit
+# barrier" traceback now and then (a race between the nodes' torchruns, fixed by the store
+# multinode_job.sh holds; 12 of 12 clean since, in 2026-11-23's runs of this test).
+@pytest.mark.parametrize("attempt", range(1, 4))
 def test_multi_node_job_across_two_slurmd_meets_its_time_limit_requeues_and_resumes(cluster, tmp_path, attempt):
+    # The network check (small sizes) in the first attempt only: it adds seconds to each run, and
+    # the repeats are for the end of training.
+    check = (dict(NETWORK_CHECK_ARGS="--max-size 64K --iters 2 --warmup-iters 1") if attempt == 1
+             else dict(NETWORK_CHECK="0"))
     # Slurm's node names (node1, node2) do not resolve here: the rendezvous uses localhost.
     env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
-                     TORCHRUN_PATH="torchrun")
+                     TORCHRUN_PATH="torchrun", **check)
     text, job_id = stop_requeue_resume(cluster, tmp_path, env, "multinode_job.sh", "multinode")
     assert "nodes: 2, GPUs per node: 1" in text
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in text
+    # Both runs (the first and the requeued one) checked the network across the two slurmd first.
+    verdict = "Network check passed: 7 sizes x (1+2) all-reduces exact; busbw at 64 KiB: "
+    assert text.count(verdict) == (2 if attempt == 1 else 0)
+    assert text.count("Backend: gloo, world size 2 (2 nodes x 1 process per node)") == (2 if attempt == 1 else 0)
+    if attempt == 1:
+        assert text.index(verdict) < text.index("Training WideResNet")
     for node in ("node1", "node2"):  # srun ran a task on each slurmd, each logging its own GPUs
         assert (tmp_path / f"multinode_{job_id}_gpu_{node}.csv").exists()
 

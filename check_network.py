@@ -1,0 +1,612 @@
+"""Check the network that training uses, in seconds, before a job spends its allocation on it:
+all-reduces of every message size from --min-size to --max-size (doubling), on the backend
+and devices training uses (NCCL on GPUs, gloo on CPUs, chosen by device_utils exactly as
+train_ddp.py chooses them), each result checked element by element, and a table of time,
+algbw and busbw per size (nccl-tests' definitions). Start it with torchrun:
+
+    torchrun --standalone --nproc_per_node=4 check_network.py            # the 4 GPUs of one node
+    torchrun --standalone --nproc_per_node=2 check_network.py --max-size 64M   # 2 CPU processes (gloo)
+    srun --ntasks-per-node=1 apptainer exec --nv --bind ... "$CONTAINER_PATH" \\
+        torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \\
+        --rdzv_id="$SLURM_JOB_ID" check_network.py --min-busbw 50     # 2 nodes, as multinode_job.sh runs it
+    sbatch --account=nnXXXXk multinode_job.sh    # runs it before training (NETWORK_CHECK=0 skips it)
+
+Data: element i on rank r holds (r + 1) * ((i % 7) + 1), integers in float32 (the gradients'
+dtype), so the sum over W ranks is exactly ((i % 7) + 1) * W(W + 1) / 2 in any order of
+addition (every partial sum stays below 2**24). Every warm-up and timed iteration refills
+the buffer (all_reduce works in place) and compares all of its elements with the expected
+sums; the comparisons stay on the device and are read once per size.
+
+Timing: CUDA events around each all_reduce on GPUs, the clock around the blocking gloo call
+on CPUs. A size's time is the mean over its timed iterations, then the maximum over ranks:
+the slowest rank sets the pace of a collective, as it sets training's. algbw = bytes / time,
+busbw = algbw * 2(W - 1)/W (what each rank's link carries in a ring all-reduce, comparable
+across world sizes; n/a for one process), in GB/s = 1e9 bytes/s.
+
+Network: on GPUs each rank writes NCCL's log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET)
+into a temporary folder on local disk, unless NCCL_DEBUG_FILE is set (then that file is
+read), and rank 0 reports what NCCL chose: the aws-ofi-nccl (Libfabric) plugin over
+Slingshot, or plain TCP sockets when the plugin was not found, which a multi-node run
+states as a WARNING. The temporary logs are removed at the end.
+
+Exit status: 0 the check passed; 2 a bad command line or environment; 3 an all-reduce
+gave a wrong value (one line naming the size, the iterations, the ranks and their hosts);
+4 the busbw of the largest size is below --min-busbw; 5 a rank stopped responding or a
+collective failed (one line naming the ranks that did not answer). Under torchrun these are
+the ranks' statuses; torchrun itself then exits 1. docs/network.md explains the table.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from device_utils import (RunAborted, UserError, cleanup_distributed, device_name, gather_objects, group_active,
+                          network_report, setup_distributed, synchronize)
+from flags import OneLineParser, non_negative_int, positive_float, positive_int
+from lost_ranks import is_collective_failure, who_is_lost
+from train_utils import run_cli  # one line per mistake, exactly as train.py's
+
+DTYPE = torch.float32  # the gradients' dtype, what DDP all-reduces
+ELEMENT_BYTES = 4
+PERIOD = 7  # element i holds ((i % PERIOD) + 1) * (rank + 1)
+EXACT_LIMIT = 2**24  # float32 holds every integer up to this exactly
+DEFAULT_TIMEOUT_MIN = 5.0  # a check that takes seconds should not wait 10 minutes for a lost rank
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+# The multi-node reference figures, all-reduce of 64 MB between two 4-GH200 nodes (CSCS Alps):
+SLINGSHOT_BUSBW_GBPS = 100  # aws-ofi-nccl over Slingshot: ~108 GB/s (1.1 ms)
+SOCKETS_BUSBW_GBPS = 5  # NCCL's plain TCP sockets: ~5.4 GB/s
+TCP_PROVIDERS = ("tcp", "sockets", "udp")  # libfabric providers that are TCP/UDP, not Slingshot's cxi
+
+# For the tests only: CHECK_NETWORK_FAULT=RANK:SIZE:ITERATION makes rank RANK add 1 to one
+# element of its result of the all-reduce of SIZE bytes (1K, 64M, ...) in iteration
+# ITERATION (1 = the first warm-up one), as a corrupting network would.
+FAULT_VARIABLE = "CHECK_NETWORK_FAULT"
+
+
+class TooSlow(UserError):
+    """The busbw of the largest size is below --min-busbw."""
+
+    exit_code = 4
+
+
+class CheckLost(UserError):
+    """A collective timed out or lost a peer: the check cannot finish. Exits at once, without
+    destroying the process group (which can hang on a hung communicator)."""
+
+    exit_code = 5
+    exit_at_once = True
+
+
+class Fault(NamedTuple):
+    rank: int
+    nbytes: int
+    iteration: int  # 1-based, warm-up iterations first
+
+
+class Mismatch(NamedTuple):
+    """One rank's wrong result in one iteration."""
+
+    rank: int
+    iteration: int  # 1-based, warm-up iterations first
+    wrong: int  # elements that differ from the expected sum
+    index: int  # the first of them
+    got: float
+    expected: float
+
+
+class SizeResult(NamedTuple):
+    nbytes: int
+    time_s: float  # mean over the timed iterations, maximum over ranks
+    algbw: float  # GB/s
+    busbw: float | None  # GB/s; None for one process
+    wrong: int  # wrong elements over every rank and iteration
+
+
+class NcclLog(NamedTuple):
+    """What one rank's NCCL log says about the network (None: not in the log)."""
+
+    version: str | None = None  # "2.21.5"; NCCL logs it on the rank that creates the communicator's ID
+    network: str | None = None  # "AWS Libfabric", "Socket", "IB", ...: the last "Using network" line
+    plugin: str | None = None  # "aws-ofi-nccl 1.13.0"
+    provider: str | None = None  # libfabric's provider: "cxi" on Slingshot, "tcp" ...
+    plugin_failure: str | None = None  # why no network plugin was loaded
+    socket_interfaces: str | None = None  # "hsn0:10.1.2.3": what NCCL's sockets use
+    warnings: tuple = ()  # NCCL WARN messages
+    missing: str | None = None  # why there is no log to read
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes, data, results: small pure functions.
+
+def parse_size(text: str) -> int:
+    """'1K', '64M', '1G', '256MiB' or '4096' as bytes (K = 1024): an argparse type."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", str(text), re.I)
+    if not match or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes such as 4096, 1K, 64M or 1G")
+    nbytes = int(match.group(1)) * UNITS[match.group(2).upper()]
+    if nbytes % ELEMENT_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of float32 elements (a multiple of 4 bytes)")
+    return nbytes
+
+
+def human_size(nbytes: int) -> str:
+    """1024 -> '1 KiB', 67108864 -> '64 MiB', 1536 -> '1.5 KiB', 12 -> '12 B'."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= factor:
+            return f"{nbytes / factor:.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def message_sizes(min_size: int, max_size: int) -> list:
+    """Bytes per all-reduce: doubling from ``min_size``, ending at ``max_size`` (included even
+    when it is not min_size times a power of two, so that --min-busbw judges the size asked for)."""
+    sizes = [min_size]
+    while sizes[-1] * 2 <= max_size:
+        sizes.append(sizes[-1] * 2)
+    return sizes if sizes[-1] == max_size else sizes + [max_size]
+
+
+def bus_factor(world_size: int) -> float:
+    """busbw / algbw of an all-reduce (nccl-tests): each rank sends and receives 2(W-1)/W of
+    the buffer in a ring; 0 for one process, which sends nothing."""
+    return 2 * (world_size - 1) / world_size
+
+
+def bandwidths(nbytes: int, time_s: float, world_size: int):
+    """(algbw, busbw) in GB/s (1e9 bytes/s); busbw is None for one process."""
+    algbw = nbytes / time_s / 1e9
+    return algbw, (algbw * bus_factor(world_size) if world_size > 1 else None)
+
+
+def sum_of_ranks(world_size: int) -> int:
+    """1 + 2 + ... + W: the factor of the expected sum."""
+    return world_size * (world_size + 1) // 2
+
+
+def max_world_size() -> int:
+    """The most ranks whose sums stay exact in float32 (every partial sum below 2**24)."""
+    world_size = 1
+    while PERIOD * sum_of_ranks(world_size + 1) < EXACT_LIMIT:
+        world_size += 1
+    return world_size
+
+
+def pattern(count: int, device) -> torch.Tensor:
+    """(i % 7) + 1 for i in 0..count-1, as float32."""
+    return (torch.arange(count, dtype=torch.int32, device=device) % PERIOD + 1).to(DTYPE)
+
+
+def check_result(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """[wrong elements, index of the first, its value, the expected value] as a float64 tensor
+    on the device: no wait for the device, so every iteration can be checked. All zero and
+    the expected value at index 0 when the result is right."""
+    wrong = got != expected
+    first = wrong.to(torch.uint8).argmax().view(1)  # the first wrong element (0 when none)
+    return torch.cat([wrong.sum().view(1).double(), first.double(), got.index_select(0, first).double(),
+                      expected.index_select(0, first).double()])
+
+
+def mismatches(rank: int, checks) -> list:
+    """The iterations in which this rank's result was wrong, from the rows of check_result."""
+    return [Mismatch(rank, iteration, int(row[0]), int(row[1]), float(row[2]), float(row[3]))
+            for iteration, row in enumerate(checks, start=1) if row[0] > 0]
+
+
+def plural(count: int, one: str, many: str = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def rank_list(ranks) -> str:
+    """[0, 1, 2, 3, 8] -> '[0-3, 8]'; [2, 3] -> '[2, 3]'."""
+    ranks, parts, start = sorted(ranks), [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            run = ranks[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
+            start = i
+    return "[" + ", ".join(parts) + "]"
+
+
+def mismatch_message(nbytes: int, count: int, iterations: int, found: list, hosts: list) -> str:
+    """One line for every rank's wrong results of one size (``found``: Mismatch of all ranks;
+    ``hosts``: each rank's host name): the iterations (1-based, warm-up first), the ranks and
+    their hosts, and the first wrong element."""
+    first = min(found, key=lambda m: (m.iteration, m.rank))
+    numbers = sorted({m.iteration for m in found})
+    which = f"iteration {numbers[0]}" if len(numbers) == 1 else f"iterations {rank_list(numbers)}"
+    ranks = sorted({m.rank for m in found})
+    on = sorted({hosts[rank] for rank in ranks})
+    where = f"host{'s' if len(on) > 1 else ''} {', '.join(on)}"
+    example = f"e.g. element {first.index}: got {first.got}, expected {first.expected}"
+    return (f"all-reduce of {human_size(nbytes)} gave wrong values in {which} of {iterations} on ranks "
+            f"{rank_list(ranks)} ({where}) ({first.wrong} of {count} elements on rank {first.rank} in iteration "
+            f"{first.iteration}, {example}): data is corrupted between ranks (see docs/network.md)")
+
+
+def parse_fault(text) -> Fault | None:
+    """CHECK_NETWORK_FAULT's value (tests only), or None when unset."""
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        fault = Fault(int(parts[0]), parse_size(parts[1]), int(parts[2]))
+    except Exception:
+        raise UserError(f"{FAULT_VARIABLE}={text!r} is not RANK:SIZE:ITERATION (a test hook; unset it)") from None
+    return fault
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL's log: what it chose.
+
+def parse_nccl_log(text: str) -> NcclLog:
+    """What NCCL's log (NCCL_DEBUG=INFO) says about the network: its version, the network
+    ("Using network X"), the aws-ofi-nccl plugin and libfabric provider, why a plugin failed
+    to load, the interfaces of its sockets, its warnings."""
+    found = {}
+    warnings = []
+    for line in text.splitlines():
+        match = re.search(r"NCCL (INFO|WARN) (.*)$", line)
+        message = match.group(2).strip() if match else line.strip()
+        if match and match.group(1) == "WARN":
+            warnings.append(message)
+        if (version := re.search(r"NCCL version (\d+\.\d+\.\d+)", message)) and "version" not in found:
+            found["version"] = version.group(1)
+        if network := re.search(r"Using network (.+)$", message):
+            found["network"] = network.group(1).strip()
+        if plugin := re.search(r"NET/OFI (?:Initializing|Using) (aws-ofi-nccl \S+)", message):
+            found["plugin"] = plugin.group(1)
+        if provider := re.search(r"NET/OFI Selected [Pp]rovider is ([^,\s]+)", message):
+            found["provider"] = provider.group(1)
+        if (message.startswith("NET/Plugin") and "CollNet" not in message
+                and re.search(r"Could not find|No plugin found|Plugin load returned|cannot open", message)
+                and "plugin_failure" not in found):
+            found["plugin_failure"] = message.split(":", 1)[1].strip() if ":" in message else message
+        if interfaces := re.match(r"NET/Socket ?: Using (\[\d+\].*)$", message):
+            found["socket_interfaces"] = ", ".join(re.sub(r"^\[\d+\]|<\d+>$", "", part)
+                                                   for part in interfaces.group(1).split())
+    return NcclLog(warnings=tuple(warnings[:3]), **found)
+
+
+def network_kind(log: NcclLog) -> str:
+    """'libfabric' (aws-ofi-nccl), 'socket' (NCCL's TCP sockets), 'ib', 'other' or 'unknown'."""
+    name = (log.network or "").lower()
+    if not name:
+        return "unknown"
+    if "libfabric" in name or name == "ofi" or log.plugin:
+        return "libfabric"
+    return "socket" if name == "socket" else "ib" if name.startswith("ib") else "other"
+
+
+def describe_nccl_network(log: NcclLog) -> str:
+    kind = network_kind(log)
+    if kind == "unknown":
+        return f"unknown ({log.missing or 'no Using network line in NCCL log'})"
+    if kind == "libfabric":
+        return (f"{log.network} ({log.plugin or 'aws-ofi-nccl'} plugin, provider {log.provider or 'not logged'})")
+    if kind == "socket":
+        return "Socket (plain TCP" + (f" over {log.socket_interfaces})" if log.socket_interfaces else ")")
+    return f"{log.network} (InfiniBand verbs)" if kind == "ib" else log.network
+
+
+def network_label(backend: str, logs: list) -> str:
+    """The network in a few words, for an error line: 'gloo over TCP', 'NCCL on Socket (plain TCP)'."""
+    if backend != "nccl":
+        return "gloo over TCP"
+    described = {describe_nccl_network(log) for log in logs}
+    return f"NCCL on {described.pop()}" if len(described) == 1 else "NCCL on different networks per rank"
+
+
+def describe_network(backend: str, logs: list, num_nodes: int, environ) -> list:
+    """Lines for rank 0: the network NCCL chose on each rank (``logs``: one NcclLog per rank),
+    with a WARNING when a multi-node run does not use Slingshot; for gloo, its sockets."""
+    if backend != "nccl":
+        interface = environ.get("GLOO_SOCKET_IFNAME")
+        return ["Network (gloo): TCP sockets between the processes, " +
+                (f"over GLOO_SOCKET_IFNAME={interface}" if interface else
+                 "over the interface of the host's name (GLOO_SOCKET_IFNAME chooses one)")]
+    groups = {}
+    for rank, log in enumerate(logs):
+        groups.setdefault(describe_nccl_network(log), []).append(rank)
+    if len(groups) == 1:
+        chosen = f"{next(iter(groups))} on all {len(logs)} ranks"
+    else:
+        chosen = "; ".join(f"{what} on ranks {rank_list(ranks)}" for what, ranks in groups.items())
+    sockets = [rank for rank, log in enumerate(logs) if network_kind(log) == "socket"]
+    failure = next((log.plugin_failure for log in logs if log.plugin_failure), None)
+    why = f"plugin not found: {failure}" if failure else "the aws-ofi-nccl plugin was not loaded"
+    if num_nodes == 1:
+        lines = [f"Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes NCCL "
+                 f"would use {chosen}" + (f" ({why})" if sockets else "")]
+    else:
+        lines = [f"Network (NCCL): {chosen}"]
+        if sockets:
+            lines.append(f"WARNING: NCCL uses plain TCP sockets between nodes on ranks {rank_list(sockets)}, not "
+                         f"Slingshot ({why}): expect ~{SOCKETS_BUSBW_GBPS} GB/s busbw instead of "
+                         f"~{SLINGSHOT_BUSBW_GBPS}; check HOST_NCCL_PATH and LD_LIBRARY_PATH (see docs/network.md)")
+        tcp = [rank for rank, log in enumerate(logs) if network_kind(log) == "libfabric"
+               and (log.provider or "").split(";")[0].lower() in TCP_PROVIDERS]
+        if tcp:
+            lines.append(f"WARNING: libfabric's provider on ranks {rank_list(tcp)} is {logs[tcp[0]].provider}, TCP "
+                         f"rather than Slingshot's cxi: expect sockets' speed; check FI_PROVIDER, "
+                         "HOST_LIBFABRIC_LIB_PATH and HOST_CXI_LIB_PATH (see docs/network.md)")
+    warned = sorted({warning for log in logs for warning in log.warnings})
+    if warned:
+        lines.append("NCCL warnings: " + " | ".join(warned[:3]))
+    return lines
+
+
+def nccl_debug_file(template: str, host: str, pid: int) -> str:
+    """NCCL_DEBUG_FILE's name for this process: NCCL replaces %h (the host name up to its
+    first dot) and %p (the process ID)."""
+    return template.replace("%h", host.split(".")[0]).replace("%p", str(pid))
+
+
+def nccl_log_settings(environ, directory: str) -> dict:
+    """The variables that make NCCL log its choice of network into ``directory``/nccl.log;
+    none when the user chose a NCCL_DEBUG_FILE (their log is read instead). A level above
+    INFO (TRACE) and the user's subsystems are kept."""
+    if "NCCL_DEBUG_FILE" in environ:
+        return {}
+    settings = {"NCCL_DEBUG_FILE": os.path.join(directory, "nccl.log")}
+    if environ.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
+        settings["NCCL_DEBUG"] = "INFO"
+    if "NCCL_DEBUG_SUBSYS" not in environ:
+        settings["NCCL_DEBUG_SUBSYS"] = "INIT,NET"
+    return settings
+
+
+def read_nccl_log(path: str) -> NcclLog:
+    try:
+        with open(path, errors="replace") as f:
+            log = parse_nccl_log(f.read())
+    except OSError as err:
+        return NcclLog(missing=f"cannot read NCCL's log {path}: {err.strerror}")
+    return log if log.network else log._replace(missing=f"no 'Using network' line in {path}; NCCL_DEBUG=INFO "
+                                                        "and NCCL_DEBUG_SUBSYS=INIT,NET write it")
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing: the table and the verdict.
+
+COLUMNS = (("size (B)", 11), ("size", 9), ("count", 11), ("time (us)", 11), ("algbw (GB/s)", 13),
+           ("busbw (GB/s)", 13), ("wrong", 7))  # "us": plain ASCII in any terminal and Slurm log
+
+
+def table_header() -> str:
+    return "".join(name.rjust(width) for name, width in COLUMNS)
+
+
+def table_row(result: SizeResult) -> str:
+    busbw = "n/a" if result.busbw is None else f"{result.busbw:.2f}"
+    cells = (result.nbytes, human_size(result.nbytes), result.nbytes // ELEMENT_BYTES, f"{result.time_s * 1e6:.1f}",
+             f"{result.algbw:.2f}", busbw, result.wrong)
+    return "".join(str(cell).rjust(width) for cell, (_, width) in zip(cells, COLUMNS))
+
+
+def verdict(results: list, warmup: int, iters: int, min_busbw) -> str:
+    last = results[-1]
+    busbw = "n/a (one process)" if last.busbw is None else f"{last.busbw:.2f} GB/s"
+    minimum = f" (--min-busbw {min_busbw:g})" if min_busbw is not None else ""
+    return (f"Network check passed: {plural(len(results), 'size')} x ({warmup}+{iters}) all-reduces exact; "
+            f"busbw at {human_size(last.nbytes)}: {busbw}{minimum}")
+
+
+def check_busbw(result: SizeResult, min_busbw, network: str):
+    """TooSlow when the largest size's busbw is below --min-busbw."""
+    if min_busbw is not None and result.busbw < min_busbw:
+        raise TooSlow(f"busbw at {human_size(result.nbytes)} is {result.busbw:.2f} GB/s, below --min-busbw "
+                      f"{min_busbw:g} GB/s ({network}; see docs/network.md)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+def build_parser():
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           allow_abbrev=False)
+    parser.add_argument("--min-size", type=parse_size, default=parse_size("1K"), metavar="BYTES",
+                        help="smallest all-reduce, in bytes (4096, 1K, 64M, 1G; K = 1024) (default: 1K)")
+    parser.add_argument("--max-size", type=parse_size, default=parse_size("256M"), metavar="BYTES",
+                        help="largest all-reduce, in bytes; sizes double from --min-size up to it "
+                             "(default: 256M; each rank holds 3 buffers of this size)")
+    parser.add_argument("--iters", type=positive_int, default=20, metavar="N",
+                        help="timed iterations per size, each checked (default: 20)")
+    parser.add_argument("--warmup-iters", type=non_negative_int, default=5, metavar="N",
+                        help="untimed iterations per size before the timed ones, each checked too (default: 5)")
+    parser.add_argument("--min-busbw", type=positive_float, default=None, metavar="GBPS",
+                        help="fail (exit status 4) when the busbw of the largest size is below this, in GB/s "
+                             "(1e9 bytes/s); CSCS's Alps: ~108 between two 4-GH200 nodes over Slingshot, ~5.4 over "
+                             "NCCL's TCP sockets (default: no minimum)")
+    parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_TIMEOUT_MIN, metavar="MINUTES",
+                        help="how long a rank waits for the others in a collective before every rank stops with "
+                             f"exit status 5 (NCCL gets 1 minute more) (default: {DEFAULT_TIMEOUT_MIN:g})")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.min_size > args.max_size:
+        parser.error(f"--min-size {human_size(args.min_size)} is larger than --max-size {human_size(args.max_size)}")
+    return args
+
+
+def require_torchrun(environ):
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        raise UserError("check_network.py must be started by torchrun, e.g. "
+                        "torchrun --standalone --nproc_per_node=4 check_network.py")
+
+
+class Clock:
+    """Times each iteration's all_reduce: CUDA events on GPUs (read once, after the last
+    iteration), the host's clock around gloo's blocking call on CPUs."""
+
+    def __init__(self, device, iterations):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in range(iterations)]
+        self.seconds = [0.0] * iterations
+
+    def start(self, i):
+        if self.cuda:
+            self.events[i][0].record()
+        else:
+            self.seconds[i] = time.perf_counter()
+
+    def stop(self, i):
+        if self.cuda:
+            self.events[i][1].record()
+        else:
+            self.seconds[i] = time.perf_counter() - self.seconds[i]
+
+    def read(self) -> list:
+        """Seconds per iteration; waits for the device."""
+        if self.cuda:
+            self.events[-1][1].synchronize()
+            self.seconds = [start.elapsed_time(stop) / 1e3 for start, stop in self.events]
+        return self.seconds
+
+
+def all_reduce_size(buffers, count, args, ctx, fault):
+    """The warm-up and timed all-reduces of ``count`` elements, every result checked on the
+    device. Returns (mean time of the timed ones in s, this rank's Mismatch list)."""
+    source, result, expected = (b[:count] for b in buffers)
+    iterations = args.warmup_iters + args.iters
+    checks = torch.empty(iterations, 4, dtype=torch.float64, device=ctx.device)
+    clock = Clock(ctx.device, iterations)
+    for i in range(iterations):
+        result.copy_(source)  # all_reduce is in place: each iteration reduces fresh data
+        clock.start(i)
+        dist.all_reduce(result)
+        clock.stop(i)
+        if fault and fault == (ctx.rank, count * ELEMENT_BYTES, i + 1):
+            result[count // 2] += 1  # the test hook (CHECK_NETWORK_FAULT)
+        checks[i] = check_result(result, expected)
+    seconds = clock.read()  # the one wait for the device per size
+    return sum(seconds[args.warmup_iters:]) / args.iters, mismatches(ctx.rank, checks.cpu().tolist())
+
+
+def allocate(max_count, ctx):
+    """The source (this rank's values), result and expected buffers of the largest size."""
+    try:
+        values = pattern(max_count, ctx.device)
+        source = values * float(ctx.rank + 1)
+        expected = values * float(sum_of_ranks(ctx.world_size))
+        del values
+        return source, torch.empty_like(source), expected
+    except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        raise UserError(f"cannot allocate 3 buffers of {human_size(max_count * ELEMENT_BYTES)} on {ctx.device} "
+                        f"({str(err).splitlines()[0][:120]}): choose a smaller --max-size",
+                        same_on_every_rank=False) from None
+
+
+def first_contact(ctx, log_path):
+    """One all-reduce of a single value (it creates NCCL's communicator, which logs its
+    choice of network), then every rank's NcclLog and whether its value was right, on rank 0."""
+    one = torch.full((1,), float(ctx.rank + 1), dtype=DTYPE, device=ctx.device)
+    dist.all_reduce(one)
+    synchronize(ctx.device)
+    right = one.item() == sum_of_ranks(ctx.world_size)
+    log = read_nccl_log(log_path) if log_path else None
+    return gather_objects((log, right, one.item(), socket.gethostname()), ctx.control_group)
+
+
+@contextmanager
+def process_group(args):
+    """Join the group as train_ddp.py does; on a collective that failed or timed out, one line
+    (CheckLost) naming the ranks that did not answer instead of a traceback on every rank."""
+    ctx = setup_distributed(args.collective_timeout)
+    try:
+        yield ctx
+    except RuntimeError as err:
+        if not group_active() or not is_collective_failure(err):
+            cleanup_distributed()
+            raise
+        lost = who_is_lost(err, ctx, args.collective_timeout)
+        raise CheckLost(f"the network check could not finish: {lost.message}",
+                        same_on_every_rank=not lost.printed_here) from None
+    except BaseException:
+        cleanup_distributed()
+        raise
+    cleanup_distributed()
+
+
+def run(args, ctx, log_path, environ_before, fault):
+    """The whole check on an initialized group; raises on a wrong value or a slow network."""
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    if ctx.world_size > max_world_size():
+        raise UserError(f"{ctx.world_size} ranks: float32 sums stay exact for at most {max_world_size()}")
+    if args.min_busbw is not None and ctx.world_size == 1:
+        raise UserError("--min-busbw needs 2 or more processes: one process sends nothing (busbw n/a)")
+    backend = dist.get_backend()
+    sizes = message_sizes(args.min_size, args.max_size)
+    span = f"{human_size(sizes[0])} to {human_size(sizes[-1])}" if len(sizes) > 1 else human_size(sizes[0])
+    say(f"Network check: all-reduce (sum) of float32, {span} ({plural(len(sizes), 'size')}), "
+        f"{args.warmup_iters} warm-up + {args.iters} timed iterations per size, every result checked", flush=True)
+    say(f"Backend: {backend}, world size {ctx.world_size} ({plural(ctx.num_nodes, 'node')} x "
+        f"{plural(ctx.local_world_size, 'process', 'processes')} per node)")
+    say(f"Device: {device_name(ctx.device)}; torch {torch.__version__}")
+    for line in network_report(ctx, environ_before) if ctx.is_main else []:
+        say(line)
+    contacts = first_contact(ctx, log_path)
+    logs, hosts = [log for log, _, _, _ in contacts], [host for _, _, _, host in contacts]
+    wrong_first = [rank for rank, (_, right, _, _) in enumerate(contacts) if not right]
+    if wrong_first:
+        raise RunAborted(f"the first all-reduce (one value) gave {contacts[wrong_first[0]][2]} on ranks "
+                         f"{rank_list(wrong_first)}, expected {sum_of_ranks(ctx.world_size)}: data is corrupted "
+                         "between ranks (see docs/network.md)")
+    for line in describe_network(backend, logs, ctx.num_nodes, environ_before):
+        say(line)
+    buffers = allocate(sizes[-1] // ELEMENT_BYTES, ctx)
+    say(table_header(), flush=True)
+    results = []
+    for nbytes in sizes:
+        count = nbytes // ELEMENT_BYTES
+        mean_s, found = all_reduce_size(buffers, count, args, ctx, fault)
+        gathered = gather_objects((mean_s, found), ctx.control_group)
+        time_s = max(mean for mean, _ in gathered)  # the slowest rank sets the pace
+        found = [m for _, rank_found in gathered for m in rank_found]
+        results.append(SizeResult(nbytes, time_s, *bandwidths(nbytes, time_s, ctx.world_size),
+                                  sum(m.wrong for m in found)))
+        say(table_row(results[-1]), flush=True)
+        if found:
+            raise RunAborted(mismatch_message(nbytes, count, args.warmup_iters + args.iters, found, hosts))
+    check_busbw(results[-1], args.min_busbw, network_label(backend, logs))
+    say(verdict(results, args.warmup_iters, args.iters, args.min_busbw), flush=True)
+
+
+def main():
+    args = parse_args()
+    require_torchrun(os.environ)
+    fault = parse_fault(os.environ.get(FAULT_VARIABLE))
+    environ_before = dict(os.environ)  # what the user set, for the report
+    log_dir = log_path = None
+    if torch.cuda.is_available():  # NCCL: before it starts, have it log its choice of network
+        if "NCCL_DEBUG_FILE" in os.environ:
+            log_path = nccl_debug_file(os.environ["NCCL_DEBUG_FILE"], socket.gethostname(), os.getpid())
+        else:
+            log_dir = tempfile.mkdtemp(prefix="check_network_")  # TMPDIR: local disk
+            os.environ.update(nccl_log_settings(os.environ, log_dir))
+            log_path = os.environ["NCCL_DEBUG_FILE"]
+    try:
+        with process_group(args) as ctx:
+            run(args, ctx, log_path, environ_before, fault)
+    finally:
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)

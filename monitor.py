@@ -1,0 +1,358 @@
+"""What a run records about itself besides loss and accuracy, for a user asking where the time
+goes: GPU utilization and power per epoch (NVML, sampled in a thread), TensorBoard scalars
+(--tensorboard DIR), and a torch.profiler window of a few training steps (--profile-dir DIR).
+
+The loop (train_utils.py) sees one object, ``Monitors``: ``step()`` after each training step,
+``gpu_window(start, end)`` once per epoch, ``record(record)`` with each epoch's metrics. Each
+part is off unless asked for (or, for NVML, unless there is a GPU and pynvml), and costs
+nothing per step then: no profiler, no writer, no thread. Only global rank 0 prints and
+writes TensorBoard events; every rank samples its own GPU and writes its own trace.
+
+The optional packages (tensorboard, pynvml from nvidia-ml-py) are imported only here and only
+when used; the NGC PyTorch container has both.
+"""
+
+import importlib.util
+import math
+import os
+import threading
+import time
+import warnings
+from contextlib import ExitStack
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from device_utils import gather_objects, synchronize
+
+GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
+TENSORBOARD_PIP = "pip install tensorboard"
+NVML_PIP = "pip install nvidia-ml-py"
+TOP_OPERATORS = 15  # rows of the profiler's table in the log
+
+# Epoch record key -> TensorBoard tag. Grouped by the part before "/" (TensorBoard's cards).
+TENSORBOARD_TAGS = {
+    "train_loss": "loss/train",
+    "val_loss": "loss/validation",
+    "val_accuracy": "accuracy/validation",
+    "images_per_sec": "speed/images_per_s",
+    "epoch_time_s": "speed/training_s_per_epoch",
+    "eval_time_s": "speed/evaluation_s_per_epoch",
+    "lr": "recipe/learning_rate",
+    "peak_memory_gib": "gpu/peak_memory_gib",
+    "gpu_util_percent": "gpu/utilization_percent",
+    "gpu_power_w": "gpu/power_w",
+}
+
+
+def tensorboard_missing():
+    """One line for a user who asked for --tensorboard without the package, else None."""
+    try:
+        found = importlib.util.find_spec("tensorboard") is not None
+    except (ImportError, ValueError):  # a broken install, or blocked (sys.modules["tensorboard"] = None)
+        found = False
+    if not found:
+        return f"--tensorboard needs the tensorboard package, which is not installed: {TENSORBOARD_PIP}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU utilization and power, sampled in a thread.
+
+class GpuSample(NamedTuple):
+    time: float          # time.perf_counter() seconds, the clock the loop times epochs with
+    utilization: float  # % of the last sample period in which a kernel ran (NVML), or None
+    power_w: float       # board power draw in watts, or None where the GPU does not report it
+
+
+class GpuWindow(NamedTuple):
+    """One rank's GPU over a stretch of time: means of the samples taken in it."""
+    utilization: float  # % (None without samples)
+    power_w: float      # W (None without samples)
+    samples: int
+
+
+def nvml_reader(device):
+    """(a function returning (utilization %, power W) of this process's GPU, None) or (None,
+    why not). NVML numbers GPUs its own way, so the GPU is found by its UUID, which holds
+    whatever CUDA_VISIBLE_DEVICES says."""
+    if device.type != "cuda":
+        return None, "no GPU"
+    try:
+        with warnings.catch_warnings():  # the old pynvml wrapper warns that it is deprecated
+            warnings.simplefilter("ignore")
+            import pynvml
+    except ImportError:
+        return None, f"not recorded: pynvml is not installed ({NVML_PIP})"
+    try:
+        pynvml.nvmlInit()
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None
+                  else pynvml.nvmlDeviceGetHandleByIndex(device.index))
+    except pynvml.NVMLError as err:
+        return None, f"not recorded: NVML does not answer ({err})"
+
+    def read():
+        values = []
+        for query, scale in ((lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu, 1),
+                             (lambda: pynvml.nvmlDeviceGetPowerUsage(handle), 1e-3)):  # power: mW
+            try:
+                values.append(query() * scale)
+            except pynvml.NVMLError:  # e.g. NOT_SUPPORTED: that value stays unknown
+                values.append(None)
+        return tuple(values)
+    return read, None
+
+
+class GpuSampler:
+    """Calls ``read()`` -> (utilization %, power W) every ``interval_s`` in a daemon thread and
+    keeps the samples until ``window`` has used them. The training loop never waits for it."""
+
+    def __init__(self, read, interval_s=GPU_SAMPLE_INTERVAL_S, clock=time.perf_counter):
+        self.read, self.interval_s, self.clock = read, interval_s, clock
+        self.samples = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join()
+
+    def _run(self):
+        while not self.stopped.is_set():
+            try:
+                utilization, power = self.read()
+            except Exception:  # a sampler must never take training down: no sample this time
+                utilization = power = None
+            with self.lock:
+                self.samples.append(GpuSample(self.clock(), utilization, power))
+            self.stopped.wait(self.interval_s)
+
+    def window(self, start, end):
+        """Means of the samples taken from ``start`` to ``end`` (this sampler's clock); older
+        samples are dropped."""
+        with self.lock:
+            taken = [s for s in self.samples if start <= s.time <= end]
+            self.samples = [s for s in self.samples if s.time > end]
+        return GpuWindow(_mean(s.utilization for s in taken), _mean(s.power_w for s in taken), len(taken))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def gpu_fields(windows):
+    """The metrics line's GPU fields from every rank's GpuWindow: means over the GPUs that
+    reported (None on the CPU or without NVML), and the lowest GPU's power, which shows a GPU
+    that waits for the others."""
+    powers = [w.power_w for w in windows if w.power_w is not None]
+    return {"gpu_util_percent": _mean(w.utilization for w in windows), "gpu_power_w": _mean(powers),
+            "gpu_power_min_w": min(powers) if powers else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard.
+
+class TensorBoardLog:
+    """Epoch scalars of one run in DIR/RUN_ID (so runs sharing DIR are curves of their own, and
+    a resumed run continues its own). ``first_epoch``: the epoch this process starts at; the
+    events an interrupted process wrote from there on (after its last checkpoint) are dropped
+    (purge_step), so each epoch shows once."""
+
+    def __init__(self, directory, run_id, first_epoch, resumed):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.path = Path(directory) / run_id
+        self.writer = SummaryWriter(str(self.path), purge_step=first_epoch if resumed else None)
+
+    def add(self, record):
+        for key, tag in TENSORBOARD_TAGS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, record["epoch"])
+        self.writer.flush()  # an epoch takes minutes: show it now
+
+    def close(self):
+        self.writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The profiler window.
+
+class OperatorRow(NamedTuple):
+    name: str
+    calls: int
+    self_ms: float   # time in the operator itself (its kernels on a GPU), over the window
+    percent: float   # of all operators' self time
+
+
+def top_operators(averages, device_time, limit=TOP_OPERATORS):
+    """The ``limit`` operators with the most self time (device time on a GPU: the kernels they
+    launched; CPU time on the CPU) from ``profiler.key_averages()``, and the total self time
+    in ms. Only host-side operators count, so each kernel is counted once."""
+    key = "self_device_time_total" if device_time else "self_cpu_time_total"
+    ops = [e for e in averages if getattr(e, "device_type", None) in (None, torch.autograd.DeviceType.CPU)
+           and not e.key.startswith("ProfilerStep")]
+    total_us = sum(getattr(e, key) for e in ops)
+    ops.sort(key=lambda e: getattr(e, key), reverse=True)
+    rows = [OperatorRow(e.key, e.count, getattr(e, key) / 1e3, 100 * getattr(e, key) / total_us if total_us else 0.0)
+            for e in ops[:limit] if getattr(e, key) > 0]
+    return rows, total_us / 1e3
+
+
+def operator_table(rows, total_ms, steps, wall_ms, unit):
+    """Lines for the log: the top operators and how busy the device was per step."""
+    lines = [f"{'operator':<52}{'calls':>7}{f'self {unit} ms':>14}{'per step':>10}{'share':>7}"]
+    for row in rows:
+        lines.append(f"{row.name[:51]:<52}{row.calls:>7}{row.self_ms:>14.2f}{row.self_ms / steps:>10.2f}"
+                     f"{row.percent:>6.1f}%")
+    if wall_ms:
+        lines.append(f"Per step: {total_ms / steps:.1f} ms of operator time on the {unit} in {wall_ms / steps:.1f} "
+                     f"ms of wall time ({min(100.0, 100 * total_ms / wall_ms):.0f}% busy; the rest is waiting: "
+                     "for data, for the host to launch work, for other ranks)")
+    return lines
+
+
+class ProfileWindow:
+    """torch.profiler over ``steps`` training steps after the first ``skip`` of this process
+    (cuDNN autotuning, torch.compile and the loader's start-up are over by then). Each rank
+    writes DIR/RUN_epochE_stepS_rankR.pt.trace.json.gz (Perfetto, TensorBoard); global rank
+    0 prints the top operators. A window cut short by the end of training is written as it is."""
+
+    def __init__(self, directory, skip, steps, ctx, run_id, log):
+        self.directory, self.ctx, self.run_id, self.log = Path(directory), ctx, run_id, log
+        self.skip, self.steps = skip, steps
+        self.taken, self.recorded, self.where = 0, 0, None
+        self.profiler = self.started = self.marker = None
+
+    def _mark_step(self):
+        """Open the span ProfilerStep#N of the next step (what Perfetto and TensorBoard's
+        profiler plugin show as steps), closing the one before."""
+        if self.marker is not None:
+            self.marker.__exit__(None, None, None)
+        self.marker = None
+        if self.profiler is not None:
+            self.marker = torch.profiler.record_function(f"ProfilerStep#{self.recorded}")
+            self.marker.__enter__()
+
+    def step(self, epoch, step):
+        """After training step ``step`` of ``epoch``."""
+        self.taken += 1
+        if self.profiler is not None:
+            self.recorded += 1
+            if self.recorded >= self.steps:
+                self.close()
+            else:
+                self._mark_step()
+        elif self.taken == self.skip and self.where is None:
+            self.where = (epoch, step + 1)  # the next step is the first recorded
+            cuda = self.ctx.device.type == "cuda"
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                                  if cuda else [])
+            if not cuda:  # else kineto logs an ERROR line at the first trace that it found no GPU
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+            synchronize(self.ctx.device)  # the window starts with an idle device
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            self.started = time.perf_counter()
+            self._mark_step()
+
+    def close(self):
+        """Stop the window if it is open: write this rank's trace, print the table."""
+        if self.profiler is None:
+            return
+        synchronize(self.ctx.device)  # every kernel of the window has run
+        wall_ms = (time.perf_counter() - self.started) * 1e3
+        profiler, self.profiler = self.profiler, None
+        self._mark_step()  # closes the last step's span
+        profiler.stop()
+        epoch, step = self.where
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"{self.run_id}_epoch{epoch}_step{step}_rank{self.ctx.rank}.pt.trace.json.gz"
+        path = unused_path(self.directory / name)
+        tmp = path.with_name(f".tmp-{path.name}")  # ends in .gz: torch compresses it (a tenth of the size)
+        profiler.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+        if self.ctx.is_main:
+            cuda = self.ctx.device.type == "cuda"
+            rows, total_ms = top_operators(profiler.key_averages(), device_time=cuda)
+            steps = max(self.recorded, 1)
+            self.log.info(f"Profile of {steps} training steps from step {step} of epoch {epoch} "
+                          f"({'GPU' if cuda else 'CPU'} time of rank 0): trace of each rank in {self.directory}, "
+                          f"e.g. {path.name} (open it in https://ui.perfetto.dev)")
+            for line in operator_table(rows, total_ms, steps, wall_ms, "GPU" if cuda else "CPU"):
+                self.log.info(line)
+
+
+def unused_path(path):
+    """``path``, or path with _2, _3 ... before its suffixes when it exists: a trace is never
+    overwritten (a run resumed twice from one checkpoint profiles the same steps again)."""
+    name, dot, suffixes = path.name.partition(".")
+    for n in range(2, 1000):
+        if not path.exists():
+            return path
+        path = path.with_name(f"{name}_{n}{dot}{suffixes}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# All of them, as the loop sees them.
+
+class Monitors:
+    """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
+    ``Monitors()`` is all off (benchmark.py's timed steps)."""
+
+    def __init__(self, args=None, ctx=None, log=None, run_id=None, first_epoch=1, resumed=False):
+        self.args, self.ctx, self.log = args, ctx, log
+        self.run_id, self.first_epoch, self.resumed = run_id, first_epoch, resumed
+        self.sampler = self.tensorboard = self.profile = None
+        self.stack = ExitStack()
+
+    def __enter__(self):
+        if self.args is None:
+            return self
+        args, ctx = self.args, self.ctx
+        read, why_not = nvml_reader(ctx.device)
+        if read is not None:
+            self.sampler = self.stack.enter_context(GpuSampler(read))
+        if ctx.device.type == "cuda":
+            self.log.info("GPU utilization and power: " + (f"sampled every {GPU_SAMPLE_INTERVAL_S:g} s by NVML, "
+                                                            "means per epoch in the metrics" if read else why_not))
+        if args.tensorboard and ctx.is_main:
+            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, self.first_epoch, self.resumed)
+            self.stack.callback(self.tensorboard.close)
+            self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
+        if args.profile_dir:
+            self.profile = ProfileWindow(args.profile_dir, args.profile_skip, args.profile_steps, ctx, self.run_id,
+                                         self.log)
+            self.stack.callback(self.profile.close)
+            self.log.info(f"Profiler: {args.profile_steps} training steps after the first {args.profile_skip} of "
+                          f"this process, traces in {args.profile_dir}")
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+
+    def step(self, epoch, step):
+        if self.profile is not None:
+            self.profile.step(epoch, step)
+
+    def gpu_window(self, start, end):
+        """The metrics line's GPU fields for the training phase from ``start`` to ``end``
+        (perf_counter seconds). A gather over the control group (CPU, a few hundred bytes)
+        once per epoch, on every rank."""
+        window = self.sampler.window(start, end) if self.sampler else GpuWindow(None, None, 0)
+        if self.ctx is None:
+            return gpu_fields([window])
+        return gpu_fields(gather_objects(window, self.ctx.control_group))
+
+    def record(self, record):
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)

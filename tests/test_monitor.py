@@ -1,0 +1,200 @@
+"""Seeing where the time goes (monitor.py): GPU sampling in a thread, TensorBoard scalars that
+show each epoch once across a resume, and the profiler window, one trace per rank."""
+
+import gzip
+import itertools
+import json
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import monitor
+from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
+from flags import parse_args
+
+# Tiny CIFAR-100 runs: 2 steps of 4 images per epoch.
+TINY = ("--batch-size", "4", "--limit-batches", "2", "--warmup-epochs", "0", *FAST)
+
+
+def _scalars(folder):
+    """{tag: [(step, value)]} of the TensorBoard events under ``folder``, as TensorBoard reads them."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                                      reason="pip install -r requirements-dev.txt")
+    events = accumulator.EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU sampling.
+
+def test_gpu_sampler_averages_its_window_and_survives_a_failing_read():
+    times = itertools.count()  # sample n is taken at "time" n
+    reads = iter(range(1000))
+
+    def read():
+        n = next(reads)
+        if n == 2:
+            raise RuntimeError("NVML hiccup")  # no values for that sample, and sampling goes on
+        return 10.0 * n, (None if n == 3 else 100.0 + n)  # power unsupported once
+
+    sampler = monitor.GpuSampler(read, interval_s=0.001, clock=lambda: next(times))
+    with sampler:
+        deadline = time.time() + 10
+        while len(sampler.samples) < 8 and time.time() < deadline:
+            time.sleep(0.01)
+    assert not sampler.thread.is_alive()
+    window = sampler.window(1, 4)  # samples 1..4: utilization 10, -, 30, 40; power 101, -, -, 104
+    assert window == monitor.GpuWindow(utilization=(10 + 30 + 40) / 3, power_w=(101 + 104) / 2, samples=4)
+    assert all(s.time > 4 for s in sampler.samples)  # what a window used is dropped
+    assert sampler.window(0, 4).samples == 0
+
+
+def test_gpu_fields_over_ranks():
+    windows = [monitor.GpuWindow(80.0, 300.0, 5), monitor.GpuWindow(60.0, 200.0, 5), monitor.GpuWindow(None, None, 0)]
+    assert monitor.gpu_fields(windows) == {"gpu_util_percent": 70.0, "gpu_power_w": 250.0, "gpu_power_min_w": 200.0}
+    assert monitor.gpu_fields([monitor.GpuWindow(None, None, 0)]) == {
+        "gpu_util_percent": None, "gpu_power_w": None, "gpu_power_min_w": None}
+
+
+def test_no_nvml_on_the_cpu():
+    assert monitor.nvml_reader(torch.device("cpu")) == (None, "no GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorBoard.
+
+def test_tensorboard_after_a_resume_shows_each_epoch_once(tmp_path):
+    """The interrupted run wrote epoch 3 after its last checkpoint (simulated by removing the
+    checkpoint of epoch 3): the resumed run trains epoch 3 again and TensorBoard shows it once."""
+    pytest.importorskip("tensorboard", reason="pip install -r requirements-dev.txt")
+    data = write_cifar100(tmp_path / "data", n_train=8, n_test=8)
+    common = ("--data-dir", data, *TINY, "--checkpoint-dir", "ck", "--checkpoint-interval", "0",
+              "--tensorboard", "tb", "--metrics-file", "m.jsonl")
+    first = run(python_cmd("train.py", "--epochs", "3", *common), cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_id = read_metrics(tmp_path / "m.jsonl")[0]["run_id"]
+    assert f"TensorBoard: tb/{run_id} (view: tensorboard --logdir tb)" in first.stdout
+    newest = sorted((tmp_path / "ck").glob("checkpoint_*.pt"))[-1]
+    newest.unlink()
+    resumed = run(python_cmd("train.py", "--epochs", "3", *common, "--resume"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "after epoch 2" in resumed.stdout
+
+    scalars = _scalars(tmp_path / "tb" / run_id)
+    records = {r["epoch"]: r for r in read_metrics(tmp_path / "m.jsonl")}
+    assert {"loss/train", "loss/validation", "accuracy/validation", "speed/images_per_s", "recipe/learning_rate",
+            "speed/training_s_per_epoch"} <= scalars.keys()
+    assert not any(tag.startswith("gpu/") for tag in scalars)  # the CPU: no GPU values, no empty curves
+    assert [step for step, _ in scalars["loss/train"]] == [1, 2, 3]
+    for step, value in scalars["accuracy/validation"]:
+        assert value == pytest.approx(records[step]["val_accuracy"])
+    assert scalars["speed/images_per_s"][-1][1] == pytest.approx(records[3]["images_per_sec"], rel=1e-6)
+
+
+def test_tensorboard_missing_is_one_line_before_any_work(tmp_path):
+    script = python_cmd("train.py")[1]
+    blocked = ("import runpy, sys; sys.modules['tensorboard'] = None; "  # as if it were not installed
+               f"sys.path.insert(0, {str(script.parent)!r}); sys.argv = ['train.py'] + sys.argv[1:]; "
+               f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    result = run([sys.executable, "-c", blocked, "--synthetic", "--tensorboard", "tb", "--checkpoint-dir", "ck"],
+                 cwd=tmp_path)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [
+        "error: --tensorboard needs the tensorboard package, which is not installed: pip install tensorboard"]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "tb").exists() and not (tmp_path / "ck").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The profiler.
+
+def test_profile_flags_need_a_profile_dir(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args("t", ["--profile-steps", "3"])
+    assert exit_.value.code == 2
+    assert [line.split(": ", 1)[1] for line in error_lines(capsys.readouterr().err)] == [
+        "error: --profile-steps applies with --profile-dir DIR (see --help)"]
+
+
+def test_top_operators_of_a_real_profile():
+    conv = torch.nn.Conv2d(3, 8, 3)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            conv(x).relu().sum().backward()
+    rows, total_ms = monitor.top_operators(profiler.key_averages(), device_time=False, limit=4)
+    averages = {e.key: e for e in profiler.key_averages()}
+    assert len(rows) == 4 and [r.self_ms for r in rows] == sorted((r.self_ms for r in rows), reverse=True)
+    for row in rows:
+        assert row.self_ms == pytest.approx(averages[row.name].self_cpu_time_total / 1e3)
+        assert row.percent == pytest.approx(100 * row.self_ms / total_ms)
+    assert total_ms == pytest.approx(sum(e.self_cpu_time_total for e in averages.values()) / 1e3)
+    assert averages["aten::convolution_backward"].count == 3
+    lines = monitor.operator_table(rows, total_ms, steps=3, wall_ms=3 * total_ms, unit="CPU")
+    assert len(lines) == 1 + 4 + 1 and lines[0].split()[:2] == ["operator", "calls"]
+    assert lines[-1].startswith(f"Per step: {total_ms / 3:.1f} ms of operator time on the CPU in "
+                                f"{total_ms:.1f} ms of wall time (33% busy")
+
+
+def test_unused_path_never_overwrites(tmp_path):
+    path = tmp_path / "run_epoch1_step11_rank0.pt.trace.json.gz"
+    assert monitor.unused_path(path) == path
+    path.write_text("{}")
+    assert monitor.unused_path(path).name == "run_epoch1_step11_rank0_2.pt.trace.json.gz"
+
+
+def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
+    data = write_cifar100(tmp_path / "data", n_train=16, n_test=8)
+    result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", data, "--batch-size", "8", "--epochs", "2",
+                              "--limit-batches", "3", "--warmup-epochs", "0", *FAST, "--profile-dir", "prof",
+                              "--profile-skip", "2", "--profile-steps", "2", "--metrics-file", "m.jsonl"),
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = read_metrics(tmp_path / "m.jsonl")[0]["run_id"]
+    traces = sorted(p.name for p in (tmp_path / "prof").iterdir())
+    assert traces == [f"{run_id}_epoch1_step3_rank{rank}.pt.trace.json.gz" for rank in (0, 1)]
+    for trace in traces:
+        events = json.loads(gzip.decompress((tmp_path / "prof" / trace).read_bytes()))["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert {"ProfilerStep#0", "ProfilerStep#1"} <= names  # the 2 steps recorded
+        assert "aten::convolution_backward" in names
+    # Steps 3 (epoch 1) and 4 (step 1 of epoch 2): the window goes on across the epoch's end.
+    assert result.stdout.count("Profile of 2 training steps from step 3 of epoch 1 (CPU time of rank 0)") == 1
+    table = result.stdout.split("Profile of 2 training steps", 1)[1].splitlines()[1:]
+    assert table[0].split()[:2] == ["operator", "calls"] and "aten::convolution_backward" in "\n".join(table)
+    assert any(line.startswith("Per step: ") for line in table)
+    assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
+
+
+def test_a_window_cut_short_by_the_end_of_training_is_written(tmp_path):
+    data = write_cifar100(tmp_path / "data", n_train=8, n_test=8)
+    assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "1", "--profile-dir", tmp_path / "prof",
+                    "--profile-skip", "1", "--profile-steps", "5") == 0
+    (trace,) = (tmp_path / "prof").iterdir()
+    assert trace.name.endswith("_epoch1_step2_rank0.pt.trace.json.gz")
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+
+
+def test_no_profiler_and_no_thread_unless_asked(tmp_path):
+    args = parse_args("t", ["--synthetic"])
+    with monitor.Monitors(args, _cpu_context(), _Log(), "run", 1, False) as monitors:
+        assert (monitors.sampler, monitors.tensorboard, monitors.profile) == (None, None, None)
+        assert not any(t.name == "gpu-sampler" for t in threading.enumerate())
+        assert monitors.gpu_window(0, time.perf_counter()) == monitor.gpu_fields([monitor.GpuWindow(None, None, 0)])
+
+
+def _cpu_context():
+    from device_utils import single_process_context
+    return single_process_context()
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, line=""):
+        self.lines.append(line)
