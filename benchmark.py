@@ -31,19 +31,40 @@ FILE.py:NAME data set from --data-dir.
 import argparse
 import json
 import time
+from contextlib import nullcontext
+from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import count, islice
 
 import torch
 from torch.utils.data import DataLoader
 
-from dataclasses import replace
-
+import gpu_report
 from checkpoint_utils import check_writable
 from data_formats import DATASETS, default_data_dir, missing_files
-from dataset_utils import InMemoryImages, build_loaders, set_loader_epoch, train_transform
-from device_utils import device_name, memory_format, single_process_context, synchronize
-from flags import DEFAULT_MODEL, OneLineParser, dataset_name, image_size, parse_args, plugin_ref, positive_int
+from dataset_utils import (
+    InMemoryImages,
+    build_loaders,
+    set_loader_epoch,
+    train_transform,
+)
+from device_utils import (
+    UserError,
+    device_name,
+    memory_format,
+    single_process_context,
+    synchronize,
+)
+from flags import (
+    DEFAULT_MODEL,
+    OneLineParser,
+    dataset_name,
+    image_size,
+    parse_args,
+    plugin_ref,
+    positive_int,
+)
+from monitor import top_operators
 from task import build_task, default_num_workers
 from train_utils import run_cli, time_training_steps
 
@@ -83,7 +104,29 @@ def build_parser():
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
                         help="use the data set from here when present, else synthetic data of its size")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the result rows to this file")
+    parser.add_argument("--report", metavar="FILE.md", default=None,
+                        help="on a CUDA GPU, the first GPU hour in one command of under 9 minutes: this comparison, "
+                             "the defaults with --compile, a profile split of a step, peak memory at batch 256 and "
+                             "1024, the GPU test tier in the time left; appends one Markdown block for BENCHMARKS.md "
+                             "to FILE.md, with a recommendation")
     return parser
+
+
+def recipe_args(recipe, opts, batch, device, real, extra=()):
+    """train.py's parsed flags of ``recipe`` at ``batch`` images per step, printed as a command."""
+    flags = [*RECIPES[recipe], "--batch-size", str(batch), "--dataset", opts.dataset, "--model", opts.model,
+             *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []), *extra]
+    if recipe == "guide" and device.type == "cuda":
+        flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
+    print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
+    return parse_args("benchmark", [*flags, "--data-dir", opts.data_dir, "--no-download",
+                                    *([] if real else ["--synthetic"])])
+
+
+def has_real_data(opts):
+    """The --dataset's files are in --data-dir (else synthetic images of its size are used)."""
+    spec = DATASETS.get(opts.dataset)
+    return spec is None or not missing_files(opts.data_dir, spec)
 
 
 def settings(opts, device):
@@ -134,20 +177,14 @@ def benchmark(opts):
     device = ctx.device
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
     spec = DATASETS.get(opts.dataset)
-    real = spec is None or not missing_files(opts.data_dir, spec)
+    real = has_real_data(opts)
     common = {"device": device_name(device), "batch_size": batch, "dataset": opts.dataset,
               "data": (spec.title if spec else opts.data_dir) if real else "synthetic", "model": opts.model,
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
     rows = []
-    for recipe, flags in RECIPES.items():
-        flags = [*flags, "--batch-size", str(batch), "--dataset", opts.dataset, "--model", opts.model,
-                 *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []),
-                 *(["--compile"] if opts.compile and recipe == "project" else [])]
-        if recipe == "guide" and device.type == "cuda":
-            flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
-        print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
-        args = parse_args("benchmark", [*flags, "--data-dir", opts.data_dir, "--no-download",
-                                        *([] if real else ["--synthetic"])])
+    for recipe in RECIPES:
+        args = recipe_args(recipe, opts, batch, device, real, ["--compile"] if opts.compile and recipe == "project"
+                           else [])
         task = build_task(args, ctx)
         if recipe == "guide":
             task = replace(task, train_loader=guide_loader(task.train_loader.dataset, batch, device))
@@ -186,7 +223,7 @@ def profile_steps(args, ctx, steps):
     task = build_task(args, ctx)
     with torch.profiler.profile(activities=activities) as profiler:
         time_training_steps(task, args, ctx, endless(task.train_loader), 1, steps)
-    return profiler.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=20)
+    return profiler.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=20)
 
 
 def table(rows):
@@ -210,8 +247,53 @@ def table(rows):
     return lines
 
 
+def report(opts):
+    """--report: every figure of the first GPU hour (gpu_report.py) into one Markdown block."""
+    start = time.monotonic()
+    figures = gpu_report.Figures(versions=gpu_report.versions())
+    figures.rows = benchmark(opts)
+    for line in table(figures.rows):
+        print(line)
+    ctx = single_process_context()
+    batch, warmup_steps, steps, _ = settings(opts, ctx.device)
+    real = has_real_data(opts)
+
+    def project_steps(extra, batch_size, warmup, timed, timed_context=nullcontext):
+        args = recipe_args("project", opts, batch_size, ctx.device, real, extra)
+        task = build_task(args, ctx)
+        return time_training_steps(task, args, ctx, endless(task.train_loader), warmup, timed, timed_context)
+
+    compiled = project_steps(["--compile"], batch, warmup_steps, steps)
+    figures.compiled = {"images_per_sec": compiled.images_per_sec, "warmup_s": compiled.warmup_s}
+    figures.split = profile_split(ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch)
+    figures.peaks = gpu_report.peak_memory(lambda b: project_steps([], b, 2, 3), ctx)
+    figures.tier = gpu_report.run_gpu_tier(gpu_report.BUDGET_S - (time.monotonic() - start))
+    figures.seconds = time.monotonic() - start
+    text = gpu_report.markdown(figures, f"python benchmark.py --report {opts.report}")
+    gpu_report.write(opts.report, text)
+    print(f"\n{text}\nAppended to {opts.report}: copy it into BENCHMARKS.md")
+
+
+def profile_split(ctx, steps, images):
+    """gpu_report.profile_split of the timed training steps ``steps(profiler)`` runs inside
+    ``profiler`` (``images`` images in them), from torch.profiler's operators."""
+    cuda = ctx.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    profiler = torch.profiler.profile(activities=activities)
+    timing = steps(profiler)
+    times = top_operators(profiler.key_averages(), device_time=cuda, limit=None)
+    return gpu_report.profile_split(times.rows, 1e3 * images / timing.images_per_sec)
+
+
 def main():
     opts = build_parser().parse_args()
+    if opts.report:
+        if not torch.cuda.is_available():
+            raise UserError("--report measures a CUDA GPU and this machine has none; run it on a GPU node, e.g. "
+                            "srun --gpus=1 apptainer exec --nv \"$CONTAINER_PATH\" python benchmark.py --report "
+                            "report.md")
+        check_writable(opts.report, "--report")
+        return report(opts)
     if opts.json:
         check_writable(opts.json, "--json")  # before minutes of measuring, not after
     rows = benchmark(opts)

@@ -49,8 +49,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from device_utils import (RunAborted, UserError, cleanup_distributed, device_name, gather_objects, group_active,
-                          network_report, setup_distributed, synchronize)
+from device_utils import (RunAborted, UserError, any_rank, cleanup_distributed, device_name, gather_objects,
+                          group_active, network_report, setup_distributed)
 from flags import OneLineParser, non_negative_int, positive_float, positive_int
 from lost_ranks import is_collective_failure, who_is_lost
 from train_utils import run_cli  # one line per mistake, exactly as train.py's
@@ -352,18 +352,28 @@ def nccl_debug_file(template: str, host: str, pid: int) -> str:
     return template.replace("%h", host.split(".")[0]).replace("%p", str(pid))
 
 
+NEEDED_SUBSYSTEMS = ("INIT", "NET")  # where NCCL logs its version and its choice of network
+
+
 def nccl_log_settings(environ, directory: str) -> dict:
-    """The variables that make NCCL log its choice of network into ``directory``/nccl.log;
-    none when the user chose a NCCL_DEBUG_FILE (their log is read instead). A level above
-    INFO (TRACE) and the user's subsystems are kept."""
-    if "NCCL_DEBUG_FILE" in environ:
-        return {}
-    settings = {"NCCL_DEBUG_FILE": os.path.join(directory, "nccl.log")}
+    """The variables that make NCCL log its choice of network: into ``directory``/nccl.log
+    unless the user chose a NCCL_DEBUG_FILE (theirs is read then, and kept), at level INFO
+    at least (TRACE is kept), with the INIT and NET subsystems added to the user's own."""
+    settings = {} if "NCCL_DEBUG_FILE" in environ else {"NCCL_DEBUG_FILE": os.path.join(directory, "nccl.log")}
     if environ.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
         settings["NCCL_DEBUG"] = "INFO"
-    if "NCCL_DEBUG_SUBSYS" not in environ:
-        settings["NCCL_DEBUG_SUBSYS"] = "INIT,NET"
-    return settings
+    subsystems = environ.get("NCCL_DEBUG_SUBSYS")
+    if subsystems is None:
+        settings["NCCL_DEBUG_SUBSYS"] = ",".join(NEEDED_SUBSYSTEMS)
+    elif subsystems.startswith("^"):  # all but these: the needed ones must not be among them
+        kept = [s for s in subsystems[1:].split(",") if s and s.upper() not in NEEDED_SUBSYSTEMS]
+        settings["NCCL_DEBUG_SUBSYS"] = "^" + ",".join(kept) if kept else "ALL"
+    else:
+        chosen = [s for s in subsystems.split(",") if s]
+        if "ALL" not in (s.upper() for s in chosen):
+            missing = [s for s in NEEDED_SUBSYSTEMS if s not in (c.upper() for c in chosen)]
+            settings["NCCL_DEBUG_SUBSYS"] = ",".join(chosen + missing)
+    return {name: value for name, value in settings.items() if environ.get(name) != value}
 
 
 def read_nccl_log(path: str) -> NcclLog:
@@ -448,12 +458,26 @@ def require_torchrun(environ):
                         "torchrun --standalone --nproc_per_node=4 check_network.py")
 
 
+def wait_for_device(event, timeout_s, what):
+    """Wait for a CUDA event without blocking in CUDA: NCCL's all_reduce returns to the host at
+    once, so a rank that stopped responding would leave the others in a synchronize()
+    forever (until NCCL's watchdog aborts the process). Polled, it ends after ``timeout_s``
+    in a RuntimeError that process_group turns into one line naming the lost ranks."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"NCCL {what} timed out: not finished after {timeout_s:g} s")
+        time.sleep(1e-4)
+
+
 class Clock:
     """Times each iteration's all_reduce: CUDA events on GPUs (read once, after the last
-    iteration), the host's clock around gloo's blocking call on CPUs."""
+    iteration), the host's clock around gloo's blocking call on CPUs. On GPUs the small sizes'
+    times include the host's launch of the all-reduce (microseconds), which nccl-tests hides
+    by queueing iterations back to back."""
 
-    def __init__(self, device, iterations):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device, iterations, timeout_s):
+        self.cuda, self.timeout_s = device.type == "cuda", timeout_s
         if self.cuda:
             self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                            for _ in range(iterations)]
@@ -474,7 +498,7 @@ class Clock:
     def read(self) -> list:
         """Seconds per iteration; waits for the device."""
         if self.cuda:
-            self.events[-1][1].synchronize()
+            wait_for_device(self.events[-1][1], self.timeout_s, "all-reduce")
             self.seconds = [start.elapsed_time(stop) / 1e3 for start, stop in self.events]
         return self.seconds
 
@@ -485,7 +509,7 @@ def all_reduce_size(buffers, count, args, ctx, fault):
     source, result, expected = (b[:count] for b in buffers)
     iterations = args.warmup_iters + args.iters
     checks = torch.empty(iterations, 4, dtype=torch.float64, device=ctx.device)
-    clock = Clock(ctx.device, iterations)
+    clock = Clock(ctx.device, iterations, args.collective_timeout * 60)
     for i in range(iterations):
         result.copy_(source)  # all_reduce is in place: each iteration reduces fresh data
         clock.start(i)
@@ -499,25 +523,34 @@ def all_reduce_size(buffers, count, args, ctx, fault):
 
 
 def allocate(max_count, ctx):
-    """The source (this rank's values), result and expected buffers of the largest size."""
+    """The source (this rank's values), result and expected buffers of the largest size. The
+    ranks agree on success first: a rank that cannot allocate must not leave the others
+    waiting in an all-reduce it never joins."""
+    size = human_size(max_count * ELEMENT_BYTES)
+    why = None
     try:
         values = pattern(max_count, ctx.device)
-        source = values * float(ctx.rank + 1)
-        expected = values * float(sum_of_ranks(ctx.world_size))
+        buffers = (values * float(ctx.rank + 1), torch.empty_like(values), values * float(sum_of_ranks(ctx.world_size)))
         del values
-        return source, torch.empty_like(source), expected
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
-        raise UserError(f"cannot allocate 3 buffers of {human_size(max_count * ELEMENT_BYTES)} on {ctx.device} "
-                        f"({str(err).splitlines()[0][:120]}): choose a smaller --max-size",
-                        same_on_every_rank=False) from None
+        why = str(err).splitlines()[0][:120]
+    if any_rank(why is not None, ctx.control_group):
+        if why is not None:
+            raise UserError(f"cannot allocate 3 buffers of {size} on {ctx.device} ({why}): choose a smaller "
+                            "--max-size", same_on_every_rank=False)
+        raise UserError(f"another rank cannot allocate 3 buffers of {size}: choose a smaller --max-size")
+    return buffers
 
 
-def first_contact(ctx, log_path):
+def first_contact(ctx, log_path, timeout_s):
     """One all-reduce of a single value (it creates NCCL's communicator, which logs its
     choice of network), then every rank's NcclLog and whether its value was right, on rank 0."""
     one = torch.full((1,), float(ctx.rank + 1), dtype=DTYPE, device=ctx.device)
     dist.all_reduce(one)
-    synchronize(ctx.device)
+    if ctx.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        wait_for_device(done, timeout_s, "first all-reduce")
     right = one.item() == sum_of_ranks(ctx.world_size)
     log = read_nccl_log(log_path) if log_path else None
     return gather_objects((log, right, one.item(), socket.gethostname()), ctx.control_group)
@@ -560,7 +593,7 @@ def run(args, ctx, log_path, environ_before, fault):
     say(f"Device: {device_name(ctx.device)}; torch {torch.__version__}")
     for line in network_report(ctx, environ_before) if ctx.is_main else []:
         say(line)
-    contacts = first_contact(ctx, log_path)
+    contacts = first_contact(ctx, log_path, args.collective_timeout * 60)
     logs, hosts = [log for log, _, _, _ in contacts], [host for _, _, _, host in contacts]
     wrong_first = [rank for rank, (_, right, _, _) in enumerate(contacts) if not right]
     if wrong_first:
@@ -594,12 +627,10 @@ def main():
     environ_before = dict(os.environ)  # what the user set, for the report
     log_dir = log_path = None
     if torch.cuda.is_available():  # NCCL: before it starts, have it log its choice of network
-        if "NCCL_DEBUG_FILE" in os.environ:
-            log_path = nccl_debug_file(os.environ["NCCL_DEBUG_FILE"], socket.gethostname(), os.getpid())
-        else:
+        if "NCCL_DEBUG_FILE" not in os.environ:
             log_dir = tempfile.mkdtemp(prefix="check_network_")  # TMPDIR: local disk
-            os.environ.update(nccl_log_settings(os.environ, log_dir))
-            log_path = os.environ["NCCL_DEBUG_FILE"]
+        os.environ.update(nccl_log_settings(os.environ, log_dir))
+        log_path = nccl_debug_file(os.environ["NCCL_DEBUG_FILE"], socket.gethostname(), os.getpid())
     try:
         with process_group(args) as ctx:
             run(args, ctx, log_path, environ_before, fault)

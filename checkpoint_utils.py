@@ -26,6 +26,7 @@ import os
 import pickle
 import signal
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,8 @@ from pathlib import Path
 import torch
 
 from dataset_utils import derived_seed
-from device_utils import UserError, any_rank, from_rank0, gather_objects, launcher_gone, max_over_ranks
+from device_utils import (PendingMax, UserError, any_rank, from_rank0, gather_objects, group_active, launcher_gone,
+                          max_over_ranks)
 
 EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
@@ -44,7 +46,7 @@ UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, 
 RECIPE_FLAGS = ("batch_size", "base_lr", "lr_schedule", "warmup_epochs", "momentum", "nesterov", "weight_decay",
                 "label_smoothing", "precision", "seed", "limit_batches", "synthetic", "augment")
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
-STOP_FILE_POLL_S = 1.0  # rank 0 looks for --stop-file at most this often (a metadata call on a shared FS)
+STOP_FILE_POLL_S = 1.0  # rank 0's thread looks for --stop-file this often (a metadata call on a shared FS)
 
 
 @dataclass
@@ -452,11 +454,17 @@ class StopRequests:
     """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption, torchrun
     passing either on) and SIGINT (Ctrl-C) only set a flag, and so do ``stop_file`` appearing
     (seen by global rank 0) and the death of the torchrun that started this rank: the loop
-    stops after the current step, checkpoints, and exits. A second Ctrl-C quits at once.
+    stops after the next step (the current one in one process), checkpoints, and exits. A
+    second Ctrl-C quits at once.
 
     Exit status: EXIT_STOPPED after a signal; 0 after the stop file, which the job scripts
     use to stop training before the time limit without signalling torchrun (it would report
     the stop as a crash, with a traceback).
+
+    Nothing of this waits in a training step: a thread looks for the stop file (a stat on
+    Lustre can take 50 ms), and the ranks agree asynchronously (``after_step``): the
+    agreement started after one step is read after the next, so all ranks stop after the
+    same step, one step after the request was seen.
     """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -467,16 +475,27 @@ class StopRequests:
         self.stop_file = Path(stop_file) if stop_file and ctx.is_main else None
         self.received = None  # the name of the first signal
         self.file_seen = False
-        self._next_look = 0.0
         self._previous = {}
+        self._pending = None  # the agreement started after the last step (PendingMax)
+        self._done = threading.Event()
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        if self.stop_file is not None:
+            threading.Thread(target=self._watch_stop_file, name="stop-file", daemon=True).start()
         return self
 
     def __exit__(self, *exc_info):
+        self._done.set()  # the thread ends after its current look (not joined: a hung stat must not hang us)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _watch_stop_file(self):
+        while not self._done.is_set():
+            if self.stop_file.exists():
+                self.file_seen = True
+                return
+            self._done.wait(STOP_FILE_POLL_S)
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == "SIGINT":
@@ -491,14 +510,30 @@ class StopRequests:
             self.received = "torchrun, its launcher, has exited"
         if self.received:
             return STOP_SIGNAL
-        if self.stop_file is not None and not self.file_seen and time.monotonic() >= self._next_look:
-            self._next_look = time.monotonic() + STOP_FILE_POLL_S
-            self.file_seen = self.stop_file.exists()
         return STOP_FILE if self.file_seen else NO_STOP
 
+    def after_step(self):
+        """After each training step: the stop every rank acts on now (NO_STOP, STOP_FILE or
+        STOP_SIGNAL), from the agreement started after the previous step, which has finished
+        meanwhile (a one-element gloo all-reduce on the CPU: tens of microseconds, no GPU sync);
+        then the next one starts with this rank's flag. Every rank reads the same results in
+        the same order, so all stop after the same step."""
+        if not group_active():
+            return self._local()
+        agreed = self.drain()
+        if agreed == NO_STOP:
+            self._pending = PendingMax(self._local(), self.ctx.control_group)
+        return agreed
+
+    def drain(self):
+        """Finish the agreement under way, if any, and return it (NO_STOP if none). The flags
+        stay set, so a stop it carried is seen again by the next ``agreed``."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending else NO_STOP
+
     def agreed(self):
-        """The stop every rank acts on (NO_STOP, STOP_FILE or STOP_SIGNAL): the maximum over
-        ranks, a one-element all-reduce on the CPU (no GPU sync), so all stop after the same step."""
+        """The stop every rank acts on, now: the maximum over ranks (blocking; between epochs)."""
+        self.drain()
         return max_over_ranks(self._local(), self.ctx.control_group)
 
     def stopped(self, kind, where, path):

@@ -210,15 +210,23 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
                  "TORCH_FR_DUMP_ON_TIMEOUT")
         if trace_dir and not any(name in os.environ for name in dumps):
             os.environ.update(flight_recorder_settings(trace_dir))  # read when NCCL's group is made
-        dist.init_process_group(backend="nccl", timeout=timeout + timedelta(minutes=NCCL_TIMEOUT_MARGIN_MIN))
-    else:
-        dist.init_process_group(backend="gloo", timeout=timeout)
+    dist.init_process_group(**group_options(device, timeout))
     # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
     # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
     control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
     return DistContext(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
                        local_world_size=local_world_size, process_group=True, control_group=control_group,
                        launcher_pid=launcher_pid())
+
+
+def group_options(device: torch.device, timeout: timedelta) -> dict:
+    """init_process_group's arguments for a rank on ``device``. NCCL on a GPU gets the GPU as
+    ``device_id``: its communicator is made at once, so a broken NCCL (a missing library, a
+    network that cannot be opened) fails at start-up instead of at the first gradient
+    all-reduce, and it waits NCCL_TIMEOUT_MARGIN_MIN longer than the gloo group. gloo on the CPU."""
+    if device.type == "cuda":
+        return {"backend": "nccl", "timeout": timeout + timedelta(minutes=NCCL_TIMEOUT_MARGIN_MIN), "device_id": device}
+    return {"backend": "gloo", "timeout": timeout}
 
 
 # PyTorch 2.7's gloo process group joins its worker threads in its destructor while holding
@@ -283,6 +291,19 @@ def max_over_ranks(value: int, group=None) -> int:
     tensor = torch.tensor([int(value)])
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
+
+
+class PendingMax:
+    """A max_over_ranks under way: ``start`` launches the all-reduce and returns at once;
+    ``result`` waits for it (by then usually long finished) and reads it."""
+
+    def __init__(self, value: int, group=None):
+        self.tensor = torch.tensor([int(value)])
+        self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result(self) -> int:
+        self.work.wait()
+        return int(self.tensor.item())
 
 
 def any_rank(flag: bool, group=None) -> bool:
@@ -372,7 +393,7 @@ MULTINODE_SETTINGS = {
     "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_CXI_DEFAULT_CQ_SIZE": "131072", "FI_CXI_DEFAULT_TX_SIZE": "2048",
     "FI_CXI_RDZV_PROTO": "alt_read", "FI_CXI_RDZV_EAGER_SIZE": "0", "FI_CXI_RDZV_THRESHOLD": "0",
     "FI_CXI_RDZV_GET_MIN": "0", "NCCL_CROSS_NIC": "1", "NCCL_NET_GDR_LEVEL": "PHB",
-    "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO": "^LL128",
+    "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO": "^LL128", "GLOO_SOCKET_IFNAME": "hsn0",
 }
 
 

@@ -193,7 +193,7 @@ def build_parser(description):
                      help="record --profile-steps training steps with torch.profiler after the first --profile-skip "
                           "of each process, write one trace per rank here (Perfetto, chrome://tracing) and print "
                           "the operators that take the most time")
-    run.add_argument("--profile-skip", metavar="STEPS", type=non_negative_int, default=10,
+    run.add_argument("--profile-skip", metavar="STEPS", type=positive_int, default=10,
                      help="--profile-dir: training steps of this process before the window (warm-up: cuDNN "
                           "autotuning, torch.compile, loader start-up)")
     run.add_argument("--profile-steps", metavar="STEPS", type=positive_int, default=5,

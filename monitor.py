@@ -20,11 +20,12 @@ import time
 import warnings
 from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from device_utils import gather_objects, synchronize
+from log_utils import count
 
 GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
 TENSORBOARD_PIP = "pip install tensorboard"
@@ -47,13 +48,20 @@ TENSORBOARD_TAGS = {
 
 
 def tensorboard_missing():
-    """One line for a user who asked for --tensorboard without the package, else None."""
+    """One line for a user who asked for --tensorboard without a working package, else None.
+    The writer is imported here, at start, so that a broken install (protobuf, numpy) is this
+    line on every rank rather than a traceback on rank 0 after the data is loaded."""
     try:
         found = importlib.util.find_spec("tensorboard") is not None
-    except (ImportError, ValueError):  # a broken install, or blocked (sys.modules["tensorboard"] = None)
+    except (ImportError, ValueError):  # blocked (sys.modules["tensorboard"] = None)
         found = False
     if not found:
         return f"--tensorboard needs the tensorboard package, which is not installed: {TENSORBOARD_PIP}"
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except Exception as err:  # anything an install can break
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"--tensorboard: the tensorboard package does not load ({first[:160]}); reinstall it: {TENSORBOARD_PIP}"
     return None
 
 
@@ -61,15 +69,15 @@ def tensorboard_missing():
 # GPU utilization and power, sampled in a thread.
 
 class GpuSample(NamedTuple):
-    time: float          # time.perf_counter() seconds, the clock the loop times epochs with
-    utilization: float  # % of the last sample period in which a kernel ran (NVML), or None
-    power_w: float       # board power draw in watts, or None where the GPU does not report it
+    time: float                  # time.perf_counter() seconds, the clock the loop times epochs with
+    utilization: Optional[float]  # % of the last sample period in which a kernel ran (NVML), or None
+    power_w: Optional[float]      # board power draw in watts, or None where the GPU does not report it
 
 
 class GpuWindow(NamedTuple):
     """One rank's GPU over a stretch of time: means of the samples taken in it."""
-    utilization: float  # % (None without samples)
-    power_w: float      # W (None without samples)
+    utilization: Optional[float]  # % (None without samples)
+    power_w: Optional[float]      # W (None without samples)
     samples: int
 
 
@@ -87,9 +95,7 @@ def nvml_reader(device):
         return None, f"not recorded: pynvml is not installed ({NVML_PIP})"
     try:
         pynvml.nvmlInit()
-        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-        handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None
-                  else pynvml.nvmlDeviceGetHandleByIndex(device.index))
+        handle = nvml_handle(pynvml, device)
     except pynvml.NVMLError as err:
         return None, f"not recorded: NVML does not answer ({err})"
 
@@ -103,6 +109,15 @@ def nvml_reader(device):
                 values.append(None)
         return tuple(values)
     return read, None
+
+
+def nvml_handle(pynvml, device):
+    """NVML's handle of the CUDA ``device``, by its UUID (torch prints it without NVML's
+    "GPU-" prefix), or by index where torch does not know the UUID."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:
+        return pynvml.nvmlDeviceGetHandleByIndex(device.index)
+    return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
 
 
 class GpuSampler:
@@ -122,7 +137,7 @@ class GpuSampler:
 
     def __exit__(self, *exc):
         self.stopped.set()
-        self.thread.join()
+        self.thread.join(timeout=2 * self.interval_s)  # a GPU fallen off the bus can hang NVML: do not wait for it
 
     def _run(self):
         while not self.stopped.is_set():
@@ -193,44 +208,63 @@ class OperatorRow(NamedTuple):
     percent: float   # of all operators' self time
 
 
+class OperatorTimes(NamedTuple):
+    rows: list             # OperatorRow, the most self time first
+    compute_ms: float      # self time of every operator but communication
+    communication_ms: float  # all-reduces: on their own stream (NCCL) or thread (gloo), overlapping compute
+
+
+def is_communication(name):
+    """DDP's gradient all-reduces and other collectives, by operator name."""
+    lowered = name.lower()
+    return "nccl" in lowered or "gloo" in lowered or lowered.startswith("c10d::") or "all_reduce" in lowered
+
+
 def top_operators(averages, device_time, limit=TOP_OPERATORS):
     """The ``limit`` operators with the most self time (device time on a GPU: the kernels they
-    launched; CPU time on the CPU) from ``profiler.key_averages()``, and the total self time
-    in ms. Only host-side operators count, so each kernel is counted once."""
+    launched; CPU time on the CPU) from ``profiler.key_averages()``, and the totals in ms,
+    communication apart: it runs beside the computation, so adding it would overstate how
+    busy the device was. Only host-side operators count, so each kernel is counted once."""
     key = "self_device_time_total" if device_time else "self_cpu_time_total"
     ops = [e for e in averages if getattr(e, "device_type", None) in (None, torch.autograd.DeviceType.CPU)
-           and not e.key.startswith("ProfilerStep")]
+           and not e.key.startswith("ProfilerStep") and getattr(e, key) > 0]
     total_us = sum(getattr(e, key) for e in ops)
+    communication_us = sum(getattr(e, key) for e in ops if is_communication(e.key))
     ops.sort(key=lambda e: getattr(e, key), reverse=True)
-    rows = [OperatorRow(e.key, e.count, getattr(e, key) / 1e3, 100 * getattr(e, key) / total_us if total_us else 0.0)
-            for e in ops[:limit] if getattr(e, key) > 0]
-    return rows, total_us / 1e3
+    rows = [OperatorRow(e.key, e.count, getattr(e, key) / 1e3, 100 * getattr(e, key) / total_us) for e in ops[:limit]]
+    return OperatorTimes(rows, (total_us - communication_us) / 1e3, communication_us / 1e3)
 
 
-def operator_table(rows, total_ms, steps, wall_ms, unit):
+def operator_table(times, steps, wall_ms, unit):
     """Lines for the log: the top operators and how busy the device was per step."""
     lines = [f"{'operator':<52}{'calls':>7}{f'self {unit} ms':>14}{'per step':>10}{'share':>7}"]
-    for row in rows:
+    for row in times.rows:
         lines.append(f"{row.name[:51]:<52}{row.calls:>7}{row.self_ms:>14.2f}{row.self_ms / steps:>10.2f}"
                      f"{row.percent:>6.1f}%")
     if wall_ms:
-        lines.append(f"Per step: {total_ms / steps:.1f} ms of operator time on the {unit} in {wall_ms / steps:.1f} "
-                     f"ms of wall time ({min(100.0, 100 * total_ms / wall_ms):.0f}% busy; the rest is waiting: "
-                     "for data, for the host to launch work, for other ranks)")
+        busy = min(100.0, 100 * times.compute_ms / wall_ms)
+        lines.append(f"Per step: {times.compute_ms / steps:.1f} ms of computation on the {unit} in "
+                     f"{wall_ms / steps:.1f} ms of wall time ({busy:.0f}% busy; "
+                     "the rest is waiting: for data, for the host to launch work, for other ranks)"
+                     + (f"; communication {times.communication_ms / steps:.1f} ms beside it"
+                        if times.communication_ms else ""))
     return lines
 
 
 class ProfileWindow:
-    """torch.profiler over ``steps`` training steps after the first ``skip`` of this process
-    (cuDNN autotuning, torch.compile and the loader's start-up are over by then). Each rank
-    writes DIR/RUN_epochE_stepS_rankR.pt.trace.json.gz (Perfetto, TensorBoard); global rank
-    0 prints the top operators. A window cut short by the end of training is written as it is."""
+    """torch.profiler over ``steps`` training steps after the first ``skip`` (at least 1) of
+    this process (cuDNN autotuning, torch.compile and the loader's start-up are over by then).
+    The window records training steps only: it ends with the epoch's training phase at the
+    latest (then it has fewer steps). After that phase each rank writes
+    DIR/RUN_epochE_stepS_rankR.pt.trace.json.gz (Perfetto, TensorBoard) and global rank 0
+    prints the top operators, so writing them is not counted as training time."""
 
     def __init__(self, directory, skip, steps, ctx, run_id, log):
         self.directory, self.ctx, self.run_id, self.log = Path(directory), ctx, run_id, log
         self.skip, self.steps = skip, steps
         self.taken, self.recorded, self.where = 0, 0, None
-        self.profiler = self.started = self.marker = None
+        self.profiler = self.started = self.marker = self.wall_ms = None
+        self.recording = False
 
     def _mark_step(self):
         """Open the span ProfilerStep#N of the next step (what Perfetto and TensorBoard's
@@ -238,17 +272,17 @@ class ProfileWindow:
         if self.marker is not None:
             self.marker.__exit__(None, None, None)
         self.marker = None
-        if self.profiler is not None:
+        if self.recording:
             self.marker = torch.profiler.record_function(f"ProfilerStep#{self.recorded}")
             self.marker.__enter__()
 
     def step(self, epoch, step):
         """After training step ``step`` of ``epoch``."""
         self.taken += 1
-        if self.profiler is not None:
+        if self.recording:
             self.recorded += 1
             if self.recorded >= self.steps:
-                self.close()
+                self._stop()
             else:
                 self._mark_step()
         elif self.taken == self.skip and self.where is None:
@@ -261,18 +295,24 @@ class ProfileWindow:
             synchronize(self.ctx.device)  # the window starts with an idle device
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
-            self.started = time.perf_counter()
+            self.started, self.recording = time.perf_counter(), True
             self._mark_step()
 
-    def close(self):
-        """Stop the window if it is open: write this rank's trace, print the table."""
-        if self.profiler is None:
-            return
+    def _stop(self):
         synchronize(self.ctx.device)  # every kernel of the window has run
-        wall_ms = (time.perf_counter() - self.started) * 1e3
-        profiler, self.profiler = self.profiler, None
+        self.wall_ms = (time.perf_counter() - self.started) * 1e3
+        self.recording = False
         self._mark_step()  # closes the last step's span
-        profiler.stop()
+        self.profiler.stop()
+
+    def end_of_training_phase(self):
+        """After an epoch's training steps (or a stop): end the window if it is recording, and
+        write and print it if it has ended. True when this phase was (partly) profiled."""
+        if self.profiler is None:
+            return False
+        if self.recording:
+            self._stop()
+        profiler, self.profiler = self.profiler, None
         epoch, step = self.where
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"{self.run_id}_epoch{epoch}_step{step}_rank{self.ctx.rank}.pt.trace.json.gz"
@@ -282,13 +322,16 @@ class ProfileWindow:
         os.replace(tmp, path)
         if self.ctx.is_main:
             cuda = self.ctx.device.type == "cuda"
-            rows, total_ms = top_operators(profiler.key_averages(), device_time=cuda)
             steps = max(self.recorded, 1)
-            self.log.info(f"Profile of {steps} training steps from step {step} of epoch {epoch} "
-                          f"({'GPU' if cuda else 'CPU'} time of rank 0): trace of each rank in {self.directory}, "
-                          f"e.g. {path.name} (open it in https://ui.perfetto.dev)")
-            for line in operator_table(rows, total_ms, steps, wall_ms, "GPU" if cuda else "CPU"):
+            short = (f" (cut short by the end of the epoch: {self.steps} asked for)" if self.recorded < self.steps
+                     else "")
+            self.log.info(f"Profile of {count(steps, 'training step', 'training steps')} from step {step} of epoch "
+                          f"{epoch}{short} ({'GPU' if cuda else 'CPU'} time of rank 0): trace of each rank in "
+                          f"{self.directory}, e.g. {path.name} (open it in https://ui.perfetto.dev)")
+            for line in operator_table(top_operators(profiler.key_averages(), device_time=cuda), steps, self.wall_ms,
+                                       "GPU" if cuda else "CPU"):
                 self.log.info(line)
+        return True
 
 
 def unused_path(path):
@@ -309,15 +352,23 @@ class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
     ``Monitors()`` is all off (benchmark.py's timed steps)."""
 
-    def __init__(self, args=None, ctx=None, log=None, run_id=None, first_epoch=1, resumed=False):
+    def __init__(self, args=None, ctx=None, log=None, run_id=None, records=(), resumed=False):
         self.args, self.ctx, self.log = args, ctx, log
-        self.run_id, self.first_epoch, self.resumed = run_id, first_epoch, resumed
+        self.run_id, self.records, self.resumed = run_id, list(records), resumed  # records: the run's epochs so far
         self.sampler = self.tensorboard = self.profile = None
         self.stack = ExitStack()
 
     def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self.stack.close()  # the sampler's thread, a writer: nothing left running
+            raise
+        return self
+
+    def _start(self):
         if self.args is None:
-            return self
+            return
         args, ctx = self.args, self.ctx
         read, why_not = nvml_reader(ctx.device)
         if read is not None:
@@ -326,16 +377,21 @@ class Monitors:
             self.log.info("GPU utilization and power: " + (f"sampled every {GPU_SAMPLE_INTERVAL_S:g} s by NVML, "
                                                             "means per epoch in the metrics" if read else why_not))
         if args.tensorboard and ctx.is_main:
-            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, self.first_epoch, self.resumed)
+            # A resume rewrites the checkpoint's last epoch: a process killed between its
+            # checkpoint and its TensorBoard event would otherwise leave that epoch out.
+            last = self.records[-1:]
+            first_epoch = last[0]["epoch"] if last else len(self.records) + 1
+            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed)
             self.stack.callback(self.tensorboard.close)
+            for record in last:
+                self.tensorboard.add(record)
             self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
         if args.profile_dir:
             self.profile = ProfileWindow(args.profile_dir, args.profile_skip, args.profile_steps, ctx, self.run_id,
                                          self.log)
-            self.stack.callback(self.profile.close)
+            self.stack.callback(self.profile.end_of_training_phase)  # a stop or an error: what was recorded
             self.log.info(f"Profiler: {args.profile_steps} training steps after the first {args.profile_skip} of "
                           f"this process, traces in {args.profile_dir}")
-        return self
 
     def __exit__(self, *exc):
         self.stack.close()
@@ -344,14 +400,15 @@ class Monitors:
         if self.profile is not None:
             self.profile.step(epoch, step)
 
-    def gpu_window(self, start, end):
-        """The metrics line's GPU fields for the training phase from ``start`` to ``end``
-        (perf_counter seconds). A gather over the control group (CPU, a few hundred bytes)
-        once per epoch, on every rank."""
+    def end_of_training_phase(self, start, end):
+        """The metrics line's fields for the training phase from ``start`` to ``end``
+        (perf_counter seconds): its GPU utilization and power (a gather over the control
+        group, a few hundred bytes, on every rank) and whether the profiler recorded in it
+        (its steps ran slower), after writing that profile."""
         window = self.sampler.window(start, end) if self.sampler else GpuWindow(None, None, 0)
-        if self.ctx is None:
-            return gpu_fields([window])
-        return gpu_fields(gather_objects(window, self.ctx.control_group))
+        windows = gather_objects(window, self.ctx.control_group) if self.ctx is not None else [window]
+        profiled = self.profile.end_of_training_phase() if self.profile is not None else False
+        return {**gpu_fields(windows), "profiled": profiled}
 
     def record(self, record):
         if self.tensorboard is not None:

@@ -69,6 +69,10 @@ NETWORK_CHECK_ARGS="${NETWORK_CHECK_ARGS:-}"
 # HPE's recommended Slingshot settings, which the site's NCCL module sets on the host but a
 # container does not get unless passed in, and NCCL_PROTO=^LL128: recent NCCL versions can
 # silently corrupt data between GH200 nodes in the LL128 protocol (NVIDIA/nccl issue 2001).
+# GLOO_SOCKET_IFNAME puts the gloo control group (the per-step stop agreement, checkpoint
+# decisions) on Slingshot too: by default gloo binds to the address the host name resolves
+# to, which may be loopback (then the group cannot form and hangs) or the slow management
+# Ethernet.
 NETWORK_DEFAULTS=(
     FI_PROVIDER=cxi
     FI_CXI_RX_MATCH_MODE=hybrid
@@ -83,6 +87,7 @@ NETWORK_DEFAULTS=(
     NCCL_CROSS_NIC=1
     NCCL_NET_GDR_LEVEL=PHB
     "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"
+    GLOO_SOCKET_IFNAME=hsn0
     NCCL_PROTO=^LL128
 )
 # APPTAINERENV_X becomes X inside the container. (apptainer --env would cut values at

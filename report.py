@@ -62,9 +62,10 @@ class RunRecords:
         return str(self.value("device", "")).startswith("CPU")
 
     def steady(self):
-        """The epochs whose throughput counts: all but epoch 1 when there are others."""
-        later = [r for r in self.records if r["epoch"] > 1]
-        return later or self.records
+        """The epochs whose throughput counts: all but epoch 1 when there are others, and of
+        those the ones the profiler did not slow down (--profile-dir) when there are others."""
+        later = [r for r in self.records if r["epoch"] > 1] or self.records
+        return [r for r in later if not r.get("profiled")] or later
 
     def gpu_mean(self, key):
         """Mean of a GPU field (utilization %, power W) over the epochs after epoch 1 that have it,

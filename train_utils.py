@@ -66,7 +66,7 @@ def fit(task, args, ctx):
     state, rng_state = start_or_resume(run, continuing)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
     with (StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop,
-          Monitors(args, ctx, run.log, state.run_id, state.epoch, continuing) as run.monitor):
+          Monitors(args, ctx, run.log, state.run_id, state.records, continuing) as run.monitor):
         while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None
@@ -159,7 +159,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     done = train_steps(run, batches, state)
     synchronize(run.ctx.device)
     train_end = time.perf_counter()
-    gpu = run.monitor.gpu_window(start, train_end)  # a partial epoch resumed: its last part only
+    phase = run.monitor.end_of_training_phase(start, train_end)  # a partial epoch resumed: its last part only
     loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
     if done.first_bad:
         kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
@@ -176,7 +176,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
     result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr, gpu)
+                          time.perf_counter() - train_end, done.lr, phase)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(result.accuracy)
@@ -233,10 +233,11 @@ def train_steps(run, batches, state):
         progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
             check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
-        # A CPU all-reduce (gloo) every step: all ranks stop after the same step, none waits forever.
-        stop = run.stop.agreed()
+        # All ranks stop after the same step; the agreement runs on the CPU during the next step.
+        stop = run.stop.after_step()
         if stop:
             break
+    run.stop.drain()  # the last step's agreement: every collective after it finds the group idle
     progress.close()
     totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
     first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
@@ -272,10 +273,11 @@ def evaluate(run, loader, label="Evaluation"):
     return eval_summary(*totals.tolist())
 
 
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, gpu):
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase):
     """One line of --metrics-file. Times in seconds; throughput counts training images
-    actually processed on all ranks during the training phase (evaluation excluded); ``gpu``:
-    monitor.gpu_fields of the training phase (utilization %, power W; None on the CPU)."""
+    actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
+    what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
+    whether the profiler recorded in it)."""
     return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
             "val_accuracy": result.accuracy, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
@@ -285,7 +287,7 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "precision": run.precision.name, "synthetic": run.args.synthetic,
             "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
             "lr_cycle": len(state.lr_cycles),
-            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device), **gpu,
+            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device), **phase,
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -387,11 +389,14 @@ def configure_precision(requested, device):
     """Resolve --precision for ``device`` and set the TF32 switches; refuse combinations that
     cannot work."""
     cuda = device.type == "cuda"
+    # Only bf16 the GPU computes natively: PyTorch reports emulated bf16 (pre-Ampere GPUs) as
+    # supported by default, and it runs slower than fp32 there.
+    native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     if requested == "auto":
-        requested = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+        requested = "bf16" if native_bf16 else "fp32"
     if requested in ("fp16", "tf32") and not cuda:
         raise UserError(f"--precision {requested} needs a CUDA GPU; on the CPU use fp32 (or bf16)")
-    if requested == "bf16" and cuda and not torch.cuda.is_bf16_supported():
+    if requested == "bf16" and cuda and not native_bf16:
         raise UserError("--precision bf16: this GPU has no bf16 support; use fp16 or fp32")
     if cuda:
         # PyTorch lets cuDNN use TF32 for convolutions by default, so the guide's "fp32" was
@@ -451,10 +456,11 @@ class StepTiming(NamedTuple):
     precision: str         # as resolved for this device
 
 
-def time_training_steps(task, args, ctx, batches, warmup_steps, steps):
+def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_context=nullcontext):
     """Train ``task.model`` on ``batches`` with this loop's steps (the flags' recipe, precision
     and layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized
-    before each clock reading. No evaluation, checkpoints or stop requests."""
+    before each clock reading, inside ``timed_context()`` (a profiler, say). No evaluation,
+    checkpoints or stop requests."""
     run = prepare_run(task, args, ctx)
     run.stop = StopRequests(ctx)  # not entered: no handlers, so nothing but Ctrl-C stops it
     state = TrainState(run_id="benchmark")
@@ -462,9 +468,11 @@ def time_training_steps(task, args, ctx, batches, warmup_steps, steps):
     start = time.perf_counter()
     train_steps(run, islice(batches, warmup_steps), state)  # returns after a host sync
     warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    images = train_steps(run, islice(batches, steps), state).images
-    return StepTiming(images / (time.perf_counter() - start), warmup_s, run.precision.name)
+    with timed_context():
+        start = time.perf_counter()
+        images = train_steps(run, islice(batches, steps), state).images  # ends in a host sync
+        seconds = time.perf_counter() - start
+    return StepTiming(images / seconds, warmup_s, run.precision.name)
 
 
 # ---------------------------------------------------------------------------------------------

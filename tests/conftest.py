@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use them
@@ -75,6 +76,18 @@ def descendants(pid):
         found += below
         todo += below
     return found
+
+
+@pytest.fixture(autouse=True)
+def cpu_only(request, monkeypatch):
+    """The CPU suite stays on the CPU on a GPU machine too: CUDA is hidden from every test but
+    tests/test_gpu.py, in this process (torch.cuda.is_available) and in the processes it
+    starts (CUDA_VISIBLE_DEVICES, which clean_env copies). Otherwise a GPU node would run the
+    2-process tests on one GPU, compare GPU runs bit for bit, and expect "Device: cpu"."""
+    if request.path.name != "test_gpu.py":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -178,7 +178,13 @@ def test_nccl_logs_into_a_private_file_unless_the_user_chose_one():
                                                   "NCCL_DEBUG_SUBSYS": "INIT,NET"}
     assert cn.nccl_log_settings({"NCCL_DEBUG": "TRACE", "NCCL_DEBUG_SUBSYS": "ALL"}, "/tmp/d") == {
         "NCCL_DEBUG_FILE": "/tmp/d/nccl.log"}
-    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/nccl.%h.%p"}, "/tmp/d") == {}
+    # The user's file is read (and kept), at a level and with subsystems that log the network.
+    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/nccl.%h.%p"}, "/tmp/d") == {
+        "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"},
+                                "/tmp/d") == {"NCCL_DEBUG_SUBSYS": "COLL,INIT,NET"}
+    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "^NET,P2P"},
+                                "/tmp/d") == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "^P2P"}
     assert cn.nccl_debug_file("/x/nccl.%h.%p.log", "nid001234.olivia.sigma2.no", 4242) == "/x/nccl.nid001234.4242.log"
 
 

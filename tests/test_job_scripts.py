@@ -41,7 +41,8 @@ def job_env(tmp_path, **extra):
     (tmp_path / "pytorch.sif").touch()
     defaults = dict(PATH=f"{STUBS}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID, SLURM_SUBMIT_DIR=REPO,
                     CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4, GPU_LOG_INTERVAL=1,
-                    STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids", TORCHRUN_PATH="torchrun")
+                    STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids", TORCHRUN_PATH="torchrun",
+                    GLOO_SOCKET_IFNAME="lo")  # the "nodes" are processes on this machine: no hsn0
     return clean_env(**{**defaults, **extra})
 
 
@@ -162,6 +163,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     assert hpe <= seen
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in seen
     assert "FI_CXI_DEFAULT_TX_SIZE=1024" in seen and "FI_CXI_DEFAULT_TX_SIZE=2048" not in seen  # override wins
+    assert "GLOO_SOCKET_IFNAME=lo" in seen and "GLOO_SOCKET_IFNAME=hsn0" not in seen  # job_env's, for loopback
     assert "Network settings: " in first and "NCCL_PROTO=^LL128" in first and "WARNING: multi-node" not in first
     for node in nodes:  # every node logs its own GPUs
         assert_gpu_log(tmp_path / f"multinode_{JOB_ID}_gpu_{node}.csv")

@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,6 +96,20 @@ def test_tensorboard_after_a_resume_shows_each_epoch_once(tmp_path):
     assert scalars["speed/images_per_s"][-1][1] == pytest.approx(records[3]["images_per_sec"], rel=1e-6)
 
 
+def test_a_resume_writes_the_checkpoints_last_epoch_again(tmp_path):
+    """A process killed after its checkpoint of epoch 2 but before that epoch's event: the
+    resumed run writes epoch 2 from the checkpoint's records, once."""
+    pytest.importorskip("tensorboard", reason="pip install -r requirements-dev.txt")
+    records = [{"epoch": e, "train_loss": 5.0 - e, "val_accuracy": 0.1 * e} for e in (1, 2)]
+    first = monitor.TensorBoardLog(tmp_path / "tb", "run", 1, resumed=False)
+    first.add(records[0])  # killed before epoch 2's event
+    first.close()
+    args = parse_args("t", ["--synthetic", "--tensorboard", str(tmp_path / "tb")])
+    with monitor.Monitors(args, _cpu_context(), _Log(), "run", records, resumed=True) as monitors:
+        monitors.record({"epoch": 3, "train_loss": 1.5, "val_accuracy": 0.3})
+    assert _scalars(tmp_path / "tb" / "run")["loss/train"] == [(1, 4.0), (2, 3.0), (3, 1.5)]
+
+
 def test_tensorboard_missing_is_one_line_before_any_work(tmp_path):
     script = python_cmd("train.py")[1]
     blocked = ("import runpy, sys; sys.modules['tensorboard'] = None; "  # as if it were not installed
@@ -112,12 +127,15 @@ def test_tensorboard_missing_is_one_line_before_any_work(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The profiler.
 
-def test_profile_flags_need_a_profile_dir(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-steps", "3"], "--profile-steps applies with --profile-dir DIR"),
+    (["--profile-dir", "p", "--profile-skip", "0"], "argument --profile-skip: '0' is not a positive integer")])
+def test_profile_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
-        parse_args("t", ["--profile-steps", "3"])
+        parse_args("t", argv)
     assert exit_.value.code == 2
-    assert [line.split(": ", 1)[1] for line in error_lines(capsys.readouterr().err)] == [
-        "error: --profile-steps applies with --profile-dir DIR (see --help)"]
+    lines = error_lines(capsys.readouterr().err)
+    assert [line.split(": ", 1)[1] for line in lines] == [f"error: {message} (see --help)"]
 
 
 def test_top_operators_of_a_real_profile():
@@ -126,18 +144,33 @@ def test_top_operators_of_a_real_profile():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for _ in range(3):
             conv(x).relu().sum().backward()
-    rows, total_ms = monitor.top_operators(profiler.key_averages(), device_time=False, limit=4)
+    times = monitor.top_operators(profiler.key_averages(), device_time=False, limit=4)
     averages = {e.key: e for e in profiler.key_averages()}
+    rows, total_ms = times.rows, times.compute_ms + times.communication_ms
     assert len(rows) == 4 and [r.self_ms for r in rows] == sorted((r.self_ms for r in rows), reverse=True)
     for row in rows:
         assert row.self_ms == pytest.approx(averages[row.name].self_cpu_time_total / 1e3)
         assert row.percent == pytest.approx(100 * row.self_ms / total_ms)
     assert total_ms == pytest.approx(sum(e.self_cpu_time_total for e in averages.values()) / 1e3)
+    assert times.communication_ms == 0  # no collective here
     assert averages["aten::convolution_backward"].count == 3
-    lines = monitor.operator_table(rows, total_ms, steps=3, wall_ms=3 * total_ms, unit="CPU")
+    lines = monitor.operator_table(times, steps=3, wall_ms=3 * total_ms, unit="CPU")
     assert len(lines) == 1 + 4 + 1 and lines[0].split()[:2] == ["operator", "calls"]
-    assert lines[-1].startswith(f"Per step: {total_ms / 3:.1f} ms of operator time on the CPU in "
-                                f"{total_ms:.1f} ms of wall time (33% busy")
+    assert lines[-1] == (f"Per step: {total_ms / 3:.1f} ms of computation on the CPU in {total_ms:.1f} ms of wall "
+                         "time (33% busy; the rest is waiting: for data, for the host to launch work, for other ranks)")
+
+
+def test_communication_is_counted_beside_the_computation():
+    """A gradient all-reduce overlaps the backward pass: it is not added to the busy time."""
+    ops = [SimpleNamespace(key="aten::convolution_backward", count=2, self_cpu_time_total=6000.0),
+           SimpleNamespace(key="nccl:all_reduce", count=2, self_cpu_time_total=3000.0),
+           SimpleNamespace(key="c10d::allreduce_", count=2, self_cpu_time_total=1000.0)]
+    times = monitor.top_operators(ops, device_time=False)
+    assert (times.compute_ms, times.communication_ms) == (6.0, 4.0)
+    assert [row.name for row in times.rows] == ["aten::convolution_backward", "nccl:all_reduce", "c10d::allreduce_"]
+    assert monitor.operator_table(times, steps=2, wall_ms=8.0, unit="GPU")[-1].endswith(
+        "(75% busy; the rest is waiting: for data, for the host to launch work, for other ranks); "
+        "communication 2.0 ms beside it")
 
 
 def test_unused_path_never_overwrites(tmp_path):
@@ -148,32 +181,38 @@ def test_unused_path_never_overwrites(tmp_path):
 
 
 def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
-    data = write_cifar100(tmp_path / "data", n_train=16, n_test=8)
+    data = write_cifar100(tmp_path / "data", n_train=32, n_test=8)  # 3 steps of 8 per epoch
     result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", data, "--batch-size", "8", "--epochs", "2",
                               "--limit-batches", "3", "--warmup-epochs", "0", *FAST, "--profile-dir", "prof",
-                              "--profile-skip", "2", "--profile-steps", "2", "--metrics-file", "m.jsonl"),
+                              "--profile-skip", "1", "--profile-steps", "2", "--metrics-file", "m.jsonl"),
                  cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    run_id = read_metrics(tmp_path / "m.jsonl")[0]["run_id"]
+    records = read_metrics(tmp_path / "m.jsonl")
+    run_id = records[0]["run_id"]
+    assert [r["profiled"] for r in records] == [True, False]  # epoch 1's steps ran under the profiler
     traces = sorted(p.name for p in (tmp_path / "prof").iterdir())
-    assert traces == [f"{run_id}_epoch1_step3_rank{rank}.pt.trace.json.gz" for rank in (0, 1)]
+    assert traces == [f"{run_id}_epoch1_step2_rank{rank}.pt.trace.json.gz" for rank in (0, 1)]
     for trace in traces:
         events = json.loads(gzip.decompress((tmp_path / "prof" / trace).read_bytes()))["traceEvents"]
         names = {e.get("name", "") for e in events}
         assert {"ProfilerStep#0", "ProfilerStep#1"} <= names  # the 2 steps recorded
         assert "aten::convolution_backward" in names
-    # Steps 3 (epoch 1) and 4 (step 1 of epoch 2): the window goes on across the epoch's end.
-    assert result.stdout.count("Profile of 2 training steps from step 3 of epoch 1 (CPU time of rank 0)") == 1
+    # Steps 2 and 3 of epoch 1; printed after the training phase, before the evaluation's line.
+    assert result.stdout.count("Profile of 2 training steps from step 2 of epoch 1 (CPU time of rank 0)") == 1
+    assert result.stdout.index("Profile of") < result.stdout.index("Epoch 1/2:")
     table = result.stdout.split("Profile of 2 training steps", 1)[1].splitlines()[1:]
     assert table[0].split()[:2] == ["operator", "calls"] and "aten::convolution_backward" in "\n".join(table)
-    assert any(line.startswith("Per step: ") for line in table)
+    assert any(line.startswith("Per step: ") and "communication" in line for line in table)  # DDP's all-reduces
     assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
 
 
-def test_a_window_cut_short_by_the_end_of_training_is_written(tmp_path):
+def test_a_window_cut_short_by_the_end_of_the_epoch_is_written(tmp_path, capsys):
+    """The window records training steps only: the epoch's end ends it, before the evaluation."""
     data = write_cifar100(tmp_path / "data", n_train=8, n_test=8)
     assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "1", "--profile-dir", tmp_path / "prof",
                     "--profile-skip", "1", "--profile-steps", "5") == 0
+    assert ("Profile of 1 training step from step 2 of epoch 1 (cut short by the end of the epoch: 5 asked for)"
+            in capsys.readouterr().out)
     (trace,) = (tmp_path / "prof").iterdir()
     assert trace.name.endswith("_epoch1_step2_rank0.pt.trace.json.gz")
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
@@ -181,10 +220,11 @@ def test_a_window_cut_short_by_the_end_of_training_is_written(tmp_path):
 
 def test_no_profiler_and_no_thread_unless_asked(tmp_path):
     args = parse_args("t", ["--synthetic"])
-    with monitor.Monitors(args, _cpu_context(), _Log(), "run", 1, False) as monitors:
+    with monitor.Monitors(args, _cpu_context(), _Log(), "run", [], False) as monitors:
         assert (monitors.sampler, monitors.tensorboard, monitors.profile) == (None, None, None)
         assert not any(t.name == "gpu-sampler" for t in threading.enumerate())
-        assert monitors.gpu_window(0, time.perf_counter()) == monitor.gpu_fields([monitor.GpuWindow(None, None, 0)])
+        assert monitors.end_of_training_phase(0, time.perf_counter()) == {
+            **monitor.gpu_fields([monitor.GpuWindow(None, None, 0)]), "profiled": False}
 
 
 def _cpu_context():

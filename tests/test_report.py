@@ -164,3 +164,13 @@ def test_gpu_utilization_and_power_from_the_metrics(metrics, tmp_path, capsys):
     assert (rows["gpu.jsonl"]["GPU util %"], rows["gpu.jsonl"]["GPU W"]) == ("70", "200")  # (90+2*60)/3, (300+300)/3
     assert (rows["one.jsonl"]["GPU util %"], rows["one.jsonl"]["GPU W"]) == ("-", "-")
     assert png.stat().st_size > 0
+
+
+def test_a_profiled_epoch_is_left_out_of_the_throughput(metrics, tmp_path, capsys):
+    first, second = read_metrics(metrics[1])
+    records = [first, {**second, "profiled": True, "train_images": 8, "epoch_time_s": 8.0},  # 1 img/s
+               {**second, "epoch": 3, "profiled": False, "train_images": 8, "epoch_time_s": 2.0}]  # 4 img/s
+    path = tmp_path / "profiled.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(path)]) == 0
+    assert _rows(capsys.readouterr().out, "Runs")[0]["img/s after epoch 1"] == "4.0"

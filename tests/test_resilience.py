@@ -371,12 +371,15 @@ def test_default_interval_checkpoints_at_the_end_and_on_stop_not_every_epoch(tmp
 
 
 def test_stop_file_stops_with_exit_status_0(tmp_path, monkeypatch):
-    monkeypatch.setattr(cu, "STOP_FILE_POLL_S", 0.0)
+    monkeypatch.setattr(cu, "STOP_FILE_POLL_S", 0.01)
     stop_file = tmp_path / "STOP"
     ctx = DistContext(device=torch.device("cpu"))
     with cu.StopRequests(ctx, stop_file) as stop:
         assert stop.agreed() == cu.NO_STOP
-        stop_file.touch()
+        stop_file.touch()  # seen by the thread that looks for it, not in a step
+        deadline = time.time() + 10
+        while not stop.file_seen and time.time() < deadline:
+            time.sleep(0.01)
         assert stop.agreed() == cu.STOP_FILE
         stopped = stop.stopped(cu.STOP_FILE, "after step 3 of epoch 2", tmp_path / "checkpoint_000000007.pt")
     assert stopped.exit_code == 0
@@ -386,6 +389,48 @@ def test_stop_file_stops_with_exit_status_0(tmp_path, monkeypatch):
         os.kill(os.getpid(), signal.SIGTERM)  # a signal outranks the file
         assert stop.agreed() == cu.STOP_SIGNAL
         assert stop.stopped(cu.STOP_SIGNAL, "after epoch 1", None).exit_code == cu.EXIT_STOPPED
+
+
+def _agreement_worker(rank, store, folder, signal_step, slow_step):
+    """Up to ten steps of the per-step stop agreement: rank 1 gets SIGUSR1 in ``signal_step``
+    and takes 1.5 s over ``slow_step``. Records per step what after_step agreed and how long
+    it took on this rank."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ctx = DistContext(device=torch.device("cpu"), rank=rank, world_size=2, process_group=True)
+    seen = []
+    try:
+        with cu.StopRequests(ctx) as stop:
+            for step in range(1, 11):
+                if rank == 1 and step == signal_step:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                if rank == 1 and step == slow_step:
+                    time.sleep(1.5)
+                start = time.perf_counter()
+                agreed = stop.after_step()
+                seen.append([step, agreed, time.perf_counter() - start])
+                if agreed:
+                    break
+            stop.drain()
+    finally:
+        dist.destroy_process_group()
+    (folder / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    spawn(_agreement_worker, args=(tmp_path / "store", tmp_path, 3, None))
+    seen = [[(step, agreed) for step, agreed, _ in json.loads((tmp_path / f"rank{rank}.json").read_text())]
+            for rank in range(2)]
+    # Rank 1's signal in step 3 is agreed during step 4: both ranks stop after step 4, as for a signal.
+    expected = [(1, cu.NO_STOP), (2, cu.NO_STOP), (3, cu.NO_STOP), (4, cu.STOP_SIGNAL)]
+    assert seen == [expected, expected]
+
+
+def test_a_slow_step_on_one_rank_does_not_hold_the_others_in_that_step(tmp_path):
+    """The agreement read after step 3 was started after step 2: rank 0 does not wait there for
+    rank 1's slow step 3 (a blocking agreement would wait 1.5 s); it waits one step later."""
+    spawn(_agreement_worker, args=(tmp_path / "store", tmp_path, None, 3))
+    waits = [wait for _, _, wait in json.loads((tmp_path / "rank0.json").read_text())]
+    assert len(waits) == 10 and waits[2] < 0.5 and waits[3] > 1.0, waits
 
 
 def test_eval_only_needs_weights(capsys):

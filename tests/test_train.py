@@ -3,12 +3,13 @@ stopping, and bad input (one line, exit 2, nothing lost)."""
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
+from conftest import FAST, clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
 from model import WideResNet
 
 REQUIRED = {"epoch", "train_loss", "val_loss", "val_accuracy", "epoch_time_s", "images_per_sec", "lr", "world_size"}
@@ -169,3 +170,10 @@ def test_the_start_up_block_confirms_the_weights(tmp_path, cifar_dir, capsys):
                     "--batch-size", "4", "--weights", weights)
     out = capsys.readouterr().out
     assert code == 0 and f"\nWeights: loaded from {weights}\n" in out
+
+
+def test_the_cpu_suite_hides_cuda(tmp_path):
+    """On a GPU machine too (conftest.cpu_only): no CUDA here, none in the processes tests start."""
+    assert not torch.cuda.is_available()
+    result = run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], cwd=tmp_path)
+    assert result.stdout.strip() == "0" and clean_env()["CUDA_VISIBLE_DEVICES"] == ""

@@ -4,6 +4,7 @@ Pure functions are called directly."""
 import math
 import re
 import shlex
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -370,3 +371,25 @@ def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
                                                                                 for s in range(at)]  # the past stays
     constant = ls.extend(first, longer, 10, 100, "constant")
     assert {ls.schedule_factor(s, constant, "constant") for s in range(20, 150)} == {1.0}  # only back to the top
+
+
+def test_auto_precision_takes_only_native_bf16(monkeypatch):
+    """A GPU that only emulates bf16 (before Ampere) trains in fp32 under --precision auto and
+    refuses --precision bf16; PyTorch counts emulation as support unless asked not to."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert tu.configure_precision("auto", gpu).name == "fp32"
+    with pytest.raises(UserError, match="no bf16 support"):
+        tu.configure_precision("bf16", gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # H100, GH200
+    assert tu.configure_precision("auto", gpu) == tu.Precision("bf16", torch.bfloat16)
+
+
+def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():
+    timeout = timedelta(minutes=10)
+    gpu = torch.device("cuda", 3)
+    assert du_device.group_options(gpu, timeout) == {
+        "backend": "nccl", "timeout": timeout + timedelta(minutes=du_device.NCCL_TIMEOUT_MARGIN_MIN), "device_id": gpu}
+    assert du_device.group_options(torch.device("cpu"), timeout) == {"backend": "gloo", "timeout": timeout}
