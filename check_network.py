@@ -52,6 +52,7 @@ import torch.distributed as dist
 from device_utils import (RunAborted, UserError, any_rank, cleanup_distributed, device_name, gather_objects,
                           group_active, network_report, setup_distributed)
 from flags import OneLineParser, non_negative_int, positive_float, positive_int
+from log_utils import count
 from lost_ranks import is_collective_failure, who_is_lost
 from train_utils import run_cli  # one line per mistake, exactly as train.py's
 
@@ -199,10 +200,6 @@ def mismatches(rank: int, checks) -> list:
     """The iterations in which this rank's result was wrong, from the rows of check_result."""
     return [Mismatch(rank, iteration, int(row[0]), int(row[1]), float(row[2]), float(row[3]))
             for iteration, row in enumerate(checks, start=1) if row[0] > 0]
-
-
-def plural(count: int, one: str, many: str = None) -> str:
-    return f"{count} {one if count == 1 else many or one + 's'}"
 
 
 def rank_list(ranks) -> str:
@@ -408,7 +405,7 @@ def verdict(results: list, warmup: int, iters: int, min_busbw) -> str:
     last = results[-1]
     busbw = "n/a (one process)" if last.busbw is None else f"{last.busbw:.2f} GB/s"
     minimum = f" (--min-busbw {min_busbw:g})" if min_busbw is not None else ""
-    return (f"Network check passed: {plural(len(results), 'size')} x ({warmup}+{iters}) all-reduces exact; "
+    return (f"Network check passed: {count(len(results), 'size', 'sizes')} x ({warmup}+{iters}) all-reduces exact; "
             f"busbw at {human_size(last.nbytes)}: {busbw}{minimum}")
 
 
@@ -586,10 +583,10 @@ def run(args, ctx, log_path, environ_before, fault):
     backend = dist.get_backend()
     sizes = message_sizes(args.min_size, args.max_size)
     span = f"{human_size(sizes[0])} to {human_size(sizes[-1])}" if len(sizes) > 1 else human_size(sizes[0])
-    say(f"Network check: all-reduce (sum) of float32, {span} ({plural(len(sizes), 'size')}), "
+    say(f"Network check: all-reduce (sum) of float32, {span} ({count(len(sizes), 'size', 'sizes')}), "
         f"{args.warmup_iters} warm-up + {args.iters} timed iterations per size, every result checked", flush=True)
-    say(f"Backend: {backend}, world size {ctx.world_size} ({plural(ctx.num_nodes, 'node')} x "
-        f"{plural(ctx.local_world_size, 'process', 'processes')} per node)")
+    say(f"Backend: {backend}, world size {ctx.world_size} ({count(ctx.num_nodes, 'node', 'nodes')} x "
+        f"{count(ctx.local_world_size, 'process', 'processes')} per node)")
     say(f"Device: {device_name(ctx.device)}; torch {torch.__version__}")
     for line in network_report(ctx, environ_before) if ctx.is_main else []:
         say(line)
@@ -606,8 +603,8 @@ def run(args, ctx, log_path, environ_before, fault):
     say(table_header(), flush=True)
     results = []
     for nbytes in sizes:
-        count = nbytes // ELEMENT_BYTES
-        mean_s, found = all_reduce_size(buffers, count, args, ctx, fault)
+        elements = nbytes // ELEMENT_BYTES
+        mean_s, found = all_reduce_size(buffers, elements, args, ctx, fault)
         gathered = gather_objects((mean_s, found), ctx.control_group)
         time_s = max(mean for mean, _ in gathered)  # the slowest rank sets the pace
         found = [m for _, rank_found in gathered for m in rank_found]
@@ -615,7 +612,7 @@ def run(args, ctx, log_path, environ_before, fault):
                                   sum(m.wrong for m in found)))
         say(table_row(results[-1]), flush=True)
         if found:
-            raise RunAborted(mismatch_message(nbytes, count, args.warmup_iters + args.iters, found, hosts))
+            raise RunAborted(mismatch_message(nbytes, elements, args.warmup_iters + args.iters, found, hosts))
     check_busbw(results[-1], args.min_busbw, network_label(backend, logs))
     say(verdict(results, args.warmup_iters, args.iters, args.min_busbw), flush=True)
 
