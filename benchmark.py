@@ -35,6 +35,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import count, islice
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -64,7 +65,7 @@ from flags import (
     plugin_ref,
     positive_int,
 )
-from monitor import top_operators
+from monitor import top_operators, unused_path
 from task import build_task, default_num_workers
 from train_utils import run_cli, time_training_steps
 
@@ -248,30 +249,58 @@ def table(rows):
 
 
 def report(opts):
-    """--report: every figure of the first GPU hour (gpu_report.py) into one Markdown block."""
+    """--report: every figure of the first GPU hour (gpu_report.py) into one Markdown block. A
+    part that fails is named in the block and the others still run."""
     start = time.monotonic()
     figures = gpu_report.Figures(versions=gpu_report.versions())
-    figures.rows = benchmark(opts)
-    for line in table(figures.rows):
-        print(line)
     ctx = single_process_context()
     batch, warmup_steps, steps, _ = settings(opts, ctx.device)
     real = has_real_data(opts)
+
+    def attempt(part, measure):
+        print(f"\n== report: {part}", flush=True)
+        return gpu_report.attempt(figures, part, measure)
 
     def project_steps(extra, batch_size, warmup, timed, timed_context=nullcontext):
         args = recipe_args("project", opts, batch_size, ctx.device, real, extra)
         task = build_task(args, ctx)
         return time_training_steps(task, args, ctx, endless(task.train_loader), warmup, timed, timed_context)
 
-    compiled = project_steps(["--compile"], batch, warmup_steps, steps)
-    figures.compiled = {"images_per_sec": compiled.images_per_sec, "warmup_s": compiled.warmup_s}
-    figures.split = profile_split(ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch)
-    figures.peaks = gpu_report.peak_memory(lambda b: project_steps([], b, 2, 3), ctx)
-    figures.tier = gpu_report.run_gpu_tier(gpu_report.BUDGET_S - (time.monotonic() - start))
+    figures.rows = attempt("the guide against the defaults", lambda: benchmark(opts)) or []
+    for line in table(figures.rows) if figures.rows else []:
+        print(line)
+    compiled = attempt("the defaults with --compile", lambda: project_steps(["--compile"], batch, warmup_steps, steps))
+    if compiled:
+        figures.compiled = {"images_per_sec": compiled.images_per_sec, "warmup_s": compiled.warmup_s}
+    figures.split = attempt("a profile of the defaults' steps", lambda: profile_split(
+        ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch))
+    for size in (256, 1024):
+        figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.peak_memory(
+            lambda: project_steps([], size, 2, 3), ctx.device))
+    command = f"python benchmark.py --report {opts.report}"
     figures.seconds = time.monotonic() - start
-    text = gpu_report.markdown(figures, f"python benchmark.py --report {opts.report}")
+    print(f"\n== the figures so far (should the GPU tier overrun):\n{gpu_report.markdown(figures, command)}",
+          flush=True)
+    # The tier stops at the budget, then has TIER_GRACE_S to tear down, and the block is written.
+    left_s = gpu_report.BUDGET_S - gpu_report.TIER_GRACE_S - (time.monotonic() - start)
+    tier_log = unused_path(Path(opts.report).with_suffix(".gpu_tier.log"))
+    figures.tier = (attempt("the GPU tier", lambda: gpu_tier(ctx, left_s, tier_log))
+                    if left_s >= gpu_report.MIN_TIER_S
+                    else f"not run (no time left): run `python -m pytest -q {gpu_report.GPU_TIER}` next")
+    if tier_log.exists():
+        figures.tier = f"{figures.tier or 'failed (see Failed below)'} (its output: {tier_log})"
+    figures.seconds = time.monotonic() - start
+    text = gpu_report.markdown(figures, command)
+    print(f"\n{text}", flush=True)  # first: the figures survive a file that cannot be written
     gpu_report.write(opts.report, text)
-    print(f"\n{text}\nAppended to {opts.report}: copy it into BENCHMARKS.md")
+    print(f"Appended to {opts.report}: copy it into BENCHMARKS.md")
+
+
+def gpu_tier(ctx, timeout_s, log):
+    """gpu_report.run_gpu_tier, with the GPU memory this process cached given back first."""
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # raises after a sticky CUDA error: that part then fails alone
+    return gpu_report.run_gpu_tier(timeout_s, log)
 
 
 def profile_split(ctx, steps, images):
@@ -300,6 +329,7 @@ def main():
     for line in table(rows):
         print(line)
     if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)  # check_writable allows a new folder
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"Rows written to {opts.json}")

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from device_utils import (RunAborted, UserError, any_rank, cleanup_distributed, device_name, gather_objects,
                           group_active, network_report, setup_distributed)
 from flags import OneLineParser, non_negative_int, positive_float, positive_int
-from log_utils import count
+from log_utils import count, first_line
 from lost_ranks import is_collective_failure, who_is_lost
 from train_utils import run_cli  # one line per mistake, exactly as train.py's
 
@@ -530,7 +530,7 @@ def allocate(max_count, ctx):
         buffers = (values * float(ctx.rank + 1), torch.empty_like(values), values * float(sum_of_ranks(ctx.world_size)))
         del values
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
-        why = str(err).splitlines()[0][:120]
+        why = first_line(err)[:120]
     if any_rank(why is not None, ctx.control_group):
         if why is not None:
             raise UserError(f"cannot allocate 3 buffers of {size} on {ctx.device} ({why}): choose a smaller "

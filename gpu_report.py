@@ -8,17 +8,21 @@ in one command of under 9 minutes (what a lent GPU machine allows per command):
    normalization and element-wise work, the rest, and idle time;
 4. peak GPU memory at batch 256 and 1024;
 5. the GPU test tier (tests/test_gpu.py) with the time that is left; when it does not fit,
-   the report says how far it got and the command that runs it whole;
+   the report says how far it got and gives the command that runs the rest;
 
 and writes one Markdown block for BENCHMARKS.md with every figure and command, ending with
 what the figures say about the defaults: whether --compile should become the default on
 CUDA, what bounds a step, and where the defaults stand against 25,000 img/s on one GPU.
 """
 
+import os
 import platform
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,27 +30,33 @@ from pathlib import Path
 import torch
 
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory
+from monitor import is_communication
 
 BUDGET_S = 8.5 * 60  # one command may run 10 minutes on a lent machine: a margin for start-up and writing
 GOAL_IMAGES_PER_S = 25_000  # the project's goal for one H100/H200/GH200 with the defaults (issue 3)
 COMPILE_PAYS = 1.05  # --compile becomes the recommended default when it is at least this much faster
 REPO = Path(__file__).resolve().parent
-GPU_TIER = ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py")
+GPU_TIER = "tests/test_gpu.py"
+MIN_TIER_S = 30  # less time than this left: the tier is not started
+TIER_GRACE_S = 20  # after Ctrl-C, pytest's time to tear down (its fixtures kill the torchruns they started)
 
 # Operator name fragments of each part of a step (self GPU time of torch.profiler's operators).
 CATEGORIES = (
-    ("convolutions and matmuls", ("conv", "cudnn", "gemm", "addmm", "aten::mm", "aten::bmm", "linear")),
+    # Not "cudnn": aten::cudnn_batch_norm (fp16, tf32, fp32 runs) is normalization.
+    ("convolutions and matmuls", ("conv", "gemm", "addmm", "aten::mm", "aten::bmm", "linear")),
     ("normalization and element-wise", ("norm", "relu", "clamp", "threshold", "add", "mul", "div", "sub", "dropout",
                                         "bernoulli", "copy", "fill", "where", "sum", "mean", "max_pool", "avg_pool",
                                         "softmax", "nll", "cross_entropy", "sgd", "foreach", "index", "cat", "neg",
                                         "sqrt", "exp", "zero")),
-    ("communication", ("nccl", "gloo", "c10d::", "all_reduce")),
 )
 OTHER = "other"
+COMMUNICATION = "communication"
 
 
 def category(name):
     """The part of a step an operator belongs to, by its name (the first that matches)."""
+    if is_communication(name):
+        return COMMUNICATION
     lowered = name.lower()
     for title, fragments in CATEGORIES:
         if any(fragment in lowered for fragment in fragments):
@@ -60,7 +70,7 @@ def profile_split(rows, wall_ms):
     spent = {}
     for row in rows:
         spent[category(row.name)] = spent.get(category(row.name), 0.0) + row.self_ms
-    busy = sum(ms for part, ms in spent.items() if part != "communication")
+    busy = sum(ms for part, ms in spent.items() if part != COMMUNICATION)
     split = {part: 100 * ms / wall_ms for part, ms in spent.items()}
     split["idle"] = max(0.0, 100 * (wall_ms - busy) / wall_ms)
     return split
@@ -75,7 +85,21 @@ class Figures:
     split: dict = None          # profile_split of the defaults
     peaks: dict = field(default_factory=dict)  # batch -> peak GiB
     tier: str = None            # pytest's summary of tests/test_gpu.py, or how far it got
+    failures: list = field(default_factory=list)  # "part: error" of each part that raised
     seconds: float = 0.0
+
+
+def attempt(figures, part, measure):
+    """``measure()``, or None with its failure added to ``figures.failures`` (and its traceback
+    printed): these paths run on a GPU for the first time here, and a defect in one part must
+    not cost the figures of the others."""
+    try:
+        return measure()
+    except Exception as err:  # noqa: BLE001 - any defect: recorded in the block, shown in full above it
+        traceback.print_exc()
+        message = str(err).strip().splitlines()
+        figures.failures.append(f"{part}: {type(err).__name__}{': ' + message[0] if message else ''}")
+        return None
 
 
 def versions():
@@ -122,7 +146,7 @@ def recommendation(figures):
             lines.append(f"--compile gives {gain:.2f}x ({compiled:,.0f} against {eager:,.0f} img/s): keep it off by "
                          "default.")
     if figures.split:
-        parts = {k: v for k, v in figures.split.items() if k not in ("communication",)}
+        parts = {k: v for k, v in figures.split.items() if k != COMMUNICATION}
         bound = max(parts, key=parts.get)
         advice = {"convolutions and matmuls": "the step is compute bound in its convolutions: the defaults do what "
                                               "they can (bf16, channels_last); only a larger GPU is faster",
@@ -160,48 +184,108 @@ def markdown(figures, command):
     if figures.split:
         lines.append("Profile of the defaults' training steps (share of wall time): " + ", ".join(
             f"{part} {share:.0f}%" for part, share in sorted(figures.split.items(), key=lambda kv: -kv[1])))
-    peaks = {batch: gib for batch, gib in figures.peaks.items() if gib is not None}  # None: not a GPU
+    peaks = {batch: gib for batch, gib in figures.peaks.items() if gib is not None}  # None: not a GPU, or failed
     if peaks:
         lines.append("Peak GPU memory of training steps: " + ", ".join(
             f"batch {batch}: {gib:.2f} GiB" for batch, gib in sorted(peaks.items())))
     if figures.tier:
         lines.append(f"GPU tier (`python -m pytest -q tests/test_gpu.py`): {figures.tier}")
+    if figures.failures:
+        lines += ["", "Failed (tracebacks in the command's output):", *(f"- {failure}" for failure in figures.failures)]
     lines += ["", *(f"- {line}" for line in recommendation(figures))]
     return "\n".join(lines) + "\n"
 
 
-def run_gpu_tier(timeout_s):
-    """tests/test_gpu.py in a process of its own, for at most ``timeout_s``: pytest's summary,
-    or how far it got."""
-    if timeout_s < 30:
-        return "not run (no time left): run `python -m pytest -q tests/test_gpu.py` next"
+def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
+    """pytest ``tests`` in a process group of its own for at most ``timeout_s``, its output
+    going to ``log`` as it runs: pytest's summary and its failures, or, when the time runs out
+    or pytest dies, what finished and the command that runs the rest."""
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    print(f"GPU tier: python -m pytest -v {tests}, for at most {timeout_s:.0f} s; its output: {log}", flush=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tests)],
+                                   cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.wait(timeout=timeout_s)
+            stopped = None
+        except subprocess.TimeoutExpired:
+            stop(process)
+            stopped = f"before the time ran out ({timeout_s:.0f} s)"
+        except BaseException:  # Ctrl-C in the report: pytest, in its own session, would go on alone
+            stop(process)
+            raise
+    text = Path(log).read_text(errors="replace")
+    failures = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    summary = [line for line in text.splitlines() if re.fullmatch(r"=+ .*\d+ (passed|failed|skipped|error).* =+", line)]
+    if summary and stopped is None:
+        return summary[-1].strip("= ") + "".join(f"; {line}" for line in failures)
+    outcomes = outcomes_of(text)
+    counts = ", ".join(f"{list(outcomes.values()).count(outcome)} {outcome.lower()}"
+                       for outcome in OUTCOMES if outcome in outcomes.values())
+    failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
+    rest = " ".join(f"--deselect {shlex.quote(f'{tests}::{test}')}" for test in outcomes)
+    return (f"{counts or 'no test finished'} {stopped or f'before pytest died (exit status {process.returncode})'}"
+            + "".join(f"; FAILED {tests}::{test}" for test in failed)
+            + f"; the rest: `python -m pytest -q {tests}{' ' + rest if rest else ''}`")
+
+
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def outcomes_of(text):
+    """{test name: one of OUTCOMES} from ``pytest -v``'s lines (a test that was running when
+    pytest stopped has none). The name is the test ID after its file's path, which pytest
+    writes relative to the rootdir or the working directory; a parameter may hold spaces."""
+    found = re.findall(rf"^\S+?::(.+?) ({'|'.join(OUTCOMES)})\b", text, flags=re.MULTILINE)
+    return dict(found)
+
+
+def stop(process):
+    """Ctrl-C to pytest's process group, so pytest tears its fixtures down (they kill the
+    torchruns they started); after TIER_GRACE_S, SIGKILL to pytest and every process below it
+    (torchrun's ranks run in sessions of their own, out of the group's reach)."""
     try:
-        result = subprocess.run([sys.executable, *GPU_TIER], cwd=REPO, capture_output=True, text=True,
-                                timeout=timeout_s)
-    except subprocess.TimeoutExpired as stopped:
-        out = stopped.stdout.decode(errors="replace") if isinstance(stopped.stdout, bytes) else (stopped.stdout or "")
-        done = sum(line.count(".") for line in out.splitlines() if re.fullmatch(r"[.sFEx]+( +\[ *\d+%\])?", line))
-        failed = sum(line.count("F") + line.count("E") for line in out.splitlines()
-                     if re.fullmatch(r"[.sFEx]+( +\[ *\d+%\])?", line))
-        return (f"{done} passed and {failed} failed before the time ran out ({timeout_s:.0f} s): run "
-                "`python -m pytest -q tests/test_gpu.py` for all of it")
-    summary = [line for line in result.stdout.splitlines() if re.search(r"\d+ (passed|failed|skipped)", line)]
-    failures = [line for line in result.stdout.splitlines() if line.startswith("FAILED ")]
-    return (summary[-1].strip("= ") if summary else f"exit status {result.returncode}") + (
-        "; " + "; ".join(failures) if failures else "")
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=TIER_GRACE_S)
+        return
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
 
 
-def peak_memory(measure, ctx, batches=(256, 1024)):
-    """{batch: peak GiB} of a few training steps at each batch (``measure(batch)`` runs them)."""
-    peaks = {}
-    for batch in batches:
-        reset_peak_memory(ctx.device)
-        measure(batch)
-        peaks[batch] = peak_memory_gib(ctx.device)
-    return peaks
+def descendants(pid):
+    """Every process below ``pid`` (from /proc), in whichever session."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def peak_memory(measure, device):
+    """Peak GPU memory in GiB of the training steps ``measure()`` runs."""
+    reset_peak_memory(device)
+    measure()
+    return peak_memory_gib(device)
 
 
 def write(path, text):
     """Append the block: a report never replaces an earlier one in the same file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(text)

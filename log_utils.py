@@ -175,6 +175,12 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     return lines
 
 
+def first_line(err):
+    """The first line of an exception's message (libraries go on with advice and stacks), or
+    its type's name when it has none."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def count(n, one, many):
     return f"{n} {one if n == 1 else many}"
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from device_utils import DistContext, RunAborted, cleanup_distributed, group_active
+from log_utils import first_line
 
 ROLL_CALL_S = 30.0  # after a failed collective: how long the ranks that are alive wait for each other
 
@@ -105,7 +106,7 @@ def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
     """After the collective failure ``err``: a roll call (up to ROLL_CALL_S) and the line that
     names the ranks that did not answer, with the first sentence of the error."""
     missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    reason = first_line(err)
     reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
     reason = reason.split(". ", 1)[0].rstrip(".")[:200]  # the first sentence: gloo goes on with advice
     who = (f"rank(s) {missing} stopped responding" if missing

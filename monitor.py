@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from device_utils import gather_objects, synchronize
-from log_utils import count
+from log_utils import count, first_line
 
 GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
 TENSORBOARD_PIP = "pip install tensorboard"
@@ -60,8 +60,8 @@ def tensorboard_missing():
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except Exception as err:  # anything an install can break
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return f"--tensorboard: the tensorboard package does not load ({first[:160]}); reinstall it: {TENSORBOARD_PIP}"
+        return (f"--tensorboard: the tensorboard package does not load ({first_line(err)[:160]}); reinstall it: "
+                f"{TENSORBOARD_PIP}")
     return None
 
 
@@ -87,11 +87,8 @@ def nvml_reader(device):
     whatever CUDA_VISIBLE_DEVICES says."""
     if device.type != "cuda":
         return None, "no GPU"
-    try:
-        with warnings.catch_warnings():  # the old pynvml wrapper warns that it is deprecated
-            warnings.simplefilter("ignore")
-            import pynvml
-    except ImportError:
+    pynvml = import_pynvml()
+    if pynvml is None:
         return None, f"not recorded: pynvml is not installed ({NVML_PIP})"
     try:
         pynvml.nvmlInit()
@@ -111,13 +108,29 @@ def nvml_reader(device):
     return read, None
 
 
+def import_pynvml():
+    """The pynvml module (package nvidia-ml-py), or None where it is not installed."""
+    try:
+        with warnings.catch_warnings():  # the old pynvml wrapper warns that it is deprecated
+            warnings.simplefilter("ignore")
+            import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
 def nvml_handle(pynvml, device):
     """NVML's handle of the CUDA ``device``, by its UUID (torch prints it without NVML's
-    "GPU-" prefix), or by index where torch does not know the UUID."""
+    "GPU-" prefix, or "MIG-" for a MIG slice), or by index where torch does not know the UUID.
+    A UUID NVML knows under neither name raises NVMLError_NotFound: the index could be another
+    GPU's."""
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is None:
         return pynvml.nvmlDeviceGetHandleByIndex(device.index)
-    return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+    except pynvml.NVMLError_NotFound:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"MIG-{uuid}")
 
 
 class GpuSampler:
@@ -217,7 +230,8 @@ class OperatorTimes(NamedTuple):
 def is_communication(name):
     """DDP's gradient all-reduces and other collectives, by operator name."""
     lowered = name.lower()
-    return "nccl" in lowered or "gloo" in lowered or lowered.startswith("c10d::") or "all_reduce" in lowered
+    return (any(part in lowered for part in ("nccl", "gloo", "all_reduce", "record_param_comms"))
+            or lowered.startswith("c10d::"))
 
 
 def top_operators(averages, device_time, limit=TOP_OPERATORS):
@@ -352,9 +366,9 @@ class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
     ``Monitors()`` is all off (benchmark.py's timed steps)."""
 
-    def __init__(self, args=None, ctx=None, log=None, run_id=None, records=(), resumed=False):
+    def __init__(self, args=None, ctx=None, log=None, run_id=None, last_record=None, resumed=False):
         self.args, self.ctx, self.log = args, ctx, log
-        self.run_id, self.records, self.resumed = run_id, list(records), resumed  # records: the run's epochs so far
+        self.run_id, self.last_record, self.resumed = run_id, last_record, resumed  # last_record: the checkpoint's
         self.sampler = self.tensorboard = self.profile = None
         self.stack = ExitStack()
 
@@ -379,12 +393,11 @@ class Monitors:
         if args.tensorboard and ctx.is_main:
             # A resume rewrites the checkpoint's last epoch: a process killed between its
             # checkpoint and its TensorBoard event would otherwise leave that epoch out.
-            last = self.records[-1:]
-            first_epoch = last[0]["epoch"] if last else len(self.records) + 1
+            first_epoch = self.last_record["epoch"] if self.last_record else 1
             self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed)
             self.stack.callback(self.tensorboard.close)
-            for record in last:
-                self.tensorboard.add(record)
+            if self.last_record:
+                self.tensorboard.add(self.last_record)
             self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
         if args.profile_dir:
             self.profile = ProfileWindow(args.profile_dir, args.profile_skip, args.profile_steps, ctx, self.run_id,

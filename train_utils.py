@@ -66,7 +66,8 @@ def fit(task, args, ctx):
     state, rng_state = start_or_resume(run, continuing)
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
     with (StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop,
-          Monitors(args, ctx, run.log, state.run_id, state.records, continuing) as run.monitor):
+          Monitors(args, ctx, run.log, state.run_id, state.records[-1] if state.records else None,
+                   continuing) as run.monitor):
         while state.epoch <= args.epochs and not reached():
             run_epoch(run, train_loader, test_loader, state, rng_state)
             rng_state = None

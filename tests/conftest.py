@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use the
 # The writers of tiny data sets in every real format (the product's demo_data.py).
 from demo_data import (idx_bytes, learnable_images, write_cifar10, write_cifar100, write_dataset,  # noqa: E402,F401
                        write_idx, write_image_folder)
+from gpu_report import descendants  # noqa: E402,F401 - every process below a pid (torchrun's ranks)
 
 # Variables a launcher may have left in the environment; each test sets its own.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -58,24 +59,6 @@ def start(cmd, cwd, log, env=None):
                                stderr=subprocess.STDOUT, start_new_session=True)
     _BACKGROUND.append(process)
     return process
-
-
-def descendants(pid):
-    """Every process below ``pid`` (from /proc): torchrun starts its ranks in sessions of
-    their own, which a signal to torchrun's process group does not reach."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ agrees with the rows it wrote."""
 import json
 import math
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +65,7 @@ def _figures(eager, compiled, split):
              "data": "synthetic"}
             for recipe, loader, values in (("guide", "torchvision", (5000.0, 5100.0)),
                                            ("project", "device", (90000.0, eager)))
-            for measure, value in zip(("pipeline", "train"), values)]
+            for measure, value in zip(("pipeline", "train"), values, strict=True)]
     versions = {"gpu": "NVIDIA H100 80GB HBM3, 79.1 GiB", "driver": "570.1", "torch": "2.8.0", "cuda": "12.9",
                 "cudnn": 91000, "nccl": "2.27.3", "torchvision": "0.23.0", "python": "3.12.3", "machine": "aarch64"}
     return gpu_report.Figures(versions=versions, rows=rows, compiled={"images_per_sec": compiled, "warmup_s": 95.0},
@@ -104,11 +106,144 @@ def test_profile_split_of_a_real_profile():
     assert split["convolutions and matmuls"] > 0 and split["normalization and element-wise"] > 0
     assert gpu_report.category("aten::cudnn_convolution") == "convolutions and matmuls"
     assert gpu_report.category("aten::native_batch_norm") == "normalization and element-wise"
+    assert gpu_report.category("aten::cudnn_batch_norm_backward") == "normalization and element-wise"  # not conv
+    assert gpu_report.category("record_param_comms") == "communication"
     assert gpu_report.category("nccl:all_reduce") == "communication"
 
 
-def test_gpu_tier_summary_on_this_machine():
+def test_gpu_tier_summary_on_this_machine(tmp_path):
     """No GPU here: the tier is collected and skipped, and the summary says so."""
-    summary = gpu_report.run_gpu_tier(timeout_s=300)
+    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log")
     assert re.fullmatch(r"\d+ skipped in [\d.]+s( \(\d+:\d+:\d+\))?", summary), summary
-    assert gpu_report.run_gpu_tier(timeout_s=10).startswith("not run (no time left)")
+    assert "tests/test_gpu.py::test_" in (tmp_path / "tier.log").read_text()  # the whole output, one line per test
+
+
+SLOW_TESTS = """
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def test_fast():
+    pass
+
+
+@pytest.mark.parametrize("stop", ["stop file"])  # an ID with a space, as test_gpu.py's
+def test_failing(stop):
+    assert False
+
+
+def test_skipped():
+    pytest.skip("no second GPU here")
+
+
+@pytest.mark.xfail(reason="known")
+def test_known():
+    assert False
+
+
+def test_slow():
+    if os.environ.get("IGNORE_SIGINT"):  # a test that will not stop, with a process of its own session below it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        open(os.environ["IGNORE_SIGINT"], "w").write(str(child.pid))
+    if os.environ.get("DIE"):
+        os._exit(3)
+    time.sleep(600)
+
+
+def test_after():
+    pass
+"""
+
+
+def _finished(tests, why):
+    """run_gpu_tier's summary of SLOW_TESTS stopped in test_slow, ``why``."""
+    return (f"1 passed, 1 failed, 1 skipped, 1 xfail {why}; FAILED {tests}::test_failing[stop file]; the rest: "
+            f"`python -m pytest -q {tests} --deselect {tests}::test_fast --deselect '{tests}::test_failing[stop file]' "
+            f"--deselect {tests}::test_skipped --deselect {tests}::test_known`")
+
+
+def test_a_gpu_tier_out_of_time_says_how_far_it_got_and_what_is_left(tmp_path):
+    """Ctrl-C at the deadline: pytest stops and says what finished; the command runs the rest."""
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(SLOW_TESTS)
+    start = time.monotonic()
+    summary = gpu_report.run_gpu_tier(10, tmp_path / "logs" / "tier.log", tests)
+    assert time.monotonic() - start < 10 + gpu_report.TIER_GRACE_S  # stopped by Ctrl-C, not slept for 600 s
+    assert summary == _finished(tests, "before the time ran out (10 s)")
+    assert "::test_fast PASSED" in (tmp_path / "logs" / "tier.log").read_text()
+
+
+def test_a_gpu_tier_that_ignores_ctrl_c_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_report, "TIER_GRACE_S", 2)
+    monkeypatch.setenv("IGNORE_SIGINT", str(tmp_path / "child.pid"))
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(SLOW_TESTS)
+    summary = gpu_report.run_gpu_tier(10, tmp_path / "tier.log", tests)
+    assert summary == _finished(tests, "before the time ran out (10 s)")
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split(")")[1][:3]:
+        assert time.monotonic() < deadline, "the test's own-session child was left running"
+        time.sleep(0.1)
+
+
+def test_a_gpu_tier_that_dies_says_what_finished(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIE", "1")
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(SLOW_TESTS)
+    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log", tests)
+    assert summary == _finished(tests, "before pytest died (exit status 3)")
+
+
+TINY_NET = """
+import torch.nn as nn
+
+
+def Net(num_classes, in_channels):
+    return nn.Sequential(nn.Conv2d(in_channels, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, num_classes))
+"""
+
+
+def test_report_runs_every_part_and_names_the_one_that_failed(tmp_path, monkeypatch, capsys):
+    """--report's orchestration on the CPU (main() refuses it here; report() is called), with
+    a tiny network: a part that raises is named in the block, and the others still measure."""
+    import torch
+
+    import benchmark
+    (tmp_path / "tiny_net.py").write_text(TINY_NET)
+    report = tmp_path / "report.md"
+    report.write_text("an earlier report\n")
+
+    def no_compiler(model, **kwargs):
+        raise RuntimeError("no C++ compiler here\nsecond line")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    tier_calls = []
+    monkeypatch.setattr(gpu_report, "run_gpu_tier", lambda left_s, log: tier_calls.append((left_s, log)) or "stub")
+    opts = benchmark.build_parser().parse_args(["--quick", "--report", str(report), "--data-dir", str(tmp_path / "no"),
+                                                "--model", f"{tmp_path / 'tiny_net.py'}:Net"])
+    benchmark.report(opts)
+    captured = capsys.readouterr()
+    text = report.read_text()
+    assert text.startswith("an earlier report\n## ")  # appended, never replaced
+    block = text.split("\n", 1)[1]
+    assert block in captured.out and "Appended to" in captured.out
+    assert "RuntimeError: no C++ compiler here\nsecond line" in captured.err  # its traceback, in full
+    failed = block.split("Failed (tracebacks in the command's output):\n", 1)[1].split("\n\n", 1)[0]
+    assert failed == "- the defaults with --compile: RuntimeError: no C++ compiler here"  # that part alone
+    guide, project = (re.search(r"^\| train \| ([\d,]+) \| ([\d,]+) \| - \|$", block, re.MULTILINE)[i]
+                      for i in (1, 2))
+    assert int(guide.replace(",", "")) > 0 and int(project.replace(",", "")) > 0
+    split = re.search(r"^Profile of the defaults' training steps \(share of wall time\): (.*)$", block, re.MULTILINE)[1]
+    shares = dict(re.fullmatch(r"(.+) (\d+)%", part).groups() for part in split.split(", "))
+    assert "convolutions and matmuls" in shares and "idle" in shares
+    assert "Peak GPU memory" not in block  # no GPU: no peaks, and no failure either
+    [(left_s, log)] = tier_calls
+    assert 0 < left_s < gpu_report.BUDGET_S and log == tmp_path / "report.gpu_tier.log"
+    assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): stub" in block

@@ -29,6 +29,7 @@ import dataset_utils as du
 import flags
 import train_utils as tu
 from conftest import clean_env, python_cmd, read_metrics, run, start, torchrun_cmd, wait_for, write_cifar100
+from test_check_network import TABLE_ROW
 from test_resilience import _rank_pid
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU tier needs one")
@@ -44,19 +45,61 @@ def finite_run(result, metrics):
     return records
 
 
-@pytest.mark.parametrize("layout", ["--channels-last", "--no-channels-last"])
-@pytest.mark.parametrize("precision", ["auto", "bf16", "fp16", "tf32", "fp32"])
-def test_training_steps_in_every_precision_and_layout(tmp_path, precision, layout):
-    metrics = tmp_path / "m.jsonl"
-    result = run(python_cmd("train.py", *SHORT, "--precision", precision, layout, "--metrics-file", metrics),
-                 cwd=tmp_path)
-    records = finite_run(result, metrics)
-    expected = {"auto": "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
-                }.get(precision, precision)
-    assert {r["precision"] for r in records} == {expected}
-    assert f"Device: cuda:0 ({torch.cuda.get_device_name(0)}" in result.stdout
-    assert all(r["device"].startswith(torch.cuda.get_device_name(0)) and r["peak_memory_gib"] > 0 for r in records)
-    assert ("channels_last" in result.stdout) == (layout == "--channels-last")
+# ---------------------------------------------------------------------------------------------
+# First what is most likely to break (it has never run on a GPU), fastest first: benchmark.py
+# --report runs this file with the time it has left.
+
+def _prepared_run(*flag_list):
+    from checkpoint_utils import StopRequests, TrainState
+    from device_utils import single_process_context
+    from task import build_task
+    args = flags.parse_args("x", ["--synthetic", "--batch-size", "64", "--num-workers", "0", "--log-interval", "0",
+                                  *flag_list])
+    ctx = single_process_context()
+    task = build_task(args, ctx)
+    run_ = tu.prepare_run(task, args, ctx)
+    run_.stop = StopRequests(ctx)
+    return run_, iter(task.train_loader), TrainState(run_id="gpu-test")
+
+
+@pytest.mark.parametrize("precision, layout, dtype, channels_last", [
+    ("auto", "--channels-last", torch.bfloat16, True), ("fp16", "--channels-last", torch.float16, True),
+    ("fp32", "--no-channels-last", torch.float32, False)])
+def test_a_training_step_runs_in_the_layout_and_precision_it_reports(precision, layout, dtype, channels_last):
+    """Hooks on the first convolution: its input's memory layout and its output's dtype. A
+    run that printed channels_last and bf16 but silently computed NCHW fp32 would pass the
+    end-to-end tests below; it fails here."""
+    run_, batches, state = _prepared_run("--precision", precision, layout)
+    conv = next(m for m in run_.module.modules() if isinstance(m, torch.nn.Conv2d))
+    seen = []
+    conv.register_forward_hook(lambda module, inputs, output: seen.append(
+        (inputs[0].is_contiguous(memory_format=torch.channels_last), output.dtype)))
+    tu.train_steps(run_, [next(batches)], state)
+    assert seen == [(channels_last, dtype)]
+
+
+def _sync_warnings(run_, batches, state, steps):
+    """The synchronizing CUDA calls that ``steps`` training steps make (sync debug mode)."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            tu.train_steps(run_, [next(batches) for _ in range(steps)], state)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def test_no_host_sync_inside_a_training_step():
+    """20 steps wait for the GPU exactly as often as 2 do: only when the epoch's sums are read
+    at the end (train_steps' final all-reduce), never per step."""
+    run_, batches, state = _prepared_run()
+    tu.train_steps(run_, [next(batches) for _ in range(3)], state)  # warm-up: autotuning, first allocations
+    few = _sync_warnings(run_, batches, state, 2)
+    many = _sync_warnings(run_, batches, state, 20)
+    assert len(many) == len(few) <= 3, many
 
 
 def test_cudnn_autotuning_and_the_current_device_are_set():
@@ -64,40 +107,6 @@ def test_cudnn_autotuning_and_the_current_device_are_set():
     ctx = single_process_context()
     assert ctx.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
     assert torch.backends.cudnn.benchmark is True
-
-
-def test_device_loader_on_cuda_serves_the_cpu_loaders_batches(tmp_path):
-    data = write_cifar100(tmp_path / "data", n_train=64, n_test=40)
-    loaders = {device: du.load_cifar100(16, data_dir=data, loader="device", device=device, seed=3)
-               for device in ("cpu", "cuda")}
-    for epoch in (0, 1):
-        for device in loaders:
-            du.set_loader_epoch(loaders[device][0], epoch)
-        for split in (0, 1):  # training (augmented) and test batches
-            batches = list(zip(loaders["cpu"][split], loaders["cuda"][split], strict=True))
-            assert batches
-            for (x_cpu, y_cpu), (x_gpu, y_gpu) in batches:
-                assert x_gpu.is_cuda and torch.equal(x_cpu, x_gpu.cpu()) and torch.equal(y_cpu, y_gpu.cpu())
-
-
-@pytest.mark.parametrize("layout", ["default", "--channels-last", "--no-channels-last"])
-@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
-def test_a_checkpoint_resumes_on_the_other_device_type(tmp_path, first, then, layout):
-    """A stop file that is there from the start stops training after its first step, with a
-    checkpoint (optimizer state and all); the other device type finishes the run. "default":
-    NCHW on the CPU, channels_last on CUDA, so the momentum buffers are re-strided for the
-    fused SGD kernel (fit_optimizer_to_params), which fails on mismatched strides."""
-    envs = {"cpu": CPU_ONLY, "cuda": clean_env()}
-    args = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "16", "--num-workers", "0",
-            *([] if layout == "default" else [layout]), "--checkpoint-dir", tmp_path / "ck",
-            "--metrics-file", tmp_path / "m.jsonl")
-    (tmp_path / "STOP").touch()
-    stopped = run(python_cmd("train.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path, env=envs[first])
-    assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1" in stopped.stdout, stopped.stderr
-    resumed = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path, env=envs[then])
-    records = finite_run(resumed, tmp_path / "m.jsonl")
-    assert [r["epoch"] for r in records] == [1, 2]
-    assert f"Device: {'cuda:0' if then == 'cuda' else 'cpu'} " in resumed.stdout
 
 
 def _step(model, optimizer, scaler, factor=1.0):
@@ -134,6 +143,38 @@ def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage(monk
         assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_device_loader_on_cuda_serves_the_cpu_loaders_batches(tmp_path):
+    data = write_cifar100(tmp_path / "data", n_train=64, n_test=40)
+    loaders = {device: du.load_cifar100(16, data_dir=data, loader="device", device=device, seed=3)
+               for device in ("cpu", "cuda")}
+    for epoch in (0, 1):
+        for device in loaders:
+            du.set_loader_epoch(loaders[device][0], epoch)
+        for split in (0, 1):  # training (augmented) and test batches
+            batches = list(zip(loaders["cpu"][split], loaders["cuda"][split], strict=True))
+            assert batches
+            for (x_cpu, y_cpu), (x_gpu, y_gpu) in batches:
+                assert x_gpu.is_cuda and torch.equal(x_cpu, x_gpu.cpu()) and torch.equal(y_cpu, y_gpu.cpu())
+
+
+def test_network_check_on_nccl(tmp_path):
+    """check_network.py on NCCL: CUDA events time it, NCCL's own log (NCCL_DEBUG=INFO into a
+    temporary file) names the network it chose, and the version is the loaded library's."""
+    gpus = min(torch.cuda.device_count(), 2)
+    (tmp_path / "tmp").mkdir()
+    result = run(torchrun_cmd(gpus, "check_network.py", "--max-size", "4M", "--iters", "5"), cwd=tmp_path,
+                 env=clean_env(TMPDIR=tmp_path / "tmp"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"Backend: nccl, world size {gpus}" in out and re.search(r"NCCL version: \d+\.\d+\.\d+", out)
+    assert "Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes NCCL would use" in out
+    assert "unknown (" not in out  # the log was written and read
+    assert re.search(r"Network check passed: 13 sizes x \(5\+5\) all-reduces exact", out)
+    rows = [TABLE_ROW.match(line) for line in out.splitlines() if TABLE_ROW.match(line)]
+    assert len(rows) == 13 and all(float(row[4]) > 0 for row in rows)  # the time (us) of every size
+    assert not list((tmp_path / "tmp").glob("check_network_*"))  # its NCCL logs are gone (torchrun's stay)
+
+
 @pytest.mark.parametrize("stop", ["stop file", "SIGUSR1"])
 def test_train_ddp_on_nccl_stops_and_resumes(tmp_path, stop):
     """NCCL for the gradients, the gloo control group for the per-step stop agreement, the
@@ -162,12 +203,73 @@ def test_train_ddp_on_nccl_stops_and_resumes(tmp_path, stop):
     assert [r["epoch"] for r in records] == [1, 2] and "Traceback" not in resumed.stdout + resumed.stderr
 
 
+def test_nvml_reads_this_processes_gpu():
+    import monitor
+    pynvml = monitor.import_pynvml()
+    if pynvml is None:
+        pytest.skip("NVML sampling needs nvidia-ml-py (the NGC container has it)")
+    pynvml.nvmlInit()
+    for index in range(torch.cuda.device_count()):  # the same GPU as torch's, also where NVML numbers differ
+        uuid = pynvml.nvmlDeviceGetUUID(monitor.nvml_handle(pynvml, torch.device("cuda", index)))
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        assert uuid.split("-", 1)[1] == str(torch.cuda.get_device_properties(index).uuid)  # GPU-... or MIG-...
+    read, why_not = monitor.nvml_reader(torch.device("cuda", 0))
+    assert why_not is None
+    utilization, power = read()
+    assert 0 <= utilization <= 100 and power > 10  # watts: an H100/GH200 idles at 60-100 W
+
+
+def test_gpu_power_a_gpu_profile_and_tensorboard(tmp_path):
+    """Whole epochs (195 steps of 256, 2-3 s of training on an H100), long enough for NVML's
+    samples once a second: utilization and power in the metrics; a profile of GPU time with the
+    convolution kernels in the trace; TensorBoard's GPU scalars where tensorboard is installed."""
+    import monitor
+    nvml, tensorboard = monitor.import_pynvml() is not None, monitor.tensorboard_missing() is None
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", "--synthetic", "--epochs", "2", "--num-workers", "0", "--metrics-file",
+                            metrics, "--profile-dir", tmp_path / "prof",
+                            *(["--tensorboard", tmp_path / "tb"] if tensorboard else [])), cwd=tmp_path)
+    records = finite_run(result, metrics)
+    assert "Profile of 5 training steps from step 11 of epoch 1 (GPU time of rank 0)" in result.stdout
+    table = result.stdout.split("(GPU time of rank 0)", 1)[1]
+    assert re.search(r"(conv|cudnn)", table) and "ms of computation on the GPU" in table
+    (trace,) = (tmp_path / "prof").iterdir()
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUPTI recorded the GPU's kernels
+    last = records[-1]
+    if nvml:
+        assert "sampled every 1 s by NVML" in result.stdout
+        assert last["gpu_util_percent"] is not None and last["gpu_power_w"] is not None, (
+            f"no NVML sample in epoch 2's {last['epoch_time_s']:.1f} s of training")
+        assert 0 < last["gpu_util_percent"] <= 100 and last["gpu_power_w"] > 10
+    else:
+        assert "not recorded: pynvml is not installed (pip install nvidia-ml-py)" in result.stdout
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(next((tmp_path / "tb").iterdir())))
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        assert "gpu/peak_memory_gib" in tags and (not nvml or {"gpu/utilization_percent", "gpu/power_w"} <= tags)
+
+
 def test_compiled_training(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", *SHORT, "--compile", "--metrics-file", metrics), cwd=tmp_path, timeout=900)
     finite_run(result, metrics)
     assert "torch.compile" in result.stdout
 
+
+def test_compile_with_ddp(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    gpus = min(torch.cuda.device_count(), 2)
+    result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, "--compile", "--metrics-file", metrics), cwd=tmp_path,
+                 timeout=900)
+    finite_run(result, metrics)
+    assert "torch.compile" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The rest of what users run on GPUs.
 
 def test_evaluation_under_autocast_agrees_with_fp32(tmp_path):
     """A model that learned (learnable images, not random labels at ~1%): its accuracy and loss
@@ -191,146 +293,24 @@ def test_evaluation_under_autocast_agrees_with_fp32(tmp_path):
         assert abs(results[precision]["val_accuracy"] - results["fp32"]["val_accuracy"]) <= 2 / 256
 
 
-def test_nvml_reads_this_processes_gpu():
-    pynvml = pytest.importorskip("pynvml", reason="NVML sampling needs nvidia-ml-py (the NGC container has it)")
-    import monitor
-    pynvml.nvmlInit()
-    for index in range(torch.cuda.device_count()):  # the same GPU as torch's, also where NVML numbers differ
-        uuid = pynvml.nvmlDeviceGetUUID(monitor.nvml_handle(pynvml, torch.device("cuda", index)))
-        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-        assert uuid == f"GPU-{torch.cuda.get_device_properties(index).uuid}"
-    read, why_not = monitor.nvml_reader(torch.device("cuda", 0))
-    assert why_not is None
-    utilization, power = read()
-    assert 0 <= utilization <= 100 and power > 10  # watts: an H100/GH200 idles at 60-100 W
-
-
-def test_gpu_power_tensorboard_and_a_gpu_profile(tmp_path):
-    """Epochs long enough for NVML samples (100 steps of 256): utilization and power in the
-    metrics and TensorBoard; a profile of GPU time with the convolution kernels in the trace."""
-    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    nvml = True
-    try:
-        import pynvml  # noqa: F401
-    except ImportError:
-        nvml = False
-    metrics = tmp_path / "m.jsonl"
-    result = run(python_cmd("train.py", "--synthetic", "--epochs", "2", "--limit-batches", "100", "--num-workers", "0",
-                            "--metrics-file", metrics, "--tensorboard", tmp_path / "tb", "--profile-dir",
-                            tmp_path / "prof"), cwd=tmp_path)
-    records = finite_run(result, metrics)
-    assert "Profile of 5 training steps from step 11 of epoch 1 (GPU time of rank 0)" in result.stdout
-    table = result.stdout.split("(GPU time of rank 0)", 1)[1]
-    assert re.search(r"(conv|cudnn)", table) and "ms of computation on the GPU" in table
-    (trace,) = (tmp_path / "prof").iterdir()
-    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    assert any(e.get("cat") == "kernel" for e in events)  # CUPTI recorded the GPU's kernels
-    events = tensorboard.EventAccumulator(str(next((tmp_path / "tb").iterdir())))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
-    assert "gpu/peak_memory_gib" in tags
-    if nvml:
-        assert "sampled every 1 s by NVML" in result.stdout
-        last = records[-1]
-        assert 0 < last["gpu_util_percent"] <= 100 and last["gpu_power_w"] > 10
-        assert {"gpu/utilization_percent", "gpu/power_w"} <= tags
-    else:
-        assert "not recorded: pynvml is not installed (pip install nvidia-ml-py)" in result.stdout
-
-
-def test_network_check_on_nccl(tmp_path):
-    """check_network.py on NCCL: CUDA events time it, NCCL's own log (NCCL_DEBUG=INFO into a
-    temporary file) names the network it chose, and the version is the loaded library's."""
-    gpus = min(torch.cuda.device_count(), 2)
-    (tmp_path / "tmp").mkdir()
-    result = run(torchrun_cmd(gpus, "check_network.py", "--max-size", "4M", "--iters", "5"), cwd=tmp_path,
-                 env=clean_env(TMPDIR=tmp_path / "tmp"), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert f"Backend: nccl, world size {gpus}" in out and re.search(r"NCCL version: \d+\.\d+\.\d+", out)
-    assert "Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes NCCL would use" in out
-    assert "unknown (" not in out  # the log was written and read
-    assert re.search(r"Network check passed: 13 sizes x \(5\+5\) all-reduces exact", out)
-    rows = [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
-    assert len(rows) == 13 and all(float(row[5]) > 0 for row in rows)  # algbw (GB/s) of every size
-    assert not list((tmp_path / "tmp").iterdir())  # its temporary NCCL logs are gone
-
-
-# ---------------------------------------------------------------------------------------------
-# What the loop really does on the GPU: layout and precision applied, no host sync in a step.
-
-def _prepared_run(*flag_list):
-    from checkpoint_utils import StopRequests, TrainState
-    from device_utils import single_process_context
-    from task import build_task
-    args = flags.parse_args("x", ["--synthetic", "--batch-size", "64", "--num-workers", "0", "--log-interval", "0",
-                                  *flag_list])
-    ctx = single_process_context()
-    task = build_task(args, ctx)
-    run_ = tu.prepare_run(task, args, ctx)
-    run_.stop = StopRequests(ctx)
-    return run_, iter(task.train_loader), TrainState(run_id="gpu-test")
-
-
-@pytest.mark.parametrize("precision, layout, dtype, channels_last", [
-    ("auto", "--channels-last", torch.bfloat16, True), ("fp16", "--channels-last", torch.float16, True),
-    ("fp32", "--no-channels-last", torch.float32, False)])
-def test_a_training_step_runs_in_the_layout_and_precision_it_reports(precision, layout, dtype, channels_last):
-    """Hooks on the first convolution: its input's memory layout and its output's dtype. A
-    run that printed channels_last and bf16 but silently computed NCHW fp32 would pass the
-    end-to-end tests above; it fails here."""
-    run_, batches, state = _prepared_run("--precision", precision, layout)
-    conv = next(m for m in run_.module.modules() if isinstance(m, torch.nn.Conv2d))
-    seen = []
-    conv.register_forward_hook(lambda module, inputs, output: seen.append(
-        (inputs[0].is_contiguous(memory_format=torch.channels_last), output.dtype)))
-    tu.train_steps(run_, [next(batches)], state)
-    assert seen == [(channels_last, dtype)]
-
-
-def _sync_warnings(run_, batches, state, steps):
-    """The synchronizing CUDA calls that ``steps`` training steps make (sync debug mode)."""
-    import warnings
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            tu.train_steps(run_, [next(batches) for _ in range(steps)], state)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
-
-
-def test_no_host_sync_inside_a_training_step():
-    """20 steps wait for the GPU exactly as often as 2 do: only when the epoch's sums are read
-    at the end (train_steps' final all-reduce), never per step."""
-    run_, batches, state = _prepared_run()
-    tu.train_steps(run_, [next(batches) for _ in range(3)], state)  # warm-up: autotuning, first allocations
-    few = _sync_warnings(run_, batches, state, 2)
-    many = _sync_warnings(run_, batches, state, 20)
-    assert len(many) == len(few) <= 3, many
-
-
-# ---------------------------------------------------------------------------------------------
-# More of what users run on GPUs.
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU DDP needs 2 GPUs")
-def test_ddp_on_two_gpus(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    result = run(torchrun_cmd(2, "train_ddp.py", *SHORT, "--check-sync-every", "1", "--metrics-file", metrics),
-                 cwd=tmp_path)
-    records = finite_run(result, metrics)
-    assert {r["world_size"] for r in records} == {2} and "x 2 GPUs" in result.stdout
-
-
-def test_compile_with_ddp(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    gpus = min(torch.cuda.device_count(), 2)
-    result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, "--compile", "--metrics-file", metrics), cwd=tmp_path,
-                 timeout=900)
-    finite_run(result, metrics)
-    assert "torch.compile" in result.stdout
+@pytest.mark.parametrize("layout", ["default", "--channels-last", "--no-channels-last"])
+@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_a_checkpoint_resumes_on_the_other_device_type(tmp_path, first, then, layout):
+    """A stop file that is there from the start stops training after its first step, with a
+    checkpoint (optimizer state and all); the other device type finishes the run. "default":
+    NCHW on the CPU, channels_last on CUDA, so the momentum buffers are re-strided for the
+    fused SGD kernel (fit_optimizer_to_params), which fails on mismatched strides."""
+    envs = {"cpu": CPU_ONLY, "cuda": clean_env()}
+    args = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "16", "--num-workers", "0",
+            *([] if layout == "default" else [layout]), "--checkpoint-dir", tmp_path / "ck",
+            "--metrics-file", tmp_path / "m.jsonl")
+    (tmp_path / "STOP").touch()
+    stopped = run(python_cmd("train.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path, env=envs[first])
+    assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1" in stopped.stdout, stopped.stderr
+    resumed = run(python_cmd("train.py", *args, "--resume"), cwd=tmp_path, env=envs[then])
+    records = finite_run(resumed, tmp_path / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert f"Device: {'cuda:0' if then == 'cuda' else 'cpu'} " in resumed.stdout
 
 
 def test_torchvision_loader_on_cuda(tmp_path):
@@ -343,6 +323,15 @@ def test_torchvision_loader_on_cuda(tmp_path):
     assert {r["loader"] for r in records} == {"torchvision"}
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU DDP needs 2 GPUs")
+def test_ddp_on_two_gpus(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = run(torchrun_cmd(2, "train_ddp.py", *SHORT, "--check-sync-every", "1", "--metrics-file", metrics),
+                 cwd=tmp_path)
+    records = finite_run(result, metrics)
+    assert {r["world_size"] for r in records} == {2} and "x 2 GPUs" in result.stdout
+
+
 def test_peak_memory_grows_with_the_batch_and_fits(tmp_path):
     peaks = {}
     for batch in (256, 1024):
@@ -353,3 +342,16 @@ def test_peak_memory_grows_with_the_batch_and_fits(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     print(f"peak memory: batch 256 {peaks[256]:.2f} GiB, batch 1024 {peaks[1024]:.2f} GiB of {total:.0f}")
     assert 0 < peaks[256] < peaks[1024] < total
+
+
+@pytest.mark.parametrize("layout", ["--channels-last", "--no-channels-last"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])  # auto: in the hooks' test
+def test_training_steps_in_every_precision_and_layout(tmp_path, precision, layout):
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", *SHORT, "--precision", precision, layout, "--metrics-file", metrics),
+                 cwd=tmp_path)
+    records = finite_run(result, metrics)
+    assert {r["precision"] for r in records} == {precision}
+    assert f"Device: cuda:0 ({torch.cuda.get_device_name(0)}" in result.stdout
+    assert all(r["device"].startswith(torch.cuda.get_device_name(0)) and r["peak_memory_gib"] > 0 for r in records)
+    assert ("channels_last" in result.stdout) == (layout == "--channels-last")

@@ -65,6 +65,42 @@ def test_no_nvml_on_the_cpu():
     assert monitor.nvml_reader(torch.device("cpu")) == (None, "no GPU")
 
 
+class _FakeNvml:
+    """pynvml with the GPUs ``known`` (NVML's UUIDs) at their NVML indices."""
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotFound(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
+    def __init__(self, known):
+        self.known = known
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in self.known:
+            raise self.NVMLError_NotFound("Not Found")
+        return ("handle", uuid)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("handle", self.known[index])
+
+
+@pytest.mark.parametrize("uuid, known, expected", [
+    ("5c1e-b", ["GPU-0a0a-a", "GPU-5c1e-b"], ("handle", "GPU-5c1e-b")),  # CUDA's GPU 0 is NVML's GPU 1
+    ("77aa-c", ["GPU-0a0a-a", "MIG-77aa-c"], ("handle", "MIG-77aa-c")),  # a MIG slice
+    (None, ["GPU-0a0a-a", "GPU-5c1e-b"], ("handle", "GPU-0a0a-a")),     # torch without UUIDs: by index
+    ("dead-d", ["GPU-0a0a-a"], _FakeNvml.NVMLError_NotFound),           # unknown: an error, not another GPU
+])
+def test_nvml_finds_the_gpu_by_its_uuid(monkeypatch, uuid, known, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid=uuid))
+    pynvml = _FakeNvml(known)
+    if expected is _FakeNvml.NVMLError_NotFound:
+        with pytest.raises(_FakeNvml.NVMLError_NotFound):
+            monitor.nvml_handle(pynvml, torch.device("cuda", 0))
+    else:
+        assert monitor.nvml_handle(pynvml, torch.device("cuda", 0)) == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # TensorBoard.
 
@@ -105,7 +141,7 @@ def test_a_resume_writes_the_checkpoints_last_epoch_again(tmp_path):
     first.add(records[0])  # killed before epoch 2's event
     first.close()
     args = parse_args("t", ["--synthetic", "--tensorboard", str(tmp_path / "tb")])
-    with monitor.Monitors(args, _cpu_context(), _Log(), "run", records, resumed=True) as monitors:
+    with monitor.Monitors(args, _cpu_context(), _Log(), "run", records[-1], resumed=True) as monitors:
         monitors.record({"epoch": 3, "train_loss": 1.5, "val_accuracy": 0.3})
     assert _scalars(tmp_path / "tb" / "run")["loss/train"] == [(1, 4.0), (2, 3.0), (3, 1.5)]
 
@@ -167,6 +203,7 @@ def test_communication_is_counted_beside_the_computation():
            SimpleNamespace(key="c10d::allreduce_", count=2, self_cpu_time_total=1000.0)]
     times = monitor.top_operators(ops, device_time=False)
     assert (times.compute_ms, times.communication_ms) == (6.0, 4.0)
+    assert monitor.is_communication("record_param_comms")  # what DDP's collectives may be recorded as
     assert [row.name for row in times.rows] == ["aten::convolution_backward", "nccl:all_reduce", "c10d::allreduce_"]
     assert monitor.operator_table(times, steps=2, wall_ms=8.0, unit="GPU")[-1].endswith(
         "(75% busy; the rest is waiting: for data, for the host to launch work, for other ranks); "
@@ -220,7 +257,7 @@ def test_a_window_cut_short_by_the_end_of_the_epoch_is_written(tmp_path, capsys)
 
 def test_no_profiler_and_no_thread_unless_asked(tmp_path):
     args = parse_args("t", ["--synthetic"])
-    with monitor.Monitors(args, _cpu_context(), _Log(), "run", [], False) as monitors:
+    with monitor.Monitors(args, _cpu_context(), _Log(), "run", None, False) as monitors:
         assert (monitors.sampler, monitors.tensorboard, monitors.profile) == (None, None, None)
         assert not any(t.name == "gpu-sampler" for t in threading.enumerate())
         assert monitors.end_of_training_phase(0, time.perf_counter()) == {
