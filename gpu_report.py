@@ -203,8 +203,17 @@ def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     print(f"GPU tier: python -m pytest -v {tests}, for at most {timeout_s:.0f} s; its output: {log}", flush=True)
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tests)],
-                                   cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # A report started in the background (``&``, nohup) ignores SIGINT, and pytest would
+        # inherit that: Ctrl-C must reach it, so that its fixtures tear down.
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tests)],
+                                       cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             process.wait(timeout=timeout_s)
             stopped = None
@@ -217,7 +226,8 @@ def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
     text = Path(log).read_text(errors="replace")
     failures = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     summary = [line for line in text.splitlines() if re.fullmatch(r"=+ .*\d+ (passed|failed|skipped|error).* =+", line)]
-    if summary and stopped is None:
+    interrupted = re.search(r"^!+ KeyboardInterrupt !+$", text, flags=re.MULTILINE)
+    if summary and not interrupted:  # a whole run (also one that ended just as the time ran out)
         return summary[-1].strip("= ") + "".join(f"; {line}" for line in failures)
     outcomes = outcomes_of(text)
     counts = ", ".join(f"{list(outcomes.values()).count(outcome)} {outcome.lower()}"
