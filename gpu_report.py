@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory
+from log_utils import first_line
 from monitor import is_communication
 
 BUDGET_S = 8.5 * 60  # one command may run 10 minutes on a lent machine: a margin for start-up and writing
@@ -97,8 +98,7 @@ def attempt(figures, part, measure):
         return measure()
     except Exception as err:  # noqa: BLE001 - any defect: recorded in the block, shown in full above it
         traceback.print_exc()
-        message = str(err).strip().splitlines()
-        figures.failures.append(f"{part}: {type(err).__name__}{': ' + message[0] if message else ''}")
+        figures.failures.append(f"{part}: {type(err).__name__}{': ' + first_line(err) if str(err).strip() else ''}")
         return None
 
 

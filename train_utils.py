@@ -45,6 +45,7 @@ from monitor import Monitors
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
+RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +480,14 @@ def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_con
 # ---------------------------------------------------------------------------------------------
 # Entry points.
 
+def let_rank0_fail_first():
+    """On a rank that prints nothing for an error or a stop that rank 0 prints: wait (at most
+    RANK0_FIRST_S) for torchrun to end this process. torchrun stops every rank as soon as one
+    fails; were that this rank, rank 0 could be stopped before its line, and the user would
+    see only torchrun's report."""
+    time.sleep(RANK0_FIRST_S)
+
+
 def run_cli(main):
     """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
     for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
@@ -488,14 +497,18 @@ def run_cli(main):
     except TrainingStopped as stop:
         if rank == 0:
             print(stop, flush=True)
+        elif stop.exit_code:
+            let_rank0_fail_first()
         sys.exit(stop.exit_code)
     except UserError as err:
-        if rank == 0 or not err.same_on_every_rank:
-            print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr)
+        prints = rank == 0 or not err.same_on_every_rank
+        if prints:
+            print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
         if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)
             sys.stdout.flush()
-            sys.stderr.flush()
             os._exit(err.exit_code)
+        if not prints:
+            let_rank0_fail_first()
         sys.exit(err.exit_code)
     except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
         if rank == 0:

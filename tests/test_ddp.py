@@ -1,10 +1,11 @@
 """train_ddp.py under torchrun with 2 CPU processes (gloo, the same code path as NCCL)."""
 
 import numpy as np
+import pytest
 import torch
 
 import dataset_utils as du
-from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
+from conftest import FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
 from model import WideResNet
 
 
@@ -82,6 +83,33 @@ def test_missing_data_is_reported_once_and_nothing_is_downloaded(tmp_path):
     result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", tmp_path / "empty", "--no-download"), cwd=tmp_path)
     assert result.returncode != 0
     assert len(error_lines(result.stderr)) == 1 and "CIFAR-100 not found" in result.stderr
+
+
+SLOW_RANK_0 = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from device_utils import UserError
+from train_utils import run_cli
+
+
+def main():
+    if os.environ["RANK"] == "0":
+        time.sleep({delay})  # rank 0 reaches the error last (a loaded node)
+    raise UserError("the same mistake on every rank")
+
+
+run_cli(main)
+"""
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_rank_0s_error_line_is_not_lost_when_another_rank_gets_there_first(tmp_path, delay):
+    """torchrun stops every rank when one fails: the silent ranks wait for rank 0's line."""
+    script = tmp_path / "mistake.py"
+    script.write_text(SLOW_RANK_0.format(repo=str(REPO), delay=delay))
+    result = run(torchrun_cmd(2, script), cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == ["error: the same mistake on every rank"], result.stderr
 
 
 def test_train_ddp_without_torchrun_says_how_to_start_it(capsys):
