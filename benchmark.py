@@ -65,7 +65,7 @@ from flags import (
     plugin_ref,
     positive_int,
 )
-from monitor import top_operators, unused_path
+from monitor import device_profiler, top_operators, unused_path
 from task import build_task, default_num_workers
 from train_utils import run_cli, time_training_steps
 
@@ -219,12 +219,11 @@ def profile_steps(args, ctx, steps):
     """torch.profiler's table of ``steps`` training steps of a new task of ``args`` (one
     untimed step first; cuDNN has autotuned these shapes already), the 20 most expensive
     operations by device time."""
-    cuda = ctx.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     task = build_task(args, ctx)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with device_profiler(ctx.device) as profiler:
         time_training_steps(task, args, ctx, endless(task.train_loader), 1, steps)
-    return profiler.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=20)
+    return profiler.key_averages().table(sort_by="device_time_total" if ctx.device.type == "cuda"
+                                         else "cpu_time_total", row_limit=20)
 
 
 def table(rows):
@@ -306,11 +305,9 @@ def gpu_tier(ctx, timeout_s, log):
 def profile_split(ctx, steps, images):
     """gpu_report.profile_split of the timed training steps ``steps(profiler)`` runs inside
     ``profiler`` (``images`` images in them), from torch.profiler's operators."""
-    cuda = ctx.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    profiler = torch.profiler.profile(activities=activities)
+    profiler = device_profiler(ctx.device)
     timing = steps(profiler)
-    times = top_operators(profiler.key_averages(), device_time=cuda, limit=None)
+    times = top_operators(profiler.key_averages(), device_time=ctx.device.type == "cuda", limit=None)
     return gpu_report.profile_split(times.rows, 1e3 * images / timing.images_per_sec)
 
 

@@ -43,17 +43,16 @@ import shutil
 import socket
 import tempfile
 import time
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from device_utils import (RunAborted, UserError, any_rank, cleanup_distributed, device_name, gather_objects,
-                          group_active, network_report, setup_distributed)
+from device_utils import (RunAborted, UserError, any_rank, device_name, gather_objects, network_report,
+                          setup_distributed)
 from flags import OneLineParser, non_negative_int, positive_float, positive_int
 from log_utils import count, first_line
-from lost_ranks import is_collective_failure, who_is_lost
+from lost_ranks import process_group_scope
 from train_utils import run_cli  # one line per mistake, exactly as train.py's
 
 DTYPE = torch.float32  # the gradients' dtype, what DDP all-reduces
@@ -77,6 +76,10 @@ class TooSlow(UserError):
     """The busbw of the largest size is below --min-busbw."""
 
     exit_code = 4
+
+
+NOT_UNDER_TORCHRUN = ("check_network.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=4 "
+                      "check_network.py")
 
 
 class CheckLost(UserError):
@@ -449,12 +452,6 @@ def parse_args(argv=None):
     return args
 
 
-def require_torchrun(environ):
-    if "RANK" not in environ or "WORLD_SIZE" not in environ:
-        raise UserError("check_network.py must be started by torchrun, e.g. "
-                        "torchrun --standalone --nproc_per_node=4 check_network.py")
-
-
 def wait_for_device(event, timeout_s, what):
     """Wait for a CUDA event without blocking in CUDA: NCCL's all_reduce returns to the host at
     once, so a rank that stopped responding would leave the others in a synchronize()
@@ -553,24 +550,9 @@ def first_contact(ctx, log_path, timeout_s):
     return gather_objects((log, right, one.item(), socket.gethostname()), ctx.control_group)
 
 
-@contextmanager
-def process_group(args):
-    """Join the group as train_ddp.py does; on a collective that failed or timed out, one line
-    (CheckLost) naming the ranks that did not answer instead of a traceback on every rank."""
-    ctx = setup_distributed(args.collective_timeout)
-    try:
-        yield ctx
-    except RuntimeError as err:
-        if not group_active() or not is_collective_failure(err):
-            cleanup_distributed()
-            raise
-        lost = who_is_lost(err, ctx, args.collective_timeout)
-        raise CheckLost(f"the network check could not finish: {lost.message}",
-                        same_on_every_rank=not lost.printed_here) from None
-    except BaseException:
-        cleanup_distributed()
-        raise
-    cleanup_distributed()
+def check_lost(lost, trace):
+    """process_group_scope's error for a rank lost during the check."""
+    return CheckLost(f"the network check could not finish: {lost.message}", same_on_every_rank=not lost.printed_here)
 
 
 def run(args, ctx, log_path, environ_before, fault):
@@ -619,7 +601,6 @@ def run(args, ctx, log_path, environ_before, fault):
 
 def main():
     args = parse_args()
-    require_torchrun(os.environ)
     fault = parse_fault(os.environ.get(FAULT_VARIABLE))
     environ_before = dict(os.environ)  # what the user set, for the report
     log_dir = log_path = None
@@ -629,7 +610,8 @@ def main():
         os.environ.update(nccl_log_settings(os.environ, log_dir))
         log_path = nccl_debug_file(os.environ["NCCL_DEBUG_FILE"], socket.gethostname(), os.getpid())
     try:
-        with process_group(args) as ctx:
+        ctx = setup_distributed(args.collective_timeout, not_under_torchrun=NOT_UNDER_TORCHRUN)
+        with process_group_scope(ctx, args.collective_timeout, lost_error=check_lost):
             run(args, ctx, log_path, environ_before, fault)
     finally:
         if log_dir:

@@ -182,7 +182,12 @@ def flight_recorder_settings(directory, version=None) -> dict:
     return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 
-def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, trace_dir=None) -> DistContext:
+NOT_UNDER_TORCHRUN = ("train_ddp.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
+                      "train_ddp.py (for one process: python train.py)")
+
+
+def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, trace_dir=None,
+                      not_under_torchrun=NOT_UNDER_TORCHRUN) -> DistContext:
     """For train_ddp.py: read torchrun's variables, pick this rank's GPU, join the group.
 
     The GPU is selected before init_process_group so that NCCL binds each rank to its own
@@ -194,12 +199,11 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
     stops responding is named by ``named_collective_failures``; NCCL's watchdog, given
     NCCL_TIMEOUT_MARGIN_MIN more, is the backstop for a hang the gloo group does not see.
     ``trace_dir`` (the checkpoint folder): where NCCL's flight recorder dumps on a timeout,
-    unless the environment names a place already.
+    unless the environment names a place already. ``not_under_torchrun``: the entry point's
+    one line when torchrun's variables are missing.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UserError(
-            "train_ddp.py must be started by torchrun, e.g. "
-            "torchrun --standalone --nproc_per_node=2 train_ddp.py (for one process: python train.py)")
+        raise UserError(not_under_torchrun)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
@@ -286,15 +290,11 @@ def from_rank0(decide, group=None, patient=False):
 def max_over_ranks(value: int, group=None) -> int:
     """The largest of every rank's ``value``, on every rank. A one-element all-reduce of a CPU
     tensor (pass the gloo control group): no GPU sync, a few tens of microseconds."""
-    if not group_active():
-        return value
-    tensor = torch.tensor([int(value)])
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return int(tensor.item())
+    return PendingMax(value, group).result() if group_active() else value
 
 
 class PendingMax:
-    """A max_over_ranks under way: ``start`` launches the all-reduce and returns at once;
+    """A max_over_ranks under way: creating it launches the all-reduce and returns at once;
     ``result`` waits for it (by then usually long finished) and reads it."""
 
     def __init__(self, value: int, group=None):

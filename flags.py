@@ -263,8 +263,8 @@ def parse_args(description, argv=None):
         for flag in ("profile_skip", "profile_steps"):
             if getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag.replace('_', '-')} applies with --profile-dir DIR")
-    if args.tensorboard and tensorboard_missing():  # not a usage mistake: no "see --help"
-        raise UserError(tensorboard_missing())
+    if args.tensorboard and (why := tensorboard_missing()):  # not a usage mistake: no "see --help"
+        raise UserError(why)
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")

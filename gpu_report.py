@@ -70,7 +70,8 @@ def profile_split(rows, wall_ms):
     'idle': the wall time no computation filled (communication overlaps, so it is left out)."""
     spent = {}
     for row in rows:
-        spent[category(row.name)] = spent.get(category(row.name), 0.0) + row.self_ms
+        part = category(row.name)
+        spent[part] = spent.get(part, 0.0) + row.self_ms
     busy = sum(ms for part, ms in spent.items() if part != COMMUNICATION)
     split = {part: 100 * ms / wall_ms for part, ms in spent.items()}
     split["idle"] = max(0.0, 100 * (wall_ms - busy) / wall_ms)
@@ -262,6 +263,11 @@ def stop(process):
         return
     except subprocess.TimeoutExpired:
         pass
+    kill_tree(process)
+
+
+def kill_tree(process):
+    """SIGKILL to ``process`` and every process below it, then reap it."""
     for pid in [process.pid, *descendants(process.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)

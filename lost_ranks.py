@@ -71,15 +71,23 @@ def dump_flight_recorder(directory, rank):
         return None
 
 
+def training_stopped(lost, trace):
+    """train_ddp.py's RanksLost for the LostRanks ``lost``, with the flight recorder ``trace``."""
+    traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
+    return RanksLost(f"{lost.message}: stopping every rank; the checkpoints written so far are kept, continue "
+                     f"with --resume{traces}", same_on_every_rank=not lost.printed_here)
+
+
 @contextmanager
-def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None):
-    """The process group's life in train_ddp.py: destroyed at the end, also after an error.
+def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lost_error=training_stopped):
+    """The process group's life in an entry point: destroyed at the end, also after an error.
 
     A collective that timed out or lost a peer becomes one line naming the ranks that stopped
-    responding (RanksLost, exit status 3), printed by the lowest rank still alive, instead of
-    a traceback on every rank. On GPUs each rank first writes its NCCL flight recorder into
-    ``trace_dir`` (the checkpoint folder). Nothing else is written and the group is not
-    destroyed: the checkpoints so far are the run's."""
+    responding (``lost_error(lost, trace)``: RanksLost, exit status 3, for training), printed
+    by the lowest rank still alive, instead of a traceback on every rank. On GPUs each rank
+    first writes its NCCL flight recorder into ``trace_dir`` (the checkpoint folder), when
+    given. Nothing else is written and the group is not destroyed: the checkpoints so far
+    are the run's."""
     try:
         yield
     except RuntimeError as err:
@@ -87,10 +95,7 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None):
             cleanup_distributed()
             raise
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
-        lost = who_is_lost(err, ctx, timeout_min)
-        traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
-        raise RanksLost(f"{lost.message}: stopping every rank; the checkpoints written so far are kept, continue "
-                        f"with --resume{traces}", same_on_every_rank=not lost.printed_here) from None
+        raise lost_error(who_is_lost(err, ctx, timeout_min), trace) from None
     except BaseException:
         cleanup_distributed()
         raise

@@ -265,6 +265,15 @@ def operator_table(times, steps, wall_ms, unit):
     return lines
 
 
+def device_profiler(device):
+    """torch.profiler over the host's operators and, on CUDA, the GPU's kernels (not started)."""
+    cuda = device.type == "cuda"
+    if not cuda:  # else kineto logs an ERROR line at the first trace that it found no GPU
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    return torch.profiler.profile(activities=activities)
+
+
 class ProfileWindow:
     """torch.profiler over ``steps`` training steps after the first ``skip`` (at least 1) of
     this process (cuDNN autotuning, torch.compile and the loader's start-up are over by then).
@@ -299,15 +308,10 @@ class ProfileWindow:
                 self._stop()
             else:
                 self._mark_step()
-        elif self.taken == self.skip and self.where is None:
+        elif self.taken == self.skip:
             self.where = (epoch, step + 1)  # the next step is the first recorded
-            cuda = self.ctx.device.type == "cuda"
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                                  if cuda else [])
-            if not cuda:  # else kineto logs an ERROR line at the first trace that it found no GPU
-                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             synchronize(self.ctx.device)  # the window starts with an idle device
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = device_profiler(self.ctx.device)
             self.profiler.start()
             self.started, self.recording = time.perf_counter(), True
             self._mark_step()

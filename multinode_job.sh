@@ -98,11 +98,12 @@ for setting in "${NETWORK_DEFAULTS[@]}"; do
 done
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
-[[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
+number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
+[[ "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
     die "NETWORK_CHECK=$NETWORK_CHECK is neither 1 (check the network before training) nor 0 (skip the check)"
-[[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
+[[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ $number ]] ||
     die "NETWORK_MIN_BUSBW=$NETWORK_MIN_BUSBW is not a number of GB/s"
 flags_only='^[-A-Za-z0-9_.=+ ]*$'  # check_network.py checks the flags; no quotes, globs or shell syntax
 [[ "$NETWORK_CHECK_ARGS" =~ $flags_only ]] ||

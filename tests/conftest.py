@@ -8,7 +8,6 @@ import json
 import os
 import re
 import runpy
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use the
 # The writers of tiny data sets in every real format (the product's demo_data.py).
 from demo_data import (idx_bytes, learnable_images, write_cifar10, write_cifar100, write_dataset,  # noqa: E402,F401
                        write_idx, write_image_folder)
-from gpu_report import descendants  # noqa: E402,F401 - every process below a pid (torchrun's ranks)
+from gpu_report import descendants, kill_tree  # noqa: E402,F401 - processes below a pid (torchrun's ranks)
 
 # Variables a launcher may have left in the environment; each test sets its own.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -78,13 +77,7 @@ def kill_background_processes():
     """A test that fails while a torchrun or a job script runs must not leave it training."""
     yield
     while _BACKGROUND:
-        process = _BACKGROUND.pop()
-        for pid in [process.pid, *descendants(process.pid)]:  # the launcher and its ranks
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        process.wait()
+        kill_tree(_BACKGROUND.pop())  # the launcher and its ranks
 
 
 def spawn(worker, args, nprocs=2, timeout=120):
