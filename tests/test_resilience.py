@@ -412,7 +412,7 @@ def _agreement_worker(rank, store, folder, signal_step, slow_step):
                     break
             stop.drain()
     finally:
-        dist.destroy_process_group()
+        cleanup_distributed()  # PyTorch 2.7's gloo could hang in a plain destroy
     (folder / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
