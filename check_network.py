@@ -38,7 +38,6 @@ the ranks' statuses; torchrun itself then exits 1. docs/network.md explains the 
 
 import argparse
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -48,24 +47,23 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from device_utils import (RunAborted, UserError, any_rank, device_name, gather_objects, network_report,
-                          setup_distributed)
-from flags import OneLineParser, non_negative_int, positive_float, positive_int
-from log_utils import count, first_line
-from lost_ranks import process_group_scope
-from train_utils import run_cli  # one line per mistake, exactly as train.py's
+from device_utils import device_name, network_report, setup_distributed
+from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
+from engine.cli import run_cli
+from engine.errors import RunAborted, UserError, first_line
+from engine.flags import OneLineParser, non_negative_int, positive_float, positive_int
+from engine.log import count, rank_list
+from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
+from engine.lost_ranks import process_group_scope
+from engine.processes import any_rank, gather_objects
 
 DTYPE = torch.float32  # the gradients' dtype, what DDP all-reduces
-ELEMENT_BYTES = 4
 PERIOD = 7  # element i holds ((i % PERIOD) + 1) * (rank + 1)
 EXACT_LIMIT = 2**24  # float32 holds every integer up to this exactly
 DEFAULT_TIMEOUT_MIN = 5.0  # a check that takes seconds should not wait 10 minutes for a lost rank
-UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 # The multi-node reference figures, all-reduce of 64 MB between two 4-GH200 nodes (CSCS Alps):
 SLINGSHOT_BUSBW_GBPS = 100  # aws-ofi-nccl over Slingshot: ~108 GB/s (1.1 ms)
 SOCKETS_BUSBW_GBPS = 5  # NCCL's plain TCP sockets: ~5.4 GB/s
-TCP_PROVIDERS = ("tcp", "sockets", "udp")  # libfabric providers that are TCP/UDP, not Slingshot's cxi
-
 # For the tests only: CHECK_NETWORK_FAULT=RANK:SIZE:ITERATION makes rank RANK add 1 to one
 # element of its result of the all-reduce of SIZE bytes (1K, 64M, ...) in iteration
 # ITERATION (1 = the first warm-up one), as a corrupting network would.
@@ -115,60 +113,8 @@ class SizeResult(NamedTuple):
     wrong: int  # wrong elements over every rank and iteration
 
 
-class NcclLog(NamedTuple):
-    """What one rank's NCCL log says about the network (None: not in the log)."""
-
-    version: str | None = None  # "2.21.5"; NCCL logs it on the rank that creates the communicator's ID
-    network: str | None = None  # "AWS Libfabric", "Socket", "IB", ...: the last "Using network" line
-    plugin: str | None = None  # "aws-ofi-nccl 1.13.0"
-    provider: str | None = None  # libfabric's provider: "cxi" on Slingshot, "tcp" ...
-    plugin_failure: str | None = None  # why no network plugin was loaded
-    socket_interfaces: str | None = None  # "hsn0:10.1.2.3": what NCCL's sockets use
-    warnings: tuple = ()  # NCCL WARN messages
-    missing: str | None = None  # why there is no log to read
-
-
 # ---------------------------------------------------------------------------------------------
-# Sizes, data, results: small pure functions.
-
-def parse_size(text: str) -> int:
-    """'1K', '64M', '1G', '256MiB' or '4096' as bytes (K = 1024): an argparse type."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", str(text), re.I)
-    if not match or int(match.group(1)) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes such as 4096, 1K, 64M or 1G")
-    nbytes = int(match.group(1)) * UNITS[match.group(2).upper()]
-    if nbytes % ELEMENT_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of float32 elements (a multiple of 4 bytes)")
-    return nbytes
-
-
-def human_size(nbytes: int) -> str:
-    """1024 -> '1 KiB', 67108864 -> '64 MiB', 1536 -> '1.5 KiB', 12 -> '12 B'."""
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= factor:
-            return f"{nbytes / factor:.4g} {unit}"
-    return f"{nbytes} B"
-
-
-def message_sizes(min_size: int, max_size: int) -> list:
-    """Bytes per all-reduce: doubling from ``min_size``, ending at ``max_size`` (included even
-    when it is not min_size times a power of two, so that --min-busbw judges the size asked for)."""
-    sizes = [min_size]
-    while sizes[-1] * 2 <= max_size:
-        sizes.append(sizes[-1] * 2)
-    return sizes if sizes[-1] == max_size else sizes + [max_size]
-
-
-def bus_factor(world_size: int) -> float:
-    """busbw / algbw of an all-reduce (nccl-tests): each rank sends and receives 2(W-1)/W of
-    the buffer in a ring; 0 for one process, which sends nothing."""
-    return 2 * (world_size - 1) / world_size
-
-
-def bandwidths(nbytes: int, time_s: float, world_size: int):
-    """(algbw, busbw) in GB/s (1e9 bytes/s); busbw is None for one process."""
-    algbw = nbytes / time_s / 1e9
-    return algbw, (algbw * bus_factor(world_size) if world_size > 1 else None)
+# Data and results: small pure functions.
 
 
 def sum_of_ranks(world_size: int) -> int:
@@ -205,17 +151,6 @@ def mismatches(rank: int, checks) -> list:
             for iteration, row in enumerate(checks, start=1) if row[0] > 0]
 
 
-def rank_list(ranks) -> str:
-    """[0, 1, 2, 3, 8] -> '[0-3, 8]'; [2, 3] -> '[2, 3]'."""
-    ranks, parts, start = sorted(ranks), [], 0
-    for i in range(1, len(ranks) + 1):
-        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
-            run = ranks[start:i]
-            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
-            start = i
-    return "[" + ", ".join(parts) + "]"
-
-
 def mismatch_message(nbytes: int, count: int, iterations: int, found: list, hosts: list) -> str:
     """One line for every rank's wrong results of one size (``found``: Mismatch of all ranks;
     ``hosts``: each rank's host name): the iterations (1-based, warm-up first), the ranks and
@@ -244,146 +179,6 @@ def parse_fault(text) -> Fault | None:
     except Exception:
         raise UserError(f"{FAULT_VARIABLE}={text!r} is not RANK:SIZE:ITERATION (a test hook; unset it)") from None
     return fault
-
-
-# ---------------------------------------------------------------------------------------------
-# NCCL's log: what it chose.
-
-def parse_nccl_log(text: str) -> NcclLog:
-    """What NCCL's log (NCCL_DEBUG=INFO) says about the network: its version, the network
-    ("Using network X"), the aws-ofi-nccl plugin and libfabric provider, why a plugin failed
-    to load, the interfaces of its sockets, its warnings."""
-    found = {}
-    warnings = []
-    for line in text.splitlines():
-        match = re.search(r"NCCL (INFO|WARN) (.*)$", line)
-        message = match.group(2).strip() if match else line.strip()
-        if match and match.group(1) == "WARN":
-            warnings.append(message)
-        if (version := re.search(r"NCCL version (\d+\.\d+\.\d+)", message)) and "version" not in found:
-            found["version"] = version.group(1)
-        if network := re.search(r"Using network (.+)$", message):
-            found["network"] = network.group(1).strip()
-        if plugin := re.search(r"NET/OFI (?:Initializing|Using) (aws-ofi-nccl \S+)", message):
-            found["plugin"] = plugin.group(1)
-        if provider := re.search(r"NET/OFI Selected [Pp]rovider is ([^,\s]+)", message):
-            found["provider"] = provider.group(1)
-        if (message.startswith("NET/Plugin") and "CollNet" not in message
-                and re.search(r"Could not find|No plugin found|Plugin load returned|cannot open", message)
-                and "plugin_failure" not in found):
-            found["plugin_failure"] = message.split(":", 1)[1].strip() if ":" in message else message
-        if interfaces := re.match(r"NET/Socket ?: Using (\[\d+\].*)$", message):
-            found["socket_interfaces"] = ", ".join(re.sub(r"^\[\d+\]|<\d+>$", "", part)
-                                                   for part in interfaces.group(1).split())
-    return NcclLog(warnings=tuple(warnings[:3]), **found)
-
-
-def network_kind(log: NcclLog) -> str:
-    """'libfabric' (aws-ofi-nccl), 'socket' (NCCL's TCP sockets), 'ib', 'other' or 'unknown'."""
-    name = (log.network or "").lower()
-    if not name:
-        return "unknown"
-    if "libfabric" in name or name == "ofi" or log.plugin:
-        return "libfabric"
-    return "socket" if name == "socket" else "ib" if name.startswith("ib") else "other"
-
-
-def describe_nccl_network(log: NcclLog) -> str:
-    kind = network_kind(log)
-    if kind == "unknown":
-        return f"unknown ({log.missing or 'no Using network line in NCCL log'})"
-    if kind == "libfabric":
-        return (f"{log.network} ({log.plugin or 'aws-ofi-nccl'} plugin, provider {log.provider or 'not logged'})")
-    if kind == "socket":
-        return "Socket (plain TCP" + (f" over {log.socket_interfaces})" if log.socket_interfaces else ")")
-    return f"{log.network} (InfiniBand verbs)" if kind == "ib" else log.network
-
-
-def network_label(backend: str, logs: list) -> str:
-    """The network in a few words, for an error line: 'gloo over TCP', 'NCCL on Socket (plain TCP)'."""
-    if backend != "nccl":
-        return "gloo over TCP"
-    described = {describe_nccl_network(log) for log in logs}
-    return f"NCCL on {described.pop()}" if len(described) == 1 else "NCCL on different networks per rank"
-
-
-def describe_network(backend: str, logs: list, num_nodes: int, environ) -> list:
-    """Lines for rank 0: the network NCCL chose on each rank (``logs``: one NcclLog per rank),
-    with a WARNING when a multi-node run does not use Slingshot; for gloo, its sockets."""
-    if backend != "nccl":
-        interface = environ.get("GLOO_SOCKET_IFNAME")
-        return ["Network (gloo): TCP sockets between the processes, " +
-                (f"over GLOO_SOCKET_IFNAME={interface}" if interface else
-                 "over the interface of the host's name (GLOO_SOCKET_IFNAME chooses one)")]
-    groups = {}
-    for rank, log in enumerate(logs):
-        groups.setdefault(describe_nccl_network(log), []).append(rank)
-    if len(groups) == 1:
-        chosen = f"{next(iter(groups))} on all {len(logs)} ranks"
-    else:
-        chosen = "; ".join(f"{what} on ranks {rank_list(ranks)}" for what, ranks in groups.items())
-    sockets = [rank for rank, log in enumerate(logs) if network_kind(log) == "socket"]
-    failure = next((log.plugin_failure for log in logs if log.plugin_failure), None)
-    why = f"plugin not found: {failure}" if failure else "the aws-ofi-nccl plugin was not loaded"
-    if num_nodes == 1:
-        lines = [f"Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes NCCL "
-                 f"would use {chosen}" + (f" ({why})" if sockets else "")]
-    else:
-        lines = [f"Network (NCCL): {chosen}"]
-        if sockets:
-            lines.append(f"WARNING: NCCL uses plain TCP sockets between nodes on ranks {rank_list(sockets)}, not "
-                         f"Slingshot ({why}): expect ~{SOCKETS_BUSBW_GBPS} GB/s busbw instead of "
-                         f"~{SLINGSHOT_BUSBW_GBPS}; check HOST_NCCL_PATH and LD_LIBRARY_PATH (see docs/network.md)")
-        tcp = [rank for rank, log in enumerate(logs) if network_kind(log) == "libfabric"
-               and (log.provider or "").split(";")[0].lower() in TCP_PROVIDERS]
-        if tcp:
-            lines.append(f"WARNING: libfabric's provider on ranks {rank_list(tcp)} is {logs[tcp[0]].provider}, TCP "
-                         f"rather than Slingshot's cxi: expect sockets' speed; check FI_PROVIDER, "
-                         "HOST_LIBFABRIC_LIB_PATH and HOST_CXI_LIB_PATH (see docs/network.md)")
-    warned = sorted({warning for log in logs for warning in log.warnings})
-    if warned:
-        lines.append("NCCL warnings: " + " | ".join(warned[:3]))
-    return lines
-
-
-def nccl_debug_file(template: str, host: str, pid: int) -> str:
-    """NCCL_DEBUG_FILE's name for this process: NCCL replaces %h (the host name up to its
-    first dot) and %p (the process ID)."""
-    return template.replace("%h", host.split(".")[0]).replace("%p", str(pid))
-
-
-NEEDED_SUBSYSTEMS = ("INIT", "NET")  # where NCCL logs its version and its choice of network
-
-
-def nccl_log_settings(environ, directory: str) -> dict:
-    """The variables that make NCCL log its choice of network: into ``directory``/nccl.log
-    unless the user chose a NCCL_DEBUG_FILE (theirs is read then, and kept), at level INFO
-    at least (TRACE is kept), with the INIT and NET subsystems added to the user's own."""
-    settings = {} if "NCCL_DEBUG_FILE" in environ else {"NCCL_DEBUG_FILE": os.path.join(directory, "nccl.log")}
-    if environ.get("NCCL_DEBUG", "").upper() not in ("INFO", "TRACE"):
-        settings["NCCL_DEBUG"] = "INFO"
-    subsystems = environ.get("NCCL_DEBUG_SUBSYS")
-    if subsystems is None:
-        settings["NCCL_DEBUG_SUBSYS"] = ",".join(NEEDED_SUBSYSTEMS)
-    elif subsystems.startswith("^"):  # all but these: the needed ones must not be among them
-        kept = [s for s in subsystems[1:].split(",") if s and s.upper() not in NEEDED_SUBSYSTEMS]
-        settings["NCCL_DEBUG_SUBSYS"] = "^" + ",".join(kept) if kept else "ALL"
-    else:
-        chosen = [s for s in subsystems.split(",") if s]
-        if "ALL" not in (s.upper() for s in chosen):
-            missing = [s for s in NEEDED_SUBSYSTEMS if s not in (c.upper() for c in chosen)]
-            settings["NCCL_DEBUG_SUBSYS"] = ",".join(chosen + missing)
-    return {name: value for name, value in settings.items() if environ.get(name) != value}
-
-
-def read_nccl_log(path: str) -> NcclLog:
-    try:
-        with open(path, errors="replace") as f:
-            log = parse_nccl_log(f.read())
-    except OSError as err:
-        return NcclLog(missing=f"cannot read NCCL's log {path}: {err.strerror}")
-    return log if log.network else log._replace(missing=f"no 'Using network' line in {path}; NCCL_DEBUG=INFO "
-                                                        "and NCCL_DEBUG_SUBSYS=INIT,NET write it")
 
 
 # ---------------------------------------------------------------------------------------------

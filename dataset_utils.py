@@ -1,9 +1,12 @@
-"""The data sets as batches of (images, labels): transforms, samplers and the two loaders.
-Which files each data set has, how they are fetched and read is in data_formats.py.
+"""The data sets as batches of (images, labels): what each --dataset is, the samplers and the
+two loaders. How the files of the built-in data sets are fetched and read is in
+engine/data_formats.py, the image folder's cache in engine/image_folder.py, the training
+augmentations in recipe.py.
 
 Compute nodes often have no internet, so fetch the data ahead of time on a login node:
 
     python dataset_utils.py --dataset cifar100 --data-dir ./datasets    # or cifar10, fashion-mnist, mnist
+    python dataset_utils.py --dataset folder --data-dir my_images       # decode an image folder once
 
 The training scripts download only when the data is missing, and then only global rank 0
 downloads while the other ranks wait.
@@ -12,19 +15,20 @@ Two loaders serve the same batches of (float32 images (B, C, H, W), int64 labels
 
 - ``device`` (the training scripts' default): the whole data set is copied to the device
   once as uint8 (150 MB for CIFAR's training set, 47 MB for MNIST's); each batch is a gather
-  plus random crop, flip and normalization as batched tensor operations there. No worker
-  processes, no host-to-device copies and no CPU time per image.
-- ``torchvision``: the guide's DataLoader of PIL transforms, for data that does not fit on
-  the device or for comparison; with ``num_workers`` persistent worker processes.
+  plus the augmentation and normalization as batched tensor operations there
+  (engine/device_loader.py). No worker processes, no host-to-device copies and no CPU time
+  per image.
+- ``torchvision``: the guide's DataLoader, for data that does not fit on the device or for
+  comparison; with ``num_workers`` persistent worker processes, each applying the same
+  operations to one image at a time.
 
-Both shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank),
-and both draw their augmentation from generators seeded by (seed, epoch, rank) or (seed,
-epoch), never from what ran before: a resumed run augments identically. The augmentation is
-the data set's (DataSpec.augmentation): CIFAR pads 4 pixels and flips, Fashion-MNIST pads 2
-and flips, MNIST pads 2 and never flips.
+Both shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank), and
+both augment image i of epoch e with the random numbers drawn for it from (seed, epoch)
+alone: the same crops in both loaders, on every rank, and after a resume.
 """
 
 import argparse
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -32,53 +36,64 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-import torchvision.transforms as transforms
-import torchvision.transforms.functional as TF
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
-from data_formats import DATASETS, data_root, default_data_dir, describe_augmentation, prepare, read_split
-from device_utils import UserError, from_rank0
+from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
+from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
+from engine.device_loader import DeviceLoader, augment, augmentation_randoms, normalization_table, normalize
+from engine.errors import UserError
+from engine.flags import FOLDER, MAX_AUTO_WORKERS, image_size
+from engine.image_folder import channel_stats, default_cache_dir, prepare_folder, read_folder_cache
+from engine.processes import available_cores, from_rank0
+from engine.task import DataInfo, data_fingerprint
+from engine.plugins import plugin_key
+from engine.user_data import read_user_data
+from recipe import AUGMENTATIONS, RANDOM_PER_OP
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
 LOADERS = ("device", "torchvision")
-# Seeds: dropout (seed, epoch, rank) in train_utils.epoch_seed; device-loader augmentation
-# (seed, epoch, rank, BATCH_STREAM); torchvision-loader augmentation (seed, epoch, 0,
-# IMAGE_STREAM), the same on every rank. The non-zero last entries keep the three apart
-# (SeedSequence ignores trailing zeros).
-BATCH_STREAM, IMAGE_STREAM = 1, 2
+DEVICE_DATA_FRACTION = 0.25  # --loader auto: the data set goes on the device when it fits this share of its memory
 
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """How stored images become the model's input. A DataSpec has the same fields, so the
-    functions here take either."""
+    """How stored images become the model's input."""
     image_shape: tuple  # (H, W, C) of the stored images
     mean: tuple         # per channel: of the pixels scaled to 0..1 (uint8 images), or as stored (float)
     std: tuple
-    padding: int = 0    # zero padding (pixels) around a training image before its random crop (0: no crop)
-    flip: bool = False  # random horizontal flips of training images
+    augment: str = "none"  # the training augmentation: a name in recipe.AUGMENTATIONS
+    padding: int = 0       # zero padding (pixels) around a training image before a random crop
 
-    def augmentation(self):
-        return describe_augmentation(self.image_shape, self.padding, self.flip, self.mean, self.std)
+    @property
+    def ops(self):
+        """The augmentation's operations, in order (recipe.py)."""
+        return AUGMENTATIONS[self.augment]
+
+    def randoms(self, size, seed, epoch):
+        """Each image's random numbers for the augmentation in ``epoch``: (size, ops, RANDOM_PER_OP)."""
+        return augmentation_randoms(size, self.ops, seed, epoch, RANDOM_PER_OP)
+
+    def describe(self):
+        """What happens to a training image, in words (the start-up block)."""
+        ops = ", ".join(op.__name__ for op in self.ops) or "nothing"
+        padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
+        return f"{self.augment} ({ops}{padding}), normalized with mean {self.mean} and std {self.std}"
 
 
-def preprocessing(image_shape, mean, std, augment="auto", padding=None, flip=True):
-    """The Preprocessing for --augment. ``padding`` and ``flip`` are the data set's own (auto);
-    padding defaults to 1/8 of the shorter side (4 pixels for 32x32, as CIFAR's). flip-crop
-    and crop keep that padding with and without flips; none neither crops nor flips."""
+def spec_preprocessing(spec, augment="auto"):
+    """A built-in data set's Preprocessing: its shape, normalization, augmentation and padding."""
+    return preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.augment, spec.padding)
+
+
+def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop", padding=None):
+    """The Preprocessing for --augment: ``own_augment`` and ``padding`` are the data set's own
+    (auto); padding defaults to 1/8 of the shorter side (4 pixels for 32x32, as CIFAR's)."""
     if padding is None:
         padding = max(1, round(min(image_shape[:2]) / 8))
-    if augment == "flip-crop":
-        flip = True
-    elif augment == "crop":
-        flip = False
-    elif augment == "none":
-        padding, flip = 0, False
-    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), padding, flip)
+    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), own_augment if augment == "auto" else augment,
+                         padding)
 
 
 def per_process_batch(global_batch, world_size):
@@ -100,25 +115,6 @@ def synthetic_split(split, seed=0, spec=CIFAR100):
     return images.numpy(), labels.numpy()
 
 
-def train_transform(prep=CIFAR100):
-    """The guide's augmentation, per data set: flip (unless digits), crop of the zero-padded
-    image, normalize."""
-    flip = [transforms.RandomHorizontalFlip()] if prep.flip else []
-    return transforms.Compose([*flip, transforms.RandomCrop(prep.image_shape[:2], padding=prep.padding),
-                               transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
-
-
-def eval_transform(prep=CIFAR100):
-    """Deterministic: normalize only (the guide evaluated on randomly cropped, flipped images)."""
-    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
-
-
-def derived_seed(*values):
-    """A 63-bit seed from integers such as (seed, epoch, rank): statistically independent
-    streams for different tuples (numpy's SeedSequence), the same on every machine."""
-    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
 def to_pil(image):
     """uint8 (H, W, C) -> a PIL image: RGB, or grayscale ("L") for one channel."""
     return Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
@@ -126,53 +122,39 @@ def to_pil(image):
 
 class InMemoryImages(Dataset):
     """Images (N, H, W, C), uint8 or float32, in memory (or memory-mapped), and labels (N,);
-    items are (float tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
+    items are (float32 tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
 
-    A key is an index (``transform`` applies to uint8 images, as in the guide) or, from
-    CropFlipSampler, an (index, top, left, flip) tuple: the guide's flip and crop with
-    exactly these parameters, then normalization. Then no worker process draws random
-    numbers of its own. Float images (a FILE.py:NAME data set's) are cropped, flipped and
-    normalized by the same tensor operations as on the device loader.
+    A key is an index (no augmentation: test images, the guide's plain use) or, from
+    AugmentSampler, (index, random numbers): the training augmentation with exactly these
+    numbers, the device loader's operations on a batch of one. No worker process draws
+    random numbers of its own.
     """
 
-    def __init__(self, images, labels, transform, prep=CIFAR100):
-        self.images, self.labels, self.transform, self.prep = images, labels, transform, prep
-        self.to_tensor = eval_transform(prep)
+    def __init__(self, images, labels, prep=None):
+        prep = prep or spec_preprocessing(CIFAR100)  # the guide's
+        self.images, self.labels, self.prep = images, labels, prep
+        self.table = normalization_table(prep.mean, prep.std) if images.dtype == np.uint8 else None  # (256, C)
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, key):
-        index, crop = (key[0], key[1:]) if isinstance(key, tuple) else (key, None)
-        label = int(self.labels[index])
-        if self.images.dtype != np.uint8:
-            image = torch.from_numpy(np.asarray(self.images[index], dtype=np.float32))[None]  # (1, H, W, C)
-            if crop:
-                top, left, flip = crop
-                image = crop_flip(image, torch.tensor([[top, left]]), torch.tensor([flip]), self.prep.padding)
-            return normalize_float(image, *float_stats(self.prep, image.device))[0], label
-        if crop:
-            image = crop_flip_pil(to_pil(self.images[index]), *crop, self.prep.padding)
-            return self.to_tensor(image), label
-        return self.transform(to_pil(self.images[index])), label
+        index, rand = key if isinstance(key, tuple) else (key, None)
+        image = torch.from_numpy(np.array(self.images[index]))[None]  # (1, H, W, C): a copy, out of the memory map
+        if rand is not None:
+            image = augment(image, torch.tensor(rand, dtype=torch.float64)[None], self.prep.ops, self.prep)
+        if self.table is None:  # float images
+            mean, std = (torch.tensor(v, dtype=torch.float32) for v in (self.prep.mean, self.prep.std))
+            return image.float().sub(mean).div(std).permute(0, 3, 1, 2)[0].contiguous(), int(self.labels[index])
+        return normalize(image, self.table)[0].contiguous(), int(self.labels[index])
 
 
-def crop_flip_pil(image, top, left, flip, padding):
-    """RandomHorizontalFlip, then RandomCrop(size, padding), with given parameters, on a PIL image."""
-    width, height = image.size
-    return TF.crop(TF.pad(TF.hflip(image) if flip else image, padding), top, left, height, width)
+class AugmentSampler(Sampler):
+    """The indices of ``sampler``, as (index, random numbers) keys for InMemoryImages: each
+    image's numbers of the epoch (Preprocessing.randoms), drawn at the start of the epoch in
+    one call, so persistent workers, which never see ``set_epoch``, need no RNG of their own."""
 
-
-class CropFlipSampler(Sampler):
-    """The indices of ``sampler``, as (index, top, left, flip) keys for InMemoryImages.
-
-    The parameters of every image of the data set are drawn at the start of each epoch in one
-    vectorized call, from a generator seeded by (seed, epoch): image i is augmented the same
-    in epoch e whichever process or worker loads it and whatever ran before, and persistent
-    workers, which never see ``set_epoch``, need no RNG of their own.
-    """
-
-    def __init__(self, sampler, size, seed=0, prep=CIFAR100):
+    def __init__(self, sampler, size, seed, prep):
         self.sampler, self.size, self.seed, self.prep, self.epoch = sampler, size, seed, prep, 0
 
     def set_epoch(self, epoch):
@@ -181,121 +163,11 @@ class CropFlipSampler(Sampler):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0, IMAGE_STREAM))
-        offsets, flips = draw_crop_flip(self.size, generator, "cpu", self.prep)  # (size, 2), (size,)
-        offsets, flips = offsets.tolist(), flips.tolist()
-        return ((index, *offsets[index], flips[index]) for index in self.sampler)
+        rand = self.prep.randoms(self.size, self.seed, self.epoch).tolist()  # (size, ops, RANDOM_PER_OP)
+        return ((index, rand[index]) for index in self.sampler)
 
     def __len__(self):
         return len(self.sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# The device loader: augmentation as batched tensor operations.
-
-def draw_crop_flip(n, generator, device, prep=CIFAR100):
-    """Parameters of the guide's RandomHorizontalFlip + RandomCrop(size, padding) for n images:
-    offsets int64 (n, 2) = (top, left) in the padded image, uniform over 0..2*padding, and
-    flips bool (n,) with probability 0.5 (all False for a data set without flips)."""
-    offsets = torch.randint(0, 2 * prep.padding + 1, (n, 2), generator=generator, device=device)
-    if not prep.flip:
-        return offsets, torch.zeros(n, dtype=torch.bool, device=device)
-    flips = torch.randint(0, 2, (n,), generator=generator, device=device).bool()
-    return offsets, flips
-
-
-def crop_flip(images, offsets, flips, padding):
-    """Flip, then crop from the zero-padded image, as the guide's transforms do, for a batch.
-
-    images: (B, H, W, C), uint8 or float; offsets, flips: from draw_crop_flip. Returns the same type,
-    computed as one gather on the images' device (no loop over images, no host sync).
-    """
-    b, h, w, _ = images.shape
-    padded = F.pad(images, (0, 0, padding, padding, padding, padding))  # (B, H + 2p, W + 2p, C), zeros
-    rows = offsets[:, :1] + torch.arange(h, device=images.device)  # (B, H)
-    cols = offsets[:, 1:] + torch.arange(w, device=images.device)  # (B, W)
-    # Column c of the flipped padded image is column (W + 2p - 1 - c) of the unflipped one.
-    cols = torch.where(flips[:, None], w + 2 * padding - 1 - cols, cols)
-    batch = torch.arange(b, device=images.device)[:, None, None]
-    return padded[batch, rows[:, :, None], cols[:, None, :]]
-
-
-def normalization_table(mean, std):
-    """float32 (256, C): what ToTensor + Normalize make of each uint8 value in each channel,
-    computed once on the CPU with their operations (value / 255, - mean, / std). Normalizing by
-    lookup in it gives the same bits on every device; computed on a GPU, the division by 255
-    becomes a multiplication by 1/255, a bit off for some values."""
-    values = torch.arange(256, dtype=torch.float32).div(255)[:, None]  # (256, 1)
-    return values.sub(torch.tensor(mean)).div(torch.tensor(std))  # (256, C)
-
-
-def normalize(images, table):
-    """uint8 (B, H, W, C) -> float32 (B, C, H, W), bit for bit what ToTensor + Normalize compute:
-    one lookup per value in ``table`` (normalization_table, on the images' device). The result
-    is channels-last in memory (the permute is a view), which is the layout the model wants on
-    the GPU."""
-    channels = torch.arange(images.shape[-1], device=images.device)  # (C,), broadcast against (B, H, W, C)
-    return table[images.long(), channels].permute(0, 3, 1, 2)
-
-
-def float_stats(prep, device):
-    """``prep``'s mean and std as float32 (C,) tensors on ``device``."""
-    return (torch.tensor(prep.mean, dtype=torch.float32, device=device),
-            torch.tensor(prep.std, dtype=torch.float32, device=device))
-
-
-def normalize_float(images, mean, std):
-    """Float images (B, H, W, C) -> float32 (B, C, H, W), (x - mean) / std per channel: the
-    normalization of a data set that is float already (no uint8 scale to undo)."""
-    return images.float().sub(mean).div(std).permute(0, 3, 1, 2)
-
-
-class DeviceLoader:
-    """Batches of (images float32 (B, C, H, W), labels int64 (B,)) cut from a data set that
-    lives on ``device`` as uint8. Indices come from ``sampler`` (a DistributedSampler for
-    training, so the order and sharding are exactly the torchvision loader's); training
-    batches are augmented with parameters drawn once per epoch from a generator seeded by
-    (seed, epoch, rank), so batch k of an epoch is the same whether or not batches before it
-    were drawn (mid-epoch resume skips them)."""
-
-    num_workers = 0  # for describe_run: no worker processes
-
-    def __init__(self, dataset, batch_size, sampler, device, augment, drop_last, seed=0, rank=0):
-        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
-        self.prep = dataset.prep
-        self.augment = augment and bool(self.prep.padding or self.prep.flip)
-        self.device, self.drop_last, self.seed, self.rank = device, drop_last, seed, rank
-        self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
-        self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
-        if self.images.dtype == torch.uint8:
-            table = normalization_table(self.prep.mean, self.prep.std).to(device)  # float32 (256, C)
-            self.normalize = lambda images: normalize(images, table)
-        else:  # float images: no lookup table
-            stats = float_stats(self.prep, device)
-            self.normalize = lambda images: normalize_float(images, *stats)
-
-    def __len__(self):
-        full, rest = divmod(len(self.sampler), self.batch_size)
-        return full + (rest > 0 and not self.drop_last)
-
-    def __iter__(self):
-        # One small host-to-device copy per epoch: this rank's indices (N / world_size int64).
-        indices = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.device)
-        if self.augment:
-            epoch = getattr(self.sampler, "epoch", 0)
-            seed = derived_seed(self.seed, epoch, self.rank, BATCH_STREAM)
-            # Drawn on the CPU (a CUDA generator draws other numbers from the same seed) and
-            # copied once per epoch (3 x 8 bytes per image): every device serves the same crops,
-            # so a run on a GPU repeats a CPU run's data, and a resume may change device type.
-            generator = torch.Generator().manual_seed(seed)
-            offsets, flips = (t.to(self.device) for t in draw_crop_flip(len(indices), generator, "cpu", self.prep))
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            batch = indices[start:start + self.batch_size]
-            images = self.images[batch]  # (B, H, W, C) uint8
-            if self.augment:
-                images = crop_flip(images, offsets[start:start + self.batch_size], flips[start:start + self.batch_size],
-                                   self.prep.padding)
-            yield self.normalize(images), self.labels[batch]
 
 
 class ShardSampler(Sampler):
@@ -329,9 +201,8 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
         from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group, patient=True)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
-    prep = preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
-    return (InMemoryImages(*splits["train"], train_transform(prep), prep),
-            InMemoryImages(*splits["test"], eval_transform(prep), prep))
+    prep = spec_preprocessing(spec, augment)
+    return InMemoryImages(*splits["train"], prep), InMemoryImages(*splits["test"], prep)
 
 
 def load_data(batch_size, num_workers=0, sampler=None, data_dir=None, *, dataset="cifar100", loader="torchvision",
@@ -367,15 +238,14 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
     test_sampler = ShardSampler(len(test_set), rank, world_size)
     if loader == "device":
         device = torch.device(device or "cpu")
-        return (DeviceLoader(train_set, batch_size, sampler, device, augment=True, drop_last=True,
-                             seed=seed, rank=rank),
-                DeviceLoader(test_set, batch_size, test_sampler, device, augment=False, drop_last=False))
-    # Workers persist across epochs (no restart cost); CropFlipSampler draws their augmentation.
+        return (DeviceLoader(train_set, batch_size, sampler, device, augmented=True, drop_last=True, seed=seed),
+                DeviceLoader(test_set, batch_size, test_sampler, device, augmented=False, drop_last=False))
+    # Workers persist across epochs (no restart cost); AugmentSampler hands them their random numbers.
     common = dict(batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0,
                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                   worker_init_fn=ignore_ctrl_c if num_workers else None)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
-    augmented = CropFlipSampler(sampler, len(train_set), seed, train_set.prep)
+    augmented = AugmentSampler(sampler, len(train_set), seed, train_set.prep)
     return (DataLoader(train_set, sampler=augmented, drop_last=True, generator=torch.Generator().manual_seed(seed),
                        **common),
             DataLoader(test_set, sampler=test_sampler, **common))
@@ -395,10 +265,100 @@ def set_loader_epoch(loader, epoch):
         sampler.set_epoch(epoch)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read; "
-                                                 "decode an image folder into its cache; or write a small demo copy "
-                                                 "of a data set (--write-demo).")
+# ---------------------------------------------------------------------------------------------
+# --dataset of the command line: the data and what the engine knows of it (engine/task.py).
+
+def build_data(args, ctx):
+    """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both."""
+    if args.dataset in DATASETS:
+        return builtin_data(args, ctx)
+    if args.dataset == FOLDER:
+        return folder_data(args, ctx)
+    # Global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others.
+    loaded = {}
+    from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
+    return loaded["data"] if ctx.is_main else plugin_data(args)
+
+
+def builtin_data(args, ctx):
+    spec = DATASETS[args.dataset]
+    train, test = build_datasets(args.data_dir, args.download, args.synthetic, args.seed, ctx.rank, spec,
+                                 args.augment, ctx.control_group)
+    source = ("SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic
+              else f"{spec.title} from {args.data_dir or 'datasets/ beside the scripts'}")
+    classes = tuple(str(label) for label in range(spec.num_classes))
+    return train, test, DataInfo(spec.name, spec.title, source, classes, train.prep,
+                                 data_fingerprint(spec.name, args.synthetic, train.labels, len(test)),
+                                 spec.split_sizes)
+
+
+def folder_data(args, ctx):
+    """The image folder, decoded into its cache by global rank 0 (the others wait), then
+    memory-mapped by every rank."""
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size)), ctx.control_group,
+                        patient=True)
+    folder = read_folder_cache(Path(target))
+    prep = preprocessing(folder.train[0].shape[1:], folder.mean, folder.std, args.augment)
+    train, test = InMemoryImages(*folder.train, prep), InMemoryImages(*folder.test, prep)
+    shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
+    source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown})"
+    return train, test, DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
+                                 data_fingerprint(FOLDER, False, train.labels, len(test), folder.classes,
+                                                  prep.image_shape),
+                                 notes=(*folder.notes,
+                                        f"Normalization: from the training images, mean {prep.mean}, std {prep.std}"))
+
+
+def plugin_data(args):
+    """NAME(data_dir) of --dataset FILE.py:NAME, read whole into memory."""
+    ref, data_dir = args.dataset, args.data_dir or str(default_data_dir())
+    data = read_user_data(ref, data_dir)
+    images = data.train[0]
+    mean, std = channel_stats(images, 255 if images.dtype == np.uint8 else 1)
+    prep = preprocessing(images.shape[1:], mean, std, args.augment)
+    train, test = InMemoryImages(*data.train, prep), InMemoryImages(*data.test, prep)
+    key = plugin_key(ref)
+    return train, test, DataInfo(key, ref, f"{ref}({data_dir}), {len(data.classes)} classes", data.classes, prep,
+                                 data_fingerprint(key, False, train.labels, len(test), data.classes, prep.image_shape),
+                                 notes=(f"Normalization: from the training images, mean {prep.mean}, std {prep.std}",))
+
+
+def choose_loader(requested, data_bytes, memory_bytes):
+    """(loader, why) for --loader: auto puts the data set on the device when it fits
+    DEVICE_DATA_FRACTION of the device's memory, else streams it through the DataLoader."""
+    if requested != "auto":
+        return requested, f"--loader {requested}"
+    budget = DEVICE_DATA_FRACTION * memory_bytes
+    fits = data_bytes <= budget
+    return ("device" if fits else "torchvision",
+            f"auto: the data set ({size_text(data_bytes)}) {'fits' if fits else 'does not fit'} in "
+            f"{DEVICE_DATA_FRACTION:.0%} of the device's {size_text(memory_bytes)}")
+
+
+def size_text(nbytes):
+    """Bytes for people: 620.3 MB, 2.41 GB, 80 GB."""
+    if nbytes < 1e9:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e9:.{2 if nbytes < 1e10 else 0}f} GB"
+
+
+def device_memory(device):
+    """Bytes of memory of ``device``: the GPU's, or the node's for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_num_workers(local_world_size):
+    """One loader worker per spare CPU core of this process's share, capped."""
+    return max(0, min(MAX_AUTO_WORKERS, available_cores() // local_world_size - 1))
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read, "
+                                                 "or decode an image folder into its cache. A small demo copy of a "
+                                                 "data set to try things on: python tools/demo_data.py --help")
     parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100", help="which data set")
     parser.add_argument("--data-dir", default=None,
                         help="directory that gets the data set's folder, e.g. cifar-100-python/ or MNIST/raw/ "
@@ -407,14 +367,12 @@ def main(argv=None):
                         help="folder: resize to N or HxW pixels, as train.py's --image-size")
     parser.add_argument("--cache-dir", metavar="DIR", default=None,
                         help="folder: where the decoded images go, as train.py's --cache-dir")
-    parser.add_argument("--write-demo", metavar="DIR", default=None,
-                        help="write a small learnable copy of --dataset into DIR instead (each class a colour plus "
-                             "noise): 512 training and 128 test images of 10 classes in the data set's format, or "
-                             "for folder an image folder of 4 classes with PNG and JPEG, RGB and gray images of two "
-                             "sizes; DIR must not hold that data set already")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.write_demo:
-        return write_demo(Path(args.write_demo), args.dataset)
     try:
         if args.dataset == "folder":
             return prepare_image_folder(parser, args)
@@ -435,38 +393,16 @@ def main(argv=None):
 def prepare_image_folder(parser, args):
     """``python dataset_utils.py --dataset folder --data-dir DIR``: build the cache ahead of a
     job (on a login node, so that no allocation waits for it)."""
-    import image_folder
-    from flags import image_size
-
     if not args.data_dir:
         parser.error("--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE and test/CLASS/IMAGE")
     try:
         size = image_size(args.image_size) if args.image_size else None
     except argparse.ArgumentTypeError as err:
         parser.error(f"--image-size: {err}")
-    target = image_folder.prepare_folder(args.data_dir, args.cache_dir or image_folder.default_cache_dir(), size)
-    data = image_folder.read_folder_cache(target)
+    target = prepare_folder(args.data_dir, args.cache_dir or default_cache_dir(), size)
+    data = read_folder_cache(target)
     print(f"Image folder {args.data_dir} ready in {target}: {len(data.train[1])} training and {len(data.test[1])} "
           f"test images of {len(data.classes)} classes")
-    return 0
-
-
-def write_demo(root, dataset):
-    """``python dataset_utils.py --write-demo DIR``: never writes over an existing copy."""
-    import demo_data
-
-    target = root / ("train" if dataset == "folder" else DATASETS[dataset].folder)
-    if target.exists():
-        print(f"error: {target} exists already; give --write-demo another folder", file=sys.stderr)
-        return 2
-    if dataset == "folder":
-        demo_data.write_image_folder(root, classes=4, n_train=64, n_test=16)
-        print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
-              f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")
-    else:
-        demo_data.write_dataset(root, dataset, learnable=True, n_train=512, n_test=128)
-        print(f"Wrote a learnable 10-class copy of {DATASETS[dataset].title} (512 training and 128 test images) "
-              f"into {root}: train with --dataset {dataset} --data-dir {root}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Wide ResNet for CIFAR-100 (and CIFAR-10, Fashion-MNIST, MNIST), the same network as the
 "PyTorch on Olivia" guide, and the default of --model (``model:WideResNet``). Your own
-network goes in a file of its own: ``--model my_net.py:Net`` (see task.py).
+network goes in a file of its own: ``--model my_net.py:Net`` (see README, engine/models.py).
 
 The module attribute names (``input_block``, ``block1`` ... ``block6``, ``fc``, and inside
 them ``cbr``, ``layer1``, ``layer2``, ``scale``) are the guide's, so a state_dict moves

@@ -38,7 +38,7 @@ CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
-BASE_LR="${BASE_LR:-0.04}"
+BASE_LR="${BASE_LR:-}"  # empty: 0.04 (the guide's) for SGD, recipe.py's default for another --optimizer
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
@@ -46,7 +46,7 @@ STOP_FILE="${STOP_FILE:-$PWD/.multigpu_${SLURM_JOB_ID:-local}.stop}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
-[[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
@@ -55,14 +55,20 @@ GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 
 # The folder training really uses: a --checkpoint-dir among the arguments overrides
-# CHECKPOINT_DIR (the training scripts accept no abbreviation of it).
+# CHECKPOINT_DIR (the training scripts accept no abbreviation of it); and the optimizer.
+optimizer=sgd
 args=("$@")
 for i in "${!args[@]}"; do
     case "${args[i]}" in
         --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
         --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+        --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
+        --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
     esac
 done
+[[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
+lr_flags=()
+[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
 # A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
 # error instead of holding the allocation until the time limit: 3 = tear down without
@@ -89,7 +95,7 @@ trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
-    --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
+    "${lr_flags[@]}" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
     --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!
 status=0

@@ -50,7 +50,7 @@ CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
-BASE_LR="${BASE_LR:-0.04}"
+BASE_LR="${BASE_LR:-}"  # empty: 0.04 (the guide's) for SGD, recipe.py's default for another --optimizer
 TORCHRUN_PATH="${TORCHRUN_PATH:-/usr/local/bin/torchrun}"
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
@@ -99,7 +99,7 @@ done
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
-[[ "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ -z "$BASE_LR" || "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
     die "NETWORK_CHECK=$NETWORK_CHECK is neither 1 (check the network before training) nor 0 (skip the check)"
@@ -154,14 +154,20 @@ export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nc
     APPTAINERENV_NVIDIA_HPC_HOME=/opt/nvidia/hpc_sdk
 
 # The folder training really uses: a --checkpoint-dir among the arguments overrides
-# CHECKPOINT_DIR (the training scripts accept no abbreviation of it).
+# CHECKPOINT_DIR (the training scripts accept no abbreviation of it); and the optimizer.
+optimizer=sgd
 args=("$@")
 for i in "${!args[@]}"; do
     case "${args[i]}" in
         --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
         --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+        --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
+        --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
     esac
 done
+[[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
+lr_flags=()
+[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
 # A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
 # error instead of holding the allocation until the time limit: 3 = tear down without
@@ -250,7 +256,7 @@ fi
 
 "${on_every_node[@]}" bash -c "$node_task" node-task "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
-        --epochs 100 --base-lr "$BASE_LR" --target-accuracy 0.95 --patience 2 \
+        --epochs 100 "${lr_flags[@]}" --target-accuracy 0.95 --patience 2 \
         --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
         --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!

@@ -34,7 +34,7 @@ die() { echo "error: $*" >&2; exit 2; }
 CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
-BASE_LR="${BASE_LR:-0.01}"
+BASE_LR="${BASE_LR:-}"  # empty: recipe.py's default for the --optimizer (0.01 for SGD, the guide's)
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-singlegpu_${SLURM_JOB_ID:-local}_gpu.csv}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/singlegpu_${SLURM_JOB_ID:-local}}"
@@ -42,7 +42,7 @@ STOP_FILE="${STOP_FILE:-$PWD/.singlegpu_${SLURM_JOB_ID:-local}.stop}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
-[[ "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ -f "$PROJECT_DIR/train.py" ]] ||
@@ -57,6 +57,8 @@ for i in "${!args[@]}"; do
         --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
     esac
 done
+lr_flags=()  # unset: the --optimizer's own default LR (one GPU: the batch the recipe was made for)
+[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
 apptainer exec --nv "$CONTAINER_PATH" python -c \
     'import torch; print(f"CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")'
@@ -76,7 +78,7 @@ stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
 apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node=1 \
-    "$PROJECT_DIR/train.py" --batch-size "$PER_GPU_BATCH" --epochs 100 --base-lr "$BASE_LR" \
+    "$PROJECT_DIR/train.py" --batch-size "$PER_GPU_BATCH" --epochs 100 "${lr_flags[@]}" \
     --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
     --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!

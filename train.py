@@ -2,6 +2,7 @@
 process: one GPU, or the CPU.
 
     python train.py --epochs 10                       # downloads CIFAR-100 to ./datasets if missing
+    python train.py --optimizer adamw --epochs 10     # your recipe: recipe.py's flags, or edit recipe.py
     python train.py --dataset mnist --epochs 5        # the model gets 1 input channel and 10 classes
     python train.py --model my_net.py:Net --dataset folder --data-dir images --epochs 30   # your own
     python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
@@ -15,11 +16,10 @@ The recipe and every flag are shared with train_ddp.py, so 1-GPU and N-GPU runs 
 like with like.
 """
 
-from checkpoint_utils import check_outputs
 from device_utils import single_process_context
-from flags import parse_args
-from task import build_task
-from train_utils import fit, run_cli
+from engine.cli import run_cli
+from engine.files import check_outputs
+from train_utils import build_task, fit, parse_args
 
 
 def main():

@@ -19,12 +19,11 @@ from dataclasses import replace
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint_utils import check_outputs
 from device_utils import no_forward_buffer_sync, setup_distributed
-from flags import parse_args
-from lost_ranks import process_group_scope
-from task import build_task
-from train_utils import fit, run_cli
+from engine.cli import run_cli
+from engine.files import check_outputs
+from engine.lost_ranks import process_group_scope
+from train_utils import build_task, fit, parse_args
 
 
 def main():

@@ -1,23 +1,20 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
-epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` is the step; then how the
-run is prepared (optimizer, schedule, precision) and the recipe's small pure pieces.
+epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` keeps the books around
+``train_step``, the step itself; ``evaluate`` is the test loop. Then how a run is built:
+the command line, the task (``build_task``) and the run's objects (``prepare_run``).
 
-Both entry points build a task.Task (the model and the data) and call ``fit``; train_ddp.py
-also joins a process group, shards the data by rank and wraps the model in DDP, and nothing
-here needs to know. The loop names no model and no data set: it trains whatever the task
-holds. Only global rank 0 prints and writes files. The flags are in flags.py; checkpoints,
-weights files, resume and stop requests in checkpoint_utils.py; the LR schedule in
-lr_schedule.py; what is printed in log_utils.py.
+Both entry points build a Task (engine/task.py: the model and the data) and call ``fit``;
+train_ddp.py also joins a process group, shards the data by rank and wraps the model in DDP,
+and nothing here needs to know. The loop names no model, no data set and no optimizer: the
+model and data come from --model and --dataset, the optimizer, loss, schedule and
+augmentations from recipe.py. Only global rank 0 prints and writes files.
 """
 
-from __future__ import annotations  # Run names Precision, defined further down with the recipe
+from __future__ import annotations  # Run names Precision and friends in its annotations
 
 import argparse
 import math
-import os
-import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
@@ -29,23 +26,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint_utils import (Checkpointer, StopRequests, TrainingStopped, TrainState, check_resumable,
-                              check_state_fits, continues_run, epoch_seed, load_agreed_checkpoint, new_run_id,
-                              reconcile_metrics, restore, restore_rng, rng_snapshot, save_weights)
-from dataset_utils import set_loader_epoch
-from device_utils import (RunAborted, UserError, all_reduce, broadcast_buffers, check_replicas_in_sync, device_name,
-                          from_rank0, gather_objects, memory_format, network_report, peak_memory_gib,
-                          reset_peak_memory, synchronize)
-from flags import defaults as flag_defaults
-from flags import rank_or_zero
-from log_utils import (Progress, RunClock, RunLogger, accuracy_scope, count, describe_evaluation, describe_run,
-                       epoch_line, eta_seconds, summarize, timestamp)
-from lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
-from monitor import Monitors
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NO_STEP = 2**62  # "no non-finite loss yet" in the all-reduce (min) of the first bad step
-RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
+import recipe
+from dataset_utils import (build_data, build_loaders, choose_loader, default_num_workers, device_memory,
+                           per_process_batch, set_loader_epoch)
+from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
+                          memory_format, network_report, peak_memory_gib, reset_peak_memory)
+from engine import flags
+from engine.checkpoints import (Checkpointer, TrainState, check_resumable, continues_run, load_agreed_checkpoint,
+                                new_run_id, restore)
+from engine.errors import RunAborted, UserError
+from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
+                        describe_run, epoch_line, eta_seconds, reconcile_metrics, summarize, timestamp)
+from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
+from engine.models import build_model
+from engine.monitor import Monitors
+from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_to_params, kernel_choices,
+                               prefill_momentum)
+from engine.plugins import plugin_key
+from engine.precision import Precision, configure_precision
+from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
+from engine.seeds import epoch_seed, restore_rng, rng_snapshot
+from engine.stopping import StopRequests
+from engine.task import Task
+from engine.weights import check_state_fits, save_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,18 +62,13 @@ def fit(task, args, ctx):
     # Before anything is printed: a new run in another run's folder is refused at once.
     continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
                                                    ctx.control_group)
-    run = prepare_run(task, args, ctx, continuing)
-    run.clock = clock
-    train_loader, test_loader = task.train_loader, task.test_loader
+    run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
     if args.eval_only:
-        return [evaluate_once(run, test_loader)]
-    state, rng_state = start_or_resume(run, continuing)
+        return [evaluate_once(run, task.test_loader)]
     reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with (StopRequests(ctx, args.stop_file, args.checkpoint_dir) as run.stop,
-          Monitors(args, ctx, run.log, state.run_id, state.records[-1] if state.records else None,
-                   continuing) as run.monitor):
+    with run.stop, run.monitor:
         while state.epoch <= args.epochs and not reached():
-            run_epoch(run, train_loader, test_loader, state, rng_state)
+            run_epoch(run, state, rng_state)
             rng_state = None
             stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
             if stop and state.epoch <= args.epochs and not reached():
@@ -80,10 +78,10 @@ def fit(task, args, ctx):
             run.checkpointer.save(run, state)  # the finished run (no-op when just written)
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
-    for line in summarize(state.records, ctx, len(test_loader.dataset), run.clock.elapsed(), continuing):
+    for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing):
         run.log.info(line)
     if run.checkpointer.count:
-        wall = run.clock.elapsed()
+        wall = clock.elapsed()
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
@@ -91,42 +89,6 @@ def fit(task, args, ctx):
         save_weights(run.module, args.save_weights, {"model": task.model_key, **task.data.weights_metadata()})
         run.log.info(f"Model weights written to {args.save_weights}")
     return state.records
-
-
-def start_or_resume(run, continuing):
-    """(TrainState, this rank's RNG states or None): a new run, or (``continuing``) the run in
-    --checkpoint-dir continued from the checkpoint global rank 0 chose, loaded on every rank."""
-    args, ctx = run.args, run.ctx
-    if not continuing:
-        if args.resume == "auto":
-            run.log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
-        return TrainState(run_id=from_rank0(new_run_id, ctx.control_group),  # one ID: the traces' names
-                          lr_cycles=[list(first_cycle(args.epochs, args.warmup_epochs, run.steps))]), None
-    path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, run.log)
-    check_resumable(checkpoint, args, run.task.data.fingerprint, run.task.model_key,
-                    partial(check_state_fits, run.module, model_name=run.task.model_name), flag_defaults())
-    saved = checkpoint["args"]
-    planned = saved["epochs"]
-    # A checkpoint written before extensions existed has the one cycle its flags define.
-    cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(planned, saved["warmup_epochs"], run.steps)]
-    finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
-    if args.epochs > planned and not finished:
-        cycles = extend(cycles, args, run.steps, checkpoint["scheduler"]["last_epoch"], args.lr_schedule)
-        run.log.info(describe_extension(planned, args, Cycle(*cycles[-1]), run.steps))
-    run.scheduler = make_scheduler(run.optimizer, args, run.steps, cycles)  # restore loads its step
-    state, rng_state = restore(run, checkpoint)
-    state.lr_cycles = [list(c) for c in cycles]
-    fit_optimizer_to_params(run.optimizer, ctx.device)
-    run.checkpointer.last_step = run.scheduler.last_epoch  # that checkpoint need not be written again
-    where = f"epoch {state.epoch}, after step {state.step}" if state.step else f"after epoch {state.epoch - 1}"
-    run.log.info(f"Resuming from {path}: {where} (saved by {count(checkpoint['world_size'], 'process', 'processes')}"
-                 f", now {ctx.world_size})"
-                 + (f"; its weights replace --weights {args.weights}" if args.weights else ""))
-    if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
-        run.log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
-    if run.log.metrics_path:
-        reconcile_metrics(run.log.metrics_path, state.run_id, state.records)
-    return state, rng_state
 
 
 def evaluate_once(run, test_loader):
@@ -145,9 +107,10 @@ def evaluate_once(run, test_loader):
 # ---------------------------------------------------------------------------------------------
 # One epoch, one step, one evaluation.
 
-def run_epoch(run, train_loader, test_loader, state, rng_state=None):
+def run_epoch(run, state, rng_state=None):
     """Train epoch state.epoch from step state.step on, evaluate, log, and checkpoint when
     one is due. On a stop request: checkpoint mid-epoch and raise TrainingStopped."""
+    train_loader = run.task.train_loader
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     batches = islice(train_loader, run.steps)
@@ -176,7 +139,7 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
-    result = evaluate(run, test_loader, f"Evaluation after epoch {state.epoch}")
+    result = evaluate(run, run.task.test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
                           time.perf_counter() - train_end, done.lr, phase)
     if not run.args.check_sync_every:
@@ -194,13 +157,51 @@ def run_epoch(run, train_loader, test_loader, state, rng_state=None):
     return record
 
 
+def train_step(run, x, y):
+    """One optimizer step on images x (B, C, H, W) and labels y (B,): forward, loss, backward,
+    optimizer step, schedule. Returns the loss, a 0-dim tensor still on the device: nothing
+    here waits for the GPU."""
+    with run.precision.autocast(run.ctx.device):
+        loss = run.loss_fn(run.model(x), y)  # logits (B, classes) -> a scalar
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+    run.scaler.step(run.optimizer)     # fp16: skipped when a gradient overflowed
+    run.scaler.update()
+    run.scheduler.step()
+    return loss.detach()
+
+
 class StepTotals(NamedTuple):
     """What ``train_steps`` did, summed over all ranks."""
     loss_sum: float  # training loss times images
     images: int
     first_bad: int   # first step with a non-finite loss, 0 if none
     lr: float        # of the last step
-    stop: int        # the agreed stop request (checkpoint_utils.NO_STOP, STOP_FILE or STOP_SIGNAL)
+    stop: int        # the agreed stop request (engine.stopping.NO_STOP, STOP_FILE or STOP_SIGNAL)
+
+
+class LossBooks:
+    """The running loss sum and the first step with a non-finite loss, kept on the device so
+    that no step waits for the GPU; read once, summed over ranks, by ``totals``."""
+
+    NONE = 2**62  # "no non-finite loss yet": larger than any step, so the minimum over ranks works
+
+    def __init__(self, device):
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self.images = 0
+
+    def add(self, loss, images, step):
+        self.loss_sum += loss * images
+        self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, torch.clamp(self.first_bad, max=step))
+        self.images += images
+
+    def totals(self, lr, stop):
+        """Summed over all ranks: one host sync, once per epoch (or stop)."""
+        images = torch.tensor(float(self.images), dtype=torch.float64, device=self.loss_sum.device)
+        loss_total, images_total = all_reduce(torch.stack([self.loss_sum, images])).tolist()
+        first_bad = int(all_reduce(self.first_bad, op="min"))
+        return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)
 
 
 def train_steps(run, batches, state):
@@ -209,9 +210,8 @@ def train_steps(run, batches, state):
     GPU only in the final all-reduce."""
     device, start = run.ctx.device, state.step
     run.model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
-    images, lr, stop = 0, run.optimizer.param_groups[0]["lr"], 0
+    books = LossBooks(device)
+    lr, stop = run.optimizer.param_groups[0]["lr"], 0
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
                         first=start)
     for step, (x, y) in enumerate(batches, start=start + 1):
@@ -219,20 +219,15 @@ def train_steps(run, batches, state):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
-        with run.precision.autocast(device):
-            loss = run.loss_fn(run.model(x), y)
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
-        run.scheduler.step()
-        loss_sum += loss.detach() * y.size(0)
-        first_bad = torch.where(torch.isfinite(loss.detach()), first_bad, torch.clamp(first_bad, max=step))
-        images += y.size(0)
+        loss = train_step(run, x, y)
+        if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
+            check_every_parameter_learns(run.model, run.module, f"--model {run.args.model}")
+        books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
         # Reads the running loss (a GPU sync) only when a line is shown.
-        progress.update(step, images * run.ctx.world_size, lambda: f"loss {loss_sum.item() / images:.4f}")
+        progress.update(step, books.images * run.ctx.world_size,
+                        lambda: f"loss {books.loss_sum.item() / books.images:.4f}")
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
             check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
         # All ranks stop after the same step; the agreement runs on the CPU during the next step.
@@ -241,10 +236,7 @@ def train_steps(run, batches, state):
             break
     run.stop.drain()  # the last step's agreement: every collective after it finds the group idle
     progress.close()
-    totals = all_reduce(torch.stack([loss_sum, torch.tensor(float(images), dtype=torch.float64, device=device)]))
-    first_bad = int(all_reduce(first_bad, op="min"))  # host sync, once per epoch (or stop)
-    loss_total, images_total = totals.tolist()
-    return StepTotals(loss_total, int(images_total), 0 if first_bad == NO_STEP else first_bad, lr, stop)
+    return books.totals(lr, stop)
 
 
 @torch.no_grad()
@@ -288,18 +280,45 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
             "precision": run.precision.name, "synthetic": run.args.synthetic,
             "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
-            "lr_cycle": len(state.lr_cycles),
+            "optimizer": type(run.optimizer).__name__, "loss": type(run.loss_fn).__name__,
+            "augment": [op.__name__ for op in run.task.data.prep.ops], "lr_cycle": len(state.lr_cycles),
             "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device), **phase,
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 # ---------------------------------------------------------------------------------------------
-# Preparing the run: optimizer, schedule, precision, and what is printed once.
+# Building a run: the command line, the task, the run's objects.
 
-@dataclass
+def build_parser(description):
+    """The one definition of every flag: the engine's (engine/flags.py) and the recipe's."""
+    return flags.build_parser(description, recipe.add_arguments)
+
+
+def parse_args(description, argv=None):
+    return flags.parse_args(build_parser(description), recipe.check_arguments, argv)
+
+
+def build_task(args, ctx):
+    """The Task of the flags on this rank: its shard of the data, the model on its device."""
+    train_set, test_set, data = build_data(args, ctx)
+    loader, reason = choose_loader(args.loader, train_set.images.nbytes + test_set.images.nbytes,
+                                   device_memory(ctx.device))
+    workers = 0
+    if loader == "torchvision":
+        workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
+    train_loader, test_loader = build_loaders(
+        train_set, test_set, per_process_batch(args.batch_size, ctx.world_size), loader=loader, num_workers=workers,
+        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size, seed=args.seed,
+        pin_memory=ctx.device.type == "cuda")
+    model, name = build_model(args.model, data, args.seed, ctx.device, memory_format(args.channels_last, ctx.device),
+                              args.weights)
+    return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason)
+
+
+@dataclass(frozen=True)
 class Run:
     """What the loop works with, built once by ``prepare_run``."""
-    model: nn.Module       # what trains: DDP-wrapped in train_ddp.py
+    model: nn.Module       # what trains: DDP-wrapped in train_ddp.py, compiled with --compile
     module: nn.Module      # the plain model: evaluated, checked and checkpointed
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -307,35 +326,37 @@ class Run:
     loss_fn: nn.Module
     precision: Precision
     memory_format: torch.memory_format  # of the input batches: the model's layout
-    ctx: object            # device_utils.DistContext: who this process is
+    ctx: object            # engine.processes.DistContext: who this process is
     args: argparse.Namespace
-    task: object           # task.Task: the model as built, the loaders and what the data is
+    task: Task             # the model as built, the loaders and what the data is
     log: RunLogger
     steps: int             # optimizer steps per epoch
     checkpointer: Checkpointer
     device_name: str       # what runs: GPU model and memory, or the CPU
     clock: RunClock = field(default_factory=RunClock)
-    stop: StopRequests = None
+    stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
     monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
 
 
-def prepare_run(task, args, ctx, continuing=False):
-    """Build the optimizer, schedule, scaler and loss for ``task``, and print the derived
-    values once."""
-    model, train_loader = task.model, task.train_loader
+def prepare_run(task, args, ctx, continuing=False, clock=None):
+    """(Run, TrainState, this rank's RNG states or None): the optimizer, schedule, scaler and
+    loss for ``task``, a new run's state or (``continuing``) the checkpoint's, loaded on every
+    rank; the derived values printed once."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file, checkpointed=bool(args.checkpoint_dir))
-    steps = min(len(train_loader), args.limit_batches or len(train_loader))
+    steps = min(len(task.train_loader), args.limit_batches or len(task.train_loader))
     if steps == 0 and not args.eval_only:
-        raise UserError(f"the {len(train_loader.dataset)} training images give no full batch of "
-                        f"{train_loader.batch_size} per process; lower --batch-size")
-    layout = memory_format(args.channels_last, ctx.device)  # the model's, from task.build_model
+        raise UserError(f"the {len(task.train_loader.dataset)} training images give no full batch of "
+                        f"{task.train_loader.batch_size} per process; lower --batch-size")
+    module = unwrap(task.model)
+    optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
+    prefill_momentum(optimizer)
+    layout = memory_format(args.channels_last, ctx.device)  # the model's, from build_task
     name = device_name(ctx.device)
-    module = unwrap(model)
-    parameters = sum(p.numel() for p in module.parameters())
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
-              else describe_run(args, ctx, name, precision, layout == torch.channels_last, task, parameters, steps,
-                                continuing))
+              else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
+                                sum(p.numel() for p in module.parameters()), steps, continuing,
+                                describe_optimizer(optimizer), describe_loss(loss_fn)))
     for line in header:
         log.info(line)
     if ctx.process_group:
@@ -343,19 +364,66 @@ def prepare_run(task, args, ctx, continuing=False):
             log.info(line)
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
-    optimizer = make_optimizer(model, args, ctx.device)
-    if args.compile:
-        model = torch.compile(model)  # compiles lazily, during the first steps
-    return Run(model=model, module=module, optimizer=optimizer,
-               scheduler=make_scheduler(optimizer, args, steps),
-               scaler=torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16"),
-               loss_fn=nn.CrossEntropyLoss(label_smoothing=args.label_smoothing), precision=precision,
-               memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
-               checkpointer=Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx), device_name=name)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
+    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx)
+    factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
+    if continuing:
+        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
+    else:
+        if args.resume == "auto":
+            log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
+        cycles = [list(first_cycle(args.epochs, args.warmup_epochs, steps))]
+        state = TrainState(run_id=from_rank0(new_run_id, ctx.control_group), lr_cycles=cycles)  # one ID: traces
+        rng_state, scheduler = None, make_scheduler(optimizer, cycles, factor)
+    run = Run(model=torch.compile(task.model) if args.compile else task.model,  # compiles during the first steps
+              module=module, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=loss_fn,
+              precision=precision, memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
+              checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
+              stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
+              monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
+                               continuing))
+    return run, state, rng_state
+
+
+def resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor):
+    """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
+    continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
+    --epochs extends its LR schedule by a warm restart."""
+    module = unwrap(task.model)
+    path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
+    parser = build_parser("")
+    check_resumable(checkpoint, args, task.data.fingerprint, task.model_key, optimizer,
+                    partial(check_state_fits, module, model_name=task.model_name), vars(parser.parse_args([])),
+                    flags.run_defining_flags(parser, recipe.RECIPE_GROUP))
+    saved = checkpoint["args"]
+    planned = saved["epochs"]
+    # A checkpoint written before extensions existed has the one cycle its flags define.
+    cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(planned, saved["warmup_epochs"], steps)]
+    finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
+    if args.epochs > planned and not finished:
+        cycles = extend(cycles, args.epochs, args.warmup_epochs, steps, checkpoint["scheduler"]["last_epoch"], factor)
+        log.info(describe_extension(planned, args, Cycle(*cycles[-1]), steps))
+    scheduler = make_scheduler(optimizer, cycles, factor)
+    kernels = kernel_choices(optimizer)
+    state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx)
+    state.lr_cycles = [list(c) for c in cycles]
+    fit_optimizer_to_params(optimizer, kernels)
+    checkpointer.loaded(scheduler.last_epoch)  # that checkpoint need not be written again
+    log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))
+    if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
+        log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
+    if log.metrics_path:
+        reconcile_metrics(log.metrics_path, state.run_id, state.records)
+    return state, rng_state, scheduler
+
+
+def unwrap(model):
+    """The plain module inside a DDP (or similar) wrapper."""
+    return getattr(model, "module", model)
 
 
 # ---------------------------------------------------------------------------------------------
-# Small pure pieces of the recipe.
+# Small pure pieces.
 
 def target_reached(history, target, patience):
     """True when the last ``patience`` validation accuracies are all >= ``target``."""
@@ -374,143 +442,3 @@ def eval_summary(correct, loss_sum, count):
     if count <= 0:
         return EvalResult(math.nan, math.nan, 0)
     return EvalResult(correct / count, loss_sum / count, int(count))
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str                     # bf16, fp16, tf32 or fp32
-    autocast_dtype: object = None  # torch dtype for autocast, None for fp32 math
-
-    def autocast(self, device):
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
-
-
-def configure_precision(requested, device):
-    """Resolve --precision for ``device`` and set the TF32 switches; refuse combinations that
-    cannot work."""
-    cuda = device.type == "cuda"
-    # Only bf16 the GPU computes natively: PyTorch reports emulated bf16 (pre-Ampere GPUs) as
-    # supported by default, and it runs slower than fp32 there.
-    native_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
-    if requested == "auto":
-        requested = "bf16" if native_bf16 else "fp32"
-    if requested in ("fp16", "tf32") and not cuda:
-        raise UserError(f"--precision {requested} needs a CUDA GPU; on the CPU use fp32 (or bf16)")
-    if requested == "bf16" and cuda and not native_bf16:
-        raise UserError("--precision bf16: this GPU has no bf16 support; use fp16 or fp32")
-    if cuda:
-        # PyTorch lets cuDNN use TF32 for convolutions by default, so the guide's "fp32" was
-        # partly TF32. Here fp32 means fp32; every other mode allows TF32 for fp32 leftovers.
-        torch.backends.cuda.matmul.allow_tf32 = requested != "fp32"
-        torch.backends.cudnn.allow_tf32 = requested != "fp32"
-    return Precision(requested, AUTOCAST_DTYPES.get(requested))
-
-
-def optimizer_kernels(device):
-    """SGD implementation: one fused kernel for all parameters on CUDA, for-each on the CPU."""
-    return {"fused": True, "foreach": None} if device.type == "cuda" else {"fused": None, "foreach": None}
-
-
-def make_optimizer(model, args, device):
-    """SGD whose momentum buffers exist from the start: zeros in each parameter's layout.
-
-    The first step then computes what SGD's own first step does (buffer = gradient, as
-    dampening is 0). Left to itself the fused kernel creates them with ``empty_like`` on its
-    first call, and when the GradScaler skips that step (an fp16 overflow, common at the
-    initial scale of 65536) it returns before filling them: training would go on from
-    uninitialised memory.
-    """
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
-                                weight_decay=args.weight_decay, **optimizer_kernels(device))
-    if args.momentum:
-        for param in model.parameters():
-            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
-    return optimizer
-
-
-def fit_optimizer_to_params(optimizer, device):
-    """After ``load_state_dict`` of a checkpoint saved elsewhere: this device's SGD kernels,
-    and every state tensor in its parameter's memory layout. ``load_state_dict`` keeps the
-    saved layout (NCHW from a CPU run or --no-channels-last), and the fused CUDA kernel needs
-    parameters, gradients and momentum buffers to share strides."""
-    for group in optimizer.param_groups:
-        group.update(optimizer_kernels(device))
-        for param in group["params"]:
-            state = optimizer.state[param]
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
-                    state[key] = torch.empty_like(param).copy_(value)  # empty_like keeps param's strides
-
-
-def unwrap(model):
-    """The plain module inside a DDP (or similar) wrapper."""
-    return getattr(model, "module", model)
-
-
-# ---------------------------------------------------------------------------------------------
-# For benchmark.py: the loop's training steps, timed.
-
-class StepTiming(NamedTuple):
-    images_per_sec: float  # of the timed steps, over all ranks
-    warmup_s: float        # wall time of the untimed warm-up steps (cuDNN autotuning, compilation)
-    precision: str         # as resolved for this device
-
-
-def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_context=nullcontext):
-    """Train ``task.model`` on ``batches`` with this loop's steps (the flags' recipe, precision
-    and layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized
-    before each clock reading, inside ``timed_context()`` (a profiler, say). No evaluation,
-    checkpoints or stop requests."""
-    run = prepare_run(task, args, ctx)
-    run.stop = StopRequests(ctx)  # not entered: no handlers, so nothing but Ctrl-C stops it
-    state = TrainState(run_id="benchmark")
-    synchronize(ctx.device)
-    start = time.perf_counter()
-    train_steps(run, islice(batches, warmup_steps), state)  # returns after a host sync
-    warmup_s = time.perf_counter() - start
-    with timed_context():
-        start = time.perf_counter()
-        images = train_steps(run, islice(batches, steps), state).images  # ends in a host sync
-        seconds = time.perf_counter() - start
-    return StepTiming(images / seconds, warmup_s, run.precision.name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry points.
-
-def let_rank0_fail_first():
-    """On a rank that prints nothing for an error or a stop that rank 0 prints: wait (at most
-    RANK0_FIRST_S) for torchrun to end this process. torchrun stops every rank as soon as one
-    fails; were that this rank, rank 0 could be stopped before its line, and the user would
-    see only torchrun's report."""
-    time.sleep(RANK0_FIRST_S)
-
-
-def run_cli(main):
-    """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
-    for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
-    rank = rank_or_zero()
-    try:
-        main()
-    except TrainingStopped as stop:
-        if rank == 0:
-            print(stop, flush=True)
-        elif stop.exit_code:
-            let_rank0_fail_first()
-        sys.exit(stop.exit_code)
-    except UserError as err:
-        prints = rank == 0 or not err.same_on_every_rank
-        if prints:
-            print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
-        if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)
-            sys.stdout.flush()
-            os._exit(err.exit_code)
-        if not prints:
-            let_rank0_fail_first()
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
-        if rank == 0:
-            print(f"Interrupted ({str(err) or 'Ctrl-C'})", file=sys.stderr)
-        sys.exit(130)

@@ -18,10 +18,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # sibling imports, exactly as the scripts use them
-# The writers of tiny data sets in every real format (the product's demo_data.py).
-from demo_data import (idx_bytes, learnable_images, write_cifar10, write_cifar100, write_dataset,  # noqa: E402,F401
+# The writers of tiny data sets in every real format (the product's tools/demo_data.py).
+from tools.demo_data import (idx_bytes, learnable_images, write_cifar10, write_cifar100, write_dataset,  # noqa: E402,F401
                        write_idx, write_image_folder)
-from gpu_report import descendants, kill_tree  # noqa: E402,F401 - processes below a pid (torchrun's ranks)
+from tools.gpu_report import descendants, kill_tree  # noqa: E402,F401 - processes below a pid (torchrun's ranks)
 
 # Variables a launcher may have left in the environment; each test sets its own.
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -29,6 +29,8 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 # Small and fast on 2 CPU cores: no loader workers, a few images per step.
 FAST = ("--num-workers", "0")
+# For the machinery around training (checkpoints, stops, resume), not the model: tests/tiny_net.py.
+TINY_MODEL = ("--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net")
 
 
 @pytest.fixture

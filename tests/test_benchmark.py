@@ -1,4 +1,4 @@
-"""benchmark.py in quick mode on the CPU: both recipes, both measures, and a table that
+"""tools/benchmark.py in quick mode on the CPU: both recipes, both measures, and a table that
 agrees with the rows it wrote."""
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import gpu_report
-import monitor
+from engine import monitor
+from tools import gpu_report
 from conftest import error_lines, run_main
 
 REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "precision", "loader"}
@@ -19,7 +19,7 @@ REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "prec
 
 def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, capsys):
     rows_path = tmp_path / "rows.json"
-    assert run_main("benchmark.py", "--quick", "--data-dir", tmp_path / "no-data", "--json", rows_path,
+    assert run_main("tools/benchmark.py", "--quick", "--data-dir", tmp_path / "no-data", "--json", rows_path,
                     "--profile", "1") == 0
     out = capsys.readouterr().out
     profile = out[out.index("== torch.profiler: 1 training steps of the project recipe, by CPU time"):]
@@ -44,17 +44,17 @@ def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, cap
 
 def test_an_unwritable_json_path_fails_before_measuring(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    assert run_main("benchmark.py", "--quick", "--json", tmp_path / "file" / "rows.json") == 2
+    assert run_main("tools/benchmark.py", "--quick", "--json", tmp_path / "file" / "rows.json") == 2
     captured = capsys.readouterr()
     assert error_lines(captured.err) == [captured.err.strip()] and "--json" in captured.err
     assert "recipe" not in captured.out  # nothing was measured
 
 
 # ---------------------------------------------------------------------------------------------
-# --report (gpu_report.py): it measures a GPU; here, its pieces and its refusal without one.
+# --report (tools/gpu_report.py): it measures a GPU; here, its pieces and its refusal without one.
 
 def test_report_needs_a_gpu_and_says_so_in_one_line(tmp_path, capsys):
-    assert run_main("benchmark.py", "--report", tmp_path / "report.md") == 2
+    assert run_main("tools/benchmark.py", "--report", tmp_path / "report.md") == 2
     captured = capsys.readouterr()
     assert error_lines(captured.err) == [captured.err.strip()]
     assert "--report measures a CUDA GPU and this machine has none" in captured.err
@@ -76,7 +76,7 @@ def _figures(eager, compiled, split):
 
 def test_report_block_and_its_recommendation():
     split = {"convolutions and matmuls": 45.0, "normalization and element-wise": 38.0, "idle": 12.0, "other": 5.0}
-    text = gpu_report.markdown(_figures(20000.0, 26000.0, split), "python benchmark.py --report r.md")
+    text = gpu_report.markdown(_figures(20000.0, 26000.0, split), "python tools/benchmark.py --report r.md")
     lines = text.splitlines()
     assert lines[0].startswith("## ") and "NVIDIA H100 80GB HBM3" in lines[0] and "torch 2.8.0, CUDA 12.9" in lines[0]
     assert "| train | 5,100 | 20,000 | 26,000 (compiling: 95 s) |" in lines
@@ -224,7 +224,7 @@ def test_report_runs_every_part_and_names_the_one_that_failed(tmp_path, monkeypa
     a tiny network: a part that raises is named in the block, and the others still measure."""
     import torch
 
-    import benchmark
+    from tools import benchmark
     (tmp_path / "tiny_net.py").write_text(TINY_NET)
     report = tmp_path / "report.md"
     report.write_text("an earlier report\n")

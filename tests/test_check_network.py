@@ -12,7 +12,10 @@ import pytest
 import torch
 
 import check_network as cn
+from engine import bandwidth, nccl_log
+from engine import log as run_log
 import device_utils
+from engine import errors
 from conftest import clean_env, descendants, error_lines, run, run_main, start, torchrun_cmd, wait_for
 
 SMALL = ("--max-size", "64K", "--iters", "3", "--warmup-iters", "1")  # 7 sizes x 4 all-reduces: seconds
@@ -48,27 +51,27 @@ x1000c0s0b0n1:61234:61290 [2] NCCL INFO NCCL_PROTO set by environment to ^LL128
 
 
 def test_sizes_are_bytes_doubling_from_min_to_max():
-    assert [cn.parse_size(text) for text in ("1K", "64M", "1G", "256MiB", "4096", "2kb")] == [
+    assert [bandwidth.parse_size(text) for text in ("1K", "64M", "1G", "256MiB", "4096", "2kb")] == [
         1024, 64 * 2**20, 2**30, 256 * 2**20, 4096, 2048]
     for bad in ("0", "1T", "-4", "abc", "6", "1.5K"):
         with pytest.raises(Exception, match="is not a"):
-            cn.parse_size(bad)
-    default = cn.message_sizes(cn.parse_size("1K"), cn.parse_size("256M"))
+            bandwidth.parse_size(bad)
+    default = bandwidth.message_sizes(bandwidth.parse_size("1K"), bandwidth.parse_size("256M"))
     assert len(default) == 19 and default[0] == 1024 and default[-1] == 2**28
     assert all(b == 2 * a for a, b in zip(default, default[1:]))
-    assert cn.message_sizes(1024, 3072) == [1024, 2048, 3072]  # the size asked for is the last one
-    assert cn.message_sizes(4096, 4096) == [4096]
-    assert [cn.human_size(n) for n in (12, 1024, 1536, 2**26, 2**30)] == ["12 B", "1 KiB", "1.5 KiB", "64 MiB",
+    assert bandwidth.message_sizes(1024, 3072) == [1024, 2048, 3072]  # the size asked for is the last one
+    assert bandwidth.message_sizes(4096, 4096) == [4096]
+    assert [bandwidth.human_size(n) for n in (12, 1024, 1536, 2**26, 2**30)] == ["12 B", "1 KiB", "1.5 KiB", "64 MiB",
                                                                            "1 GiB"]
 
 
 def test_bandwidths_are_nccl_tests_definitions():
     # CSCS's figure: 64 MiB between two 4-GH200 nodes in 1.1 ms.
-    algbw, busbw = cn.bandwidths(2**26, 1.1e-3, 8)
+    algbw, busbw = bandwidth.bandwidths(2**26, 1.1e-3, 8)
     assert algbw == pytest.approx(2**26 / 1.1e-3 / 1e9) and algbw == pytest.approx(61.0, abs=0.1)
     assert busbw == pytest.approx(algbw * 2 * 7 / 8) and busbw == pytest.approx(106.8, abs=0.1)
-    assert cn.bandwidths(1000, 1e-6, 2) == (pytest.approx(1.0), pytest.approx(1.0))  # 2(n-1)/n = 1
-    assert cn.bandwidths(1000, 1e-6, 1) == (pytest.approx(1.0), None)  # one process sends nothing
+    assert bandwidth.bandwidths(1000, 1e-6, 2) == (pytest.approx(1.0), pytest.approx(1.0))  # 2(n-1)/n = 1
+    assert bandwidth.bandwidths(1000, 1e-6, 1) == (pytest.approx(1.0), None)  # one process sends nothing
     row = cn.table_row(cn.SizeResult(2**26, 1.1e-3, algbw, None, 0))
     assert TABLE_ROW.match(row).groups() == ("67108864", "64 MiB", "16777216", "1100.0", "61.01", "n/a", "0")
 
@@ -104,30 +107,30 @@ def test_a_wrong_result_is_one_line_naming_size_iterations_and_ranks():
     assert " on ranks [1, 2] (hosts nid001, nid002) " in cn.mismatch_message(
         4, 1, 1, [cn.Mismatch(1, 1, 1, 0, 0.0, 3.0), cn.Mismatch(2, 1, 1, 0, 0.0, 3.0)], hosts)
     assert "\n" not in message
-    assert cn.rank_list([0, 1, 2, 3, 8]) == "[0-3, 8]" and cn.rank_list([5]) == "[5]"
+    assert run_log.rank_list([0, 1, 2, 3, 8]) == "[0-3, 8]" and run_log.rank_list([5]) == "[5]"
 
 
 def test_the_fault_hook_is_parsed_strictly():
     assert cn.parse_fault(None) is None and cn.parse_fault("") is None
     assert cn.parse_fault("1:4K:2") == cn.Fault(rank=1, nbytes=4096, iteration=2)
-    with pytest.raises(device_utils.UserError, match="is not RANK:SIZE:ITERATION"):
+    with pytest.raises(errors.UserError, match="is not RANK:SIZE:ITERATION"):
         cn.parse_fault("1:4K")
 
 
 def test_nccl_log_on_sockets():
-    log = cn.parse_nccl_log(SOCKET_LOG)
-    assert log.version == "2.21.5" and log.network == "Socket" and cn.network_kind(log) == "socket"
+    log = nccl_log.parse_nccl_log(SOCKET_LOG)
+    assert log.version == "2.21.5" and log.network == "Socket" and nccl_log.network_kind(log) == "socket"
     assert log.plugin_failure == "Could not find: libnccl-net.so. Using internal network plugin."
     assert log.socket_interfaces == "hsn0:10.1.2.3, hsn1:10.1.2.4" and log.provider is None
-    assert cn.describe_nccl_network(log) == "Socket (plain TCP over hsn0:10.1.2.3, hsn1:10.1.2.4)"
+    assert nccl_log.describe_nccl_network(log) == "Socket (plain TCP over hsn0:10.1.2.3, hsn1:10.1.2.4)"
 
 
 def test_nccl_log_on_the_ofi_plugin():
-    log = cn.parse_nccl_log(OFI_LOG)
+    log = nccl_log.parse_nccl_log(OFI_LOG)
     assert (log.version, log.network, log.plugin, log.provider) == ("2.23.4", "AWS Libfabric", "aws-ofi-nccl 1.13.0",
                                                                     "cxi")
     assert log.plugin_failure is None  # the CollNet symbol is optional, not a failure
-    assert cn.describe_nccl_network(log) == "AWS Libfabric (aws-ofi-nccl 1.13.0 plugin, provider cxi)"
+    assert nccl_log.describe_nccl_network(log) == "AWS Libfabric (aws-ofi-nccl 1.13.0 plugin, provider cxi)"
 
 
 @pytest.mark.parametrize("text, network, provider, plugin", [
@@ -142,58 +145,61 @@ def test_nccl_log_on_the_ofi_plugin():
     ("[0] NCCL INFO Using network OFI\n", "OFI", None, None),  # older plugins' name
 ])
 def test_nccl_log_of_other_plugin_versions(text, network, provider, plugin):
-    log = cn.parse_nccl_log(text)
-    assert (log.network, log.provider, log.plugin, cn.network_kind(log)) == (network, provider, plugin, "libfabric")
+    log = nccl_log.parse_nccl_log(text)
+    kind = nccl_log.network_kind(log)
+    assert (log.network, log.provider, log.plugin, kind) == (network, provider, plugin, "libfabric")
 
 
 def test_sockets_between_nodes_are_a_plain_warning():
-    socket_log, ofi_log = cn.parse_nccl_log(SOCKET_LOG), cn.parse_nccl_log(OFI_LOG)
-    lines = cn.describe_network("nccl", [socket_log] * 8, 2, {})
+    socket_log, ofi_log = nccl_log.parse_nccl_log(SOCKET_LOG), nccl_log.parse_nccl_log(OFI_LOG)
+    lines = nccl_log.describe_network("nccl", [socket_log] * 8, 2, {})
     assert lines[0] == "Network (NCCL): Socket (plain TCP over hsn0:10.1.2.3, hsn1:10.1.2.4) on all 8 ranks"
     assert lines[1] == ("WARNING: NCCL uses plain TCP sockets between nodes on ranks [0-7], not Slingshot (plugin "
                         "not found: Could not find: libnccl-net.so. Using internal network plugin.): expect ~5 GB/s "
                         "busbw instead of ~100; check HOST_NCCL_PATH and LD_LIBRARY_PATH (see docs/network.md)")
-    assert cn.describe_network("nccl", [ofi_log] * 8, 2, {}) == [
+    assert nccl_log.describe_network("nccl", [ofi_log] * 8, 2, {}) == [
         "Network (NCCL): AWS Libfabric (aws-ofi-nccl 1.13.0 plugin, provider cxi) on all 8 ranks"]
-    mixed = cn.describe_network("nccl", [ofi_log] * 4 + [socket_log] * 4, 2, {})
+    mixed = nccl_log.describe_network("nccl", [ofi_log] * 4 + [socket_log] * 4, 2, {})
     assert mixed[0].startswith("Network (NCCL): AWS Libfabric (aws-ofi-nccl 1.13.0 plugin, provider cxi) on ranks "
                                "[0-3]; Socket (plain TCP over ") and mixed[0].endswith("on ranks [4-7]")
     assert mixed[1].startswith("WARNING: NCCL uses plain TCP sockets between nodes on ranks [4-7]")
-    one_node = cn.describe_network("nccl", [socket_log] * 4, 1, {})
+    one_node = nccl_log.describe_network("nccl", [socket_log] * 4, 1, {})
     assert len(one_node) == 1 and "WARNING" not in one_node[0]
     assert one_node[0].startswith("Network (NCCL): not used between the GPUs of one node (NVLink/P2P); between nodes "
                                   "NCCL would use Socket (plain TCP")
-    tcp = cn.parse_nccl_log(OFI_LOG.replace("Provider is cxi", "Provider is tcp;ofi_rxm"))
-    assert cn.describe_network("nccl", [tcp] * 8, 2, {})[1].startswith(
+    tcp = nccl_log.parse_nccl_log(OFI_LOG.replace("Provider is cxi", "Provider is tcp;ofi_rxm"))
+    assert nccl_log.describe_network("nccl", [tcp] * 8, 2, {})[1].startswith(
         "WARNING: libfabric's provider on ranks [0-7] is tcp;ofi_rxm, TCP rather than Slingshot's cxi")
-    unknown = cn.NcclLog(missing="no 'Using network' line in /tmp/x/nccl.log")
-    assert cn.describe_network("nccl", [unknown] * 2, 2, {}) == [
+    unknown = nccl_log.NcclLog(missing="no 'Using network' line in /tmp/x/nccl.log")
+    assert nccl_log.describe_network("nccl", [unknown] * 2, 2, {}) == [
         "Network (NCCL): unknown (no 'Using network' line in /tmp/x/nccl.log) on all 2 ranks"]
-    assert cn.describe_network("gloo", [None] * 2, 2, {"GLOO_SOCKET_IFNAME": "hsn0"}) == [
+    assert nccl_log.describe_network("gloo", [None] * 2, 2, {"GLOO_SOCKET_IFNAME": "hsn0"}) == [
         "Network (gloo): TCP sockets between the processes, over GLOO_SOCKET_IFNAME=hsn0"]
 
 
 def test_nccl_logs_into_a_private_file_unless_the_user_chose_one():
-    assert cn.nccl_log_settings({}, "/tmp/d") == {"NCCL_DEBUG_FILE": "/tmp/d/nccl.log", "NCCL_DEBUG": "INFO",
+    assert nccl_log.nccl_log_settings({}, "/tmp/d") == {"NCCL_DEBUG_FILE": "/tmp/d/nccl.log", "NCCL_DEBUG": "INFO",
                                                   "NCCL_DEBUG_SUBSYS": "INIT,NET"}
-    assert cn.nccl_log_settings({"NCCL_DEBUG": "TRACE", "NCCL_DEBUG_SUBSYS": "ALL"}, "/tmp/d") == {
+    assert nccl_log.nccl_log_settings({"NCCL_DEBUG": "TRACE", "NCCL_DEBUG_SUBSYS": "ALL"}, "/tmp/d") == {
         "NCCL_DEBUG_FILE": "/tmp/d/nccl.log"}
     # The user's file is read (and kept), at a level and with subsystems that log the network.
-    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/nccl.%h.%p"}, "/tmp/d") == {
+    assert nccl_log.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/nccl.%h.%p"}, "/tmp/d") == {
         "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
-    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"},
-                                "/tmp/d") == {"NCCL_DEBUG_SUBSYS": "COLL,INIT,NET"}
-    assert cn.nccl_log_settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "^NET,P2P"},
-                                "/tmp/d") == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "^P2P"}
-    assert cn.nccl_debug_file("/x/nccl.%h.%p.log", "nid001234.olivia.sigma2.no", 4242) == "/x/nccl.nid001234.4242.log"
+    settings = nccl_log.nccl_log_settings
+    assert settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"},
+                    "/tmp/d") == {"NCCL_DEBUG_SUBSYS": "COLL,INIT,NET"}
+    assert settings({"NCCL_DEBUG_FILE": "/x/f", "NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "^NET,P2P"},
+                    "/tmp/d") == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "^P2P"}
+    assert nccl_log.nccl_debug_file("/x/nccl.%h.%p.log", "nid001234.olivia.sigma2.no",
+                                    4242) == "/x/nccl.nid001234.4242.log"
 
 
 def test_read_nccl_log_names_what_is_missing(tmp_path):
-    assert cn.read_nccl_log(str(tmp_path / "none.log")).missing.startswith("cannot read NCCL's log ")
+    assert nccl_log.read_nccl_log(str(tmp_path / "none.log")).missing.startswith("cannot read NCCL's log ")
     (tmp_path / "quiet.log").write_text("")
-    assert cn.read_nccl_log(str(tmp_path / "quiet.log")).missing.startswith("no 'Using network' line in ")
+    assert nccl_log.read_nccl_log(str(tmp_path / "quiet.log")).missing.startswith("no 'Using network' line in ")
     (tmp_path / "nccl.log").write_text(OFI_LOG)
-    assert cn.read_nccl_log(str(tmp_path / "nccl.log")).provider == "cxi"
+    assert nccl_log.read_nccl_log(str(tmp_path / "nccl.log")).provider == "cxi"
 
 
 def test_the_nccl_version_is_libnccl_not_the_ofi_plugin():

@@ -1,4 +1,4 @@
-"""dataset_utils.py and data_formats.py on CIFAR-100: reading its format, transforms, errors,
+"""dataset_utils.py and engine/data_formats.py on CIFAR-100: reading its format, transforms, errors,
 download, sharding. The other data sets: test_datasets.py."""
 
 import io
@@ -13,6 +13,7 @@ import torch
 import torchvision
 
 import dataset_utils as du
+from engine import data_formats
 from conftest import run_main, write_cifar100
 
 
@@ -21,7 +22,7 @@ def test_reader_matches_torchvision(cifar_dir, monkeypatch):
     monkeypatch.setattr(torchvision.datasets.CIFAR100, "_check_integrity", lambda self: True)
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
     for split in ("train", "test"):
-        images, labels = du.read_split(cifar_dir, split, du.CIFAR100)
+        images, labels = data_formats.read_split(cifar_dir, split, du.CIFAR100)
         reference = torchvision.datasets.CIFAR100(str(cifar_dir), train=split == "train", download=False)
         assert images.dtype == np.uint8 and images.shape == reference.data.shape
         np.testing.assert_array_equal(images, reference.data)
@@ -30,7 +31,7 @@ def test_reader_matches_torchvision(cifar_dir, monkeypatch):
 
 def test_evaluation_images_are_only_normalized(cifar_dir):
     _, test_set = du.build_datasets(cifar_dir)
-    images, _ = du.read_split(cifar_dir, "test", du.CIFAR100)
+    images, _ = data_formats.read_split(cifar_dir, "test", du.CIFAR100)
     mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
     for index in (0, 7):
         expected = (torch.from_numpy(images[index]).permute(2, 0, 1).float() / 255 - mean) / std
@@ -41,14 +42,17 @@ def test_evaluation_images_are_only_normalized(cifar_dir):
 
 def test_training_images_are_flipped_and_padded_crops(cifar_dir):
     train_set, _ = du.build_datasets(cifar_dir)
-    image = torch.from_numpy(du.read_split(cifar_dir, "train", du.CIFAR100)[0][3]).permute(2, 0, 1).float() / 255
+    images = data_formats.read_split(cifar_dir, "train", du.CIFAR100)[0]
+    image = torch.from_numpy(images[3]).permute(2, 0, 1).float() / 255
     padded = torch.nn.functional.pad(image, (4, 4, 4, 4))  # zero padding, as RandomCrop(padding=4)
     candidates = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)]
     mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
-    torch.manual_seed(0)
+    sampler = du.AugmentSampler([3], len(train_set), 0, train_set.prep)  # what the training loader asks for
     seen = set()
-    for _ in range(40):
-        sample = train_set[3][0] * std + mean
+    for epoch in range(40):
+        sampler.set_epoch(epoch)
+        [key] = list(sampler)
+        sample = train_set[key][0] * std + mean
         matches = [c for c in candidates
                    if torch.allclose(sample, _crop(padded, *c), atol=1e-5)]
         assert matches, "a training image is not a flipped/cropped version of the original"
@@ -64,8 +68,8 @@ def _crop(padded, dy, dx, flip):
 def test_truncated_file_is_named(cifar_dir):
     path = cifar_dir / "cifar-100-python" / "train"
     path.write_bytes(path.read_bytes()[:5000])
-    with pytest.raises(du.DatasetError, match="train is truncated or corrupted") as info:
-        du.read_split(cifar_dir, "train", du.CIFAR100)
+    with pytest.raises(data_formats.DatasetError, match="train is truncated or corrupted") as info:
+        data_formats.read_split(cifar_dir, "train", du.CIFAR100)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -75,13 +79,13 @@ def test_wrongly_shaped_data_is_reported(tmp_path):
     entry = pickle.loads(path.read_bytes(), encoding="latin1")
     entry["data"] = entry["data"][:, :1000]
     path.write_bytes(pickle.dumps(entry, protocol=2))
-    with pytest.raises(du.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
-        du.read_split(root, "test", du.CIFAR100)
+    with pytest.raises(data_formats.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
+        data_formats.read_split(root, "test", du.CIFAR100)
 
 
 def test_missing_data_without_download_says_what_to_run(tmp_path):
-    with pytest.raises(du.DatasetError) as info:
-        du.prepare(tmp_path / "nothing", du.CIFAR100, download=False)
+    with pytest.raises(data_formats.DatasetError) as info:
+        data_formats.prepare(tmp_path / "nothing", du.CIFAR100, download=False)
     assert f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'nothing'}" in str(info.value)
     assert not (tmp_path / "nothing").exists()  # nothing created for a failed run
 
@@ -91,8 +95,8 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
         (du.Path(root) / filename).write_bytes(b"the first bytes")  # a partial archive
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
-    with pytest.raises(du.DatasetError) as info:
-        du.prepare(tmp_path / "new" / "datasets", du.CIFAR100, download=True)
+    with pytest.raises(data_formats.DatasetError) as info:
+        data_formats.prepare(tmp_path / "new" / "datasets", du.CIFAR100, download=True)
     message = str(info.value)
     assert message.startswith(f"CIFAR-100 not found in {tmp_path / 'new' / 'datasets' / 'cifar-100-python'} and "
                               "downloading it failed")
@@ -100,16 +104,17 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
     assert list(tmp_path.iterdir()) == []  # no empty datasets/ folder, no partial archive
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(du.DatasetError):
-        du.prepare(tmp_path / "mine", du.CIFAR100, download=True)
+    with pytest.raises(data_formats.DatasetError):
+        data_formats.prepare(tmp_path / "mine", du.CIFAR100, download=True)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # what was there stays
 
 
 def test_a_missing_file_is_named(cifar_dir):
     (cifar_dir / "cifar-100-python" / "meta").unlink()
-    with pytest.raises(du.DatasetError, match=f"^CIFAR-100 in {cifar_dir / 'cifar-100-python'} is incomplete: meta "
-                                              "missing; fetch it first with: python dataset_utils.py"):
-        du.prepare(cifar_dir, du.CIFAR100, download=False)
+    folder = cifar_dir / "cifar-100-python"
+    with pytest.raises(data_formats.DatasetError, match=f"^CIFAR-100 in {folder} is incomplete: "
+                                                        "meta missing; fetch it first with: python dataset_utils.py"):
+        data_formats.prepare(cifar_dir, du.CIFAR100, download=False)
 
 
 def _fake_archive(tmp_path):
@@ -132,18 +137,18 @@ def test_download_unpacks_into_place_and_keeps_existing_files(tmp_path, monkeypa
     root = tmp_path / "datasets"
     (root / "cifar-100-python").mkdir(parents=True)
     (root / "cifar-100-python" / "meta").write_bytes(b"already here")
-    du.prepare(root, du.CIFAR100, download=True)
+    data_formats.prepare(root, du.CIFAR100, download=True)
     assert calls == [torchvision.datasets.CIFAR100.url]
     assert (root / "cifar-100-python" / "meta").read_bytes() == b"already here"
-    assert [len(du.read_split(root, split, du.CIFAR100)[1]) for split in ("train", "test")] == [16, 8]
+    assert [len(data_formats.read_split(root, split, du.CIFAR100)[1]) for split in ("train", "test")] == [16, 8]
     assert sorted(p.name for p in root.iterdir()) == ["cifar-100-python"]  # no archive, no temporary folder
-    du.prepare(root, du.CIFAR100, download=True)
+    data_formats.prepare(root, du.CIFAR100, download=True)
     assert len(calls) == 1  # present: not downloaded again
 
 
 def test_only_global_rank_0_fetches_and_the_data_set_is_built_once(cifar_dir, monkeypatch):
     prepared, reads = [], Counter()
-    real_prepare, real_read = du.prepare, du.read_split
+    real_prepare, real_read = data_formats.prepare, data_formats.read_split
     monkeypatch.setattr(du, "prepare", lambda *a: prepared.append(a) or real_prepare(*a))
     monkeypatch.setattr(du, "read_split",
                         lambda root, split, spec: reads.update([split]) or real_read(root, split, spec))
@@ -168,7 +173,7 @@ def test_every_test_image_is_evaluated_once_across_ranks(tmp_path):
         _, test_loader = du.load_cifar100(8, data_dir=root, rank=rank, world_size=2)
         seen += [label for _, labels in test_loader for label in labels.tolist()]
     # 41: no image dropped or repeated
-    assert sorted(seen) == sorted(du.read_split(root, "test", du.CIFAR100)[1].tolist())
+    assert sorted(seen) == sorted(data_formats.read_split(root, "test", du.CIFAR100)[1].tolist())
 
 
 def _epoch_indices(loader, epoch):

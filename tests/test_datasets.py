@@ -9,30 +9,33 @@ import tarfile
 import urllib.error
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 import torch
 import torchvision
 import torchvision.transforms.functional as TF
 
-import data_formats as df
 import dataset_utils as du
+import recipe
+from engine import data_formats, device_loader
 from conftest import (FAST, REPO, clean_env, error_lines, idx_bytes, python_cmd, read_metrics, run, run_main,
                       torchrun_cmd, write_cifar10, write_dataset, write_idx)
 from model import WideResNet
 
-NAMES = tuple(df.DATASETS)
+NAMES = tuple(data_formats.DATASETS)
 TORCHVISION = {"cifar100": torchvision.datasets.CIFAR100, "cifar10": torchvision.datasets.CIFAR10,
                "fashion-mnist": torchvision.datasets.FashionMNIST, "mnist": torchvision.datasets.MNIST}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reader_matches_torchvision(tmp_path, monkeypatch, name):
-    spec = df.DATASETS[name]
+    spec = data_formats.DATASETS[name]
     root = write_dataset(tmp_path, name, n_train=25, n_test=10)
     # torchvision checks the official md5 sums of CIFAR's files, which a tiny copy cannot match.
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
     for split in ("train", "test"):
-        images, labels = df.read_split(root, split, spec)
+        images, labels = data_formats.read_split(root, split, spec)
         reference = TORCHVISION[name](str(tmp_path), train=split == "train", download=False)
         expected = np.asarray(reference.data)
         assert images.dtype == np.uint8 and images.shape == (len(expected), *spec.image_shape)
@@ -41,12 +44,12 @@ def test_reader_matches_torchvision(tmp_path, monkeypatch, name):
 
 
 def test_idx_files_read_the_same_gzipped(tmp_path):
-    spec = df.DATASETS["fashion-mnist"]
+    spec = data_formats.DATASETS["fashion-mnist"]
     plain = write_idx(tmp_path / "plain", "FashionMNIST", seed=4)
     packed = write_idx(tmp_path / "packed", "FashionMNIST", seed=4, gzipped=True)  # as downloaded
     assert (packed / "FashionMNIST" / "raw" / "train-images-idx3-ubyte.gz").exists()
     for split in ("train", "test"):
-        for a, b in zip(df.read_split(plain, split, spec), df.read_split(packed, split, spec)):
+        for a, b in zip(data_formats.read_split(plain, split, spec), data_formats.read_split(packed, split, spec)):
             np.testing.assert_array_equal(a, b)
 
 
@@ -75,20 +78,20 @@ BAD_FILES = [
 
 @pytest.mark.parametrize("name, file, how, expected", BAD_FILES, ids=[f"{n}-{f}-{h}" for n, f, h, _ in BAD_FILES])
 def test_a_bad_file_is_one_line_naming_it(tmp_path, name, file, how, expected):
-    spec = df.DATASETS[name]
+    spec = data_formats.DATASETS[name]
     root = write_dataset(tmp_path, name, gzipped=True) if file.endswith(".gz") else write_dataset(tmp_path, name)
     path = root / spec.folder / file
     _damage(path, how)
     split = "test" if file.startswith(("test", "t10k")) else "train"
-    with pytest.raises(df.DatasetError) as info:
-        df.read_split(root, split, spec)
+    with pytest.raises(data_formats.DatasetError) as info:
+        data_formats.read_split(root, split, spec)
     message = str(info.value)
     assert message.startswith(f"{path}{expected}") and "\n" not in message
 
 
 @pytest.mark.parametrize("name", ["cifar10", "mnist"])
 def test_a_missing_file_is_named_before_anything_is_read(tmp_path, name, capsys):
-    spec = df.DATASETS[name]
+    spec = data_formats.DATASETS[name]
     root = write_dataset(tmp_path, name)
     missing = spec.files["train"][0]
     (root / spec.folder / missing).unlink()
@@ -100,11 +103,11 @@ def test_a_missing_file_is_named_before_anything_is_read(tmp_path, name, capsys)
 
 
 def test_labels_beyond_the_classes_are_refused(tmp_path):
-    spec = df.DATASETS["mnist"]
+    spec = data_formats.DATASETS["mnist"]
     root = write_idx(tmp_path, "MNIST", n_test=3)
     (root / spec.folder / "t10k-labels-idx1-ubyte").write_bytes(idx_bytes(np.array([1, 10, 2]), 2049))
-    with pytest.raises(df.DatasetError, match=r"t10k-labels-idx1-ubyte is corrupted: labels outside 0\.\.9"):
-        df.read_split(root, "test", spec)
+    with pytest.raises(data_formats.DatasetError, match=r"t10k-labels-idx1-ubyte is corrupted: labels outside 0\.\.9"):
+        data_formats.read_split(root, "test", spec)
 
 
 def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkeypatch):
@@ -115,7 +118,7 @@ def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkey
         calls.append((url, md5))
         if url.startswith(torchvision.datasets.MNIST.mirrors[0]):
             raise urllib.error.URLError("mirror down")
-        (df.Path(root) / filename).write_bytes((source / "MNIST" / "raw" / filename).read_bytes())
+        (Path(root) / filename).write_bytes((source / "MNIST" / "raw" / filename).read_bytes())
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", fake_download)
     root = tmp_path / "datasets"
     kept = root / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
@@ -131,12 +134,12 @@ def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkey
         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte", "train-images-idx3-ubyte.gz",
         "train-labels-idx1-ubyte.gz"]
     assert sorted(p.name for p in root.iterdir()) == ["MNIST"]  # no temporary folder left
-    assert len(df.read_split(root, "train", df.DATASETS["mnist"])[1]) == 60
+    assert len(data_formats.read_split(root, "train", data_formats.DATASETS["mnist"])[1]) == 60
 
 
 def test_a_failed_idx_download_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
     def offline(url, root, filename, md5):
-        (df.Path(root) / filename).write_bytes(b"\x1f\x8b partial")
+        (Path(root) / filename).write_bytes(b"\x1f\x8b partial")
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
     assert run_main("dataset_utils.py", "--dataset", "fashion-mnist", "--data-dir", tmp_path / "datasets") == 2
@@ -155,10 +158,10 @@ def test_cifar10_download_unpacks_the_official_layout(tmp_path, monkeypatch):
     def fake_download(url, root, filename, md5):
         assert (url, filename, md5) == (torchvision.datasets.CIFAR10.url, torchvision.datasets.CIFAR10.filename,
                                         torchvision.datasets.CIFAR10.tgz_md5)
-        (df.Path(root) / filename).write_bytes(buffer.getvalue())
+        (Path(root) / filename).write_bytes(buffer.getvalue())
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", fake_download)
-    df.prepare(tmp_path / "datasets", df.DATASETS["cifar10"])
-    images, labels = df.read_split(tmp_path / "datasets", "train", df.DATASETS["cifar10"])
+    data_formats.prepare(tmp_path / "datasets", data_formats.DATASETS["cifar10"])
+    images, labels = data_formats.read_split(tmp_path / "datasets", "train", data_formats.DATASETS["cifar10"])
     assert images.shape == (50, 32, 32, 3) and len(labels) == 50
 
 
@@ -167,50 +170,59 @@ def test_cifar10_download_unpacks_the_official_layout(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_augmentation_stays_within_the_padding_and_flips_only_where_allowed(name):
-    spec = df.DATASETS[name]
-    offsets, flips = du.draw_crop_flip(20_000, torch.Generator().manual_seed(0), "cpu", spec)
-    assert offsets.min() == 0 and offsets.max() == 2 * spec.padding
-    if spec.flip:
-        assert abs(flips.double().mean().item() - 0.5) < 0.02
+    spec = data_formats.DATASETS[name]
+    prep = du.spec_preprocessing(spec)
+    # Pixel (r, c) holds r * W + c + 1: every output pixel says where it came from, 0 = padding.
+    h, w, _ = spec.image_shape
+    image = torch.arange(1, h * w + 1, dtype=torch.int64).view(1, h, w, 1).expand(20_000, -1, -1, -1)
+    rand = prep.randoms(20_000, seed=0, epoch=0)
+    out = device_loader.augment(image, rand, prep.ops, prep)
+    source = out[:, h // 2, w // 2, 0] - 1  # the centre always comes from the image
+    top = source // w - h // 2 + spec.padding  # the crop's row offset in the padded image
+    mirrored = out[:, h // 2, w // 2 + 1, 0] < out[:, h // 2, w // 2, 0]
+    assert top.min() == 0 and top.max() == 2 * spec.padding
+    if spec.augment == "flip-crop":
+        assert abs(mirrored.double().mean().item() - 0.5) < 0.02
     else:
-        assert not flips.any()  # a mirrored 3 is not a 3
-    flip_steps = [t for t in du.train_transform(spec).transforms
-                  if isinstance(t, torchvision.transforms.RandomHorizontalFlip)]
-    assert len(flip_steps) == spec.flip
+        assert spec.augment == "crop" and not mirrored.any()  # a mirrored 3 is not a 3
 
 
 def test_padding_and_normalization_are_the_data_sets_own():
-    assert [df.DATASETS[n].padding for n in NAMES] == [4, 4, 2, 2]
-    assert [df.DATASETS[n].flip for n in NAMES] == [True, True, True, False]
-    assert df.DATASETS["mnist"].mean == (0.1307,) and df.DATASETS["cifar10"].mean != df.DATASETS["cifar100"].mean
+    assert [data_formats.DATASETS[n].padding for n in NAMES] == [4, 4, 2, 2]
+    assert [data_formats.DATASETS[n].augment for n in NAMES] == ["flip-crop", "flip-crop", "flip-crop", "crop"]
+    assert data_formats.DATASETS["mnist"].mean == (0.1307,)
+    assert data_formats.DATASETS["cifar10"].mean != data_formats.DATASETS["cifar100"].mean
 
 
 @pytest.mark.parametrize("name", ["fashion-mnist", "mnist"])
 def test_one_channel_crops_equal_torchvision_pixel_for_pixel(name):
-    """The device loader's crop, flip and normalization against torchvision's transforms on the
-    PIL image, for every offset within the padding (and both flips where flips are used)."""
-    spec = df.DATASETS[name]
+    """The augmentation and normalization of both loaders against torchvision's transforms on
+    the PIL image, for every offset within the padding (and both flips where flips are used)."""
+    spec = data_formats.DATASETS[name]
+    prep = du.spec_preprocessing(spec, "flip-crop")
     image = np.random.default_rng(1).integers(0, 256, (28, 28, 1), dtype=np.uint8)
     pil = du.to_pil(image)
     assert pil.mode == "L"
     span = range(2 * spec.padding + 1)
-    combos = [(top, left, flip) for top in span for left in span for flip in ((False, True) if spec.flip else (False,))]
-    offsets = torch.tensor([(top, left) for top, left, _ in combos])
-    flips = torch.tensor([flip for _, _, flip in combos])
+    combos = [(top, left, flip) for top in span for left in span for flip in (False, True)]
+    rand = torch.full((len(combos), 2, recipe.RANDOM_PER_OP), 0.5, dtype=torch.float64)
+    for k, (top, left, flip) in enumerate(combos):
+        rand[k, 0, 0] = 0.25 if flip else 0.75
+        rand[k, 1, :2] = (torch.tensor([top, left], dtype=torch.float64) + 0.5) / (2 * spec.padding + 1)
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = du.normalize(du.crop_flip(batch, offsets, flips, spec.padding),
-                             du.normalization_table(spec.mean, spec.std))
-    dataset = du.InMemoryImages(image[None], np.zeros(1), du.train_transform(spec), spec)
+    on_device = device_loader.normalize(device_loader.augment(batch, rand, prep.ops, prep),
+                                        device_loader.normalization_table(spec.mean, spec.std))
+    dataset = du.InMemoryImages(image[None], np.zeros(1), prep)
     for k, (top, left, flip) in enumerate(combos):
         cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, spec.padding), top, left, 28, 28)
         reference = TF.normalize(TF.to_tensor(cropped), spec.mean, spec.std)  # (1, 28, 28)
         assert torch.equal(on_device[k], reference), (top, left, flip)
-        assert torch.equal(dataset[(0, top, left, flip)][0], reference), (top, left, flip)
+        assert torch.equal(dataset[(0, rand[k].tolist())][0], reference), (top, left, flip)
 
 
 def test_the_model_follows_the_data():
     for name in NAMES:
-        spec = df.DATASETS[name]
+        spec = data_formats.DATASETS[name]
         model = WideResNet(spec.num_classes, spec.channels).eval()
         height, width, channels = spec.image_shape
         with torch.no_grad():
@@ -230,9 +242,9 @@ def test_a_short_run_learns_each_data_set(tmp_path, name):
     result = run(python_cmd("train.py", "--dataset", name, "--data-dir", root, "--epochs", "3", "--batch-size", "16",
                             "--warmup-epochs", "0", "--metrics-file", metrics, *FAST), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    spec = df.DATASETS[name]
+    spec = data_formats.DATASETS[name]
     assert f"on {spec.title} with Batch Size: 16" in result.stdout
-    assert f"Augmentation: {spec.augmentation()}" in result.stdout
+    assert f"Augmentation: {du.spec_preprocessing(spec).describe()}" in result.stdout
     records = read_metrics(metrics)
     assert [r["dataset"] for r in records] == [name] * 3
     assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]
@@ -266,8 +278,9 @@ def test_ddp_on_a_one_channel_data_set(tmp_path):
 
 
 def test_benchmark_and_job_script_take_the_data_set(tmp_path):
-    result = run(python_cmd("benchmark.py", "--quick", "--dataset", "mnist", "--steps", "1", "--pipeline-batches", "2",
-                            "--data-dir", tmp_path / "none", "--json", tmp_path / "rows.json"), cwd=tmp_path)
+    result = run(python_cmd("tools/benchmark.py", "--quick", "--dataset", "mnist", "--steps", "1",
+                            "--pipeline-batches", "2", "--data-dir", tmp_path / "none",
+                            "--json", tmp_path / "rows.json"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {(row["dataset"], row["data"]) for row in rows} == {("mnist", "synthetic")}

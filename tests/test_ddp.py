@@ -88,8 +88,8 @@ def test_missing_data_is_reported_once_and_nothing_is_downloaded(tmp_path):
 SLOW_RANK_0 = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from device_utils import UserError
-from train_utils import run_cli
+from engine.cli import run_cli
+from engine.errors import UserError
 
 
 def main():

@@ -26,8 +26,10 @@ import pytest
 import torch
 
 import dataset_utils as du
-import flags
+import recipe
 import train_utils as tu
+from device_utils import single_process_context
+from engine import monitor, optimizers
 from conftest import clean_env, python_cmd, read_metrics, run, start, torchrun_cmd, wait_for, write_cifar100
 from test_check_network import TABLE_ROW
 from test_resilience import _rank_pid
@@ -46,20 +48,16 @@ def finite_run(result, metrics):
 
 
 # ---------------------------------------------------------------------------------------------
-# First what is most likely to break (it has never run on a GPU), fastest first: benchmark.py
+# First what is most likely to break (it has never run on a GPU), fastest first: tools/benchmark.py
 # --report runs this file with the time it has left.
 
 def _prepared_run(*flag_list):
-    from checkpoint_utils import StopRequests, TrainState
-    from device_utils import single_process_context
-    from task import build_task
-    args = flags.parse_args("x", ["--synthetic", "--batch-size", "64", "--num-workers", "0", "--log-interval", "0",
-                                  *flag_list])
+    args = tu.parse_args("x", ["--synthetic", "--batch-size", "64", "--num-workers", "0", "--log-interval", "0",
+                               *flag_list])
     ctx = single_process_context()
-    task = build_task(args, ctx)
-    run_ = tu.prepare_run(task, args, ctx)
-    run_.stop = StopRequests(ctx)
-    return run_, iter(task.train_loader), TrainState(run_id="gpu-test")
+    task = tu.build_task(args, ctx)
+    run_, state, _ = tu.prepare_run(task, args, ctx)
+    return run_, iter(task.train_loader), state
 
 
 @pytest.mark.parametrize("precision, layout, dtype, channels_last", [
@@ -103,7 +101,6 @@ def test_no_host_sync_inside_a_training_step():
 
 
 def test_cudnn_autotuning_and_the_current_device_are_set():
-    from device_utils import single_process_context
     ctx = single_process_context()
     assert ctx.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
     assert torch.backends.cudnn.benchmark is True
@@ -129,10 +126,11 @@ def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage(monk
         torch.manual_seed(0)
         layers = (torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 30 * 30, 10))
         return torch.nn.Sequential(*layers).cuda()
-    args, cuda = flags.parse_args("x", ["--precision", "fp16"]), torch.device("cuda")
+    args, cuda = tu.parse_args("x", ["--precision", "fp16"]), torch.device("cuda")
     ours = model()
-    optimizer = tu.make_optimizer(ours, args, cuda)
+    optimizer = recipe.make_optimizer(ours, args, cuda)
     assert optimizer.param_groups[0]["fused"] is True  # the kernel that returns early on a skipped step
+    optimizers.prefill_momentum(optimizer)  # what train_utils.prepare_run does
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
     _step(ours, optimizer, scaler, factor=math.inf)  # overflow: GradScaler skips the step
     _step(ours, optimizer, scaler)
@@ -204,7 +202,6 @@ def test_train_ddp_on_nccl_stops_and_resumes(tmp_path, stop):
 
 
 def test_nvml_reads_this_processes_gpu():
-    import monitor
     pynvml = monitor.import_pynvml()
     if pynvml is None:
         pytest.skip("NVML sampling needs nvidia-ml-py (the NGC container has it)")
@@ -223,7 +220,6 @@ def test_gpu_power_a_gpu_profile_and_tensorboard(tmp_path):
     """Whole epochs (195 steps of 256, 2-3 s of training on an H100), long enough for NVML's
     samples once a second: utilization and power in the metrics; a profile of GPU time with the
     convolution kernels in the trace; TensorBoard's GPU scalars where tensorboard is installed."""
-    import monitor
     nvml, tensorboard = monitor.import_pynvml() is not None, monitor.tensorboard_missing() is None
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", "--synthetic", "--epochs", "2", "--num-workers", "0", "--metrics-file",

@@ -1,5 +1,6 @@
-"""The two loaders: order and sharding exactly as DistributedSampler, augmentation with the
-guide's distribution and pixels, and augmentation that a restarted run repeats exactly."""
+"""The two loaders: order and sharding exactly as DistributedSampler, the same augmented
+images from both for a seed (one implementation: recipe.py's), augmentation with the guide's
+distribution and pixels, and augmentation that a restarted run repeats exactly."""
 
 import numpy as np
 import pytest
@@ -9,23 +10,25 @@ from PIL import Image
 from torch.utils.data.distributed import DistributedSampler
 
 import dataset_utils as du
+import recipe
+from engine import device_loader
 
 CPU = torch.device("cpu")
-MEAN = torch.tensor(du.CIFAR100.mean).view(1, 3, 1, 1)
-STD = torch.tensor(du.CIFAR100.std).view(1, 3, 1, 1)
+CIFAR = du.spec_preprocessing(du.CIFAR100)
+MEAN = torch.tensor(CIFAR.mean).view(1, 3, 1, 1)
+STD = torch.tensor(CIFAR.std).view(1, 3, 1, 1)
 
 
-def indexed_sets(n_train, n_test=10, images=None):
+def indexed_sets(n_train, n_test=10, images=None, prep=CIFAR):
     """Data sets whose label is the image's index, so a batch's labels say which images it holds."""
     if images is None:
         images = np.random.default_rng(0).integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8)
-    train = du.InMemoryImages(images, np.arange(n_train), du.train_transform())
-    test = du.InMemoryImages(images[:n_test], np.arange(n_test), du.eval_transform())
-    return train, test
+    test = du.InMemoryImages(images[:n_test], np.arange(n_test), prep)
+    return du.InMemoryImages(images, np.arange(n_train), prep), test
 
 
-def device_loader(train_set, batch_size, rank=0, world_size=1, seed=0):
-    return du.build_loaders(train_set, train_set, batch_size, loader="device", device=CPU, rank=rank,
+def loader_of(kind, train_set, batch_size, rank=0, world_size=1, seed=0):
+    return du.build_loaders(train_set, train_set, batch_size, loader=kind, device=CPU, rank=rank,
                             world_size=world_size, seed=seed)[0]
 
 
@@ -39,13 +42,21 @@ def to_uint8(images):
     return ((images * STD + MEAN) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
 
 
+def randoms_for(top, left, flip, padding):
+    """flip-crop's random numbers (ops, RANDOM_PER_OP) that give exactly this flip and crop offset."""
+    rand = torch.full((2, recipe.RANDOM_PER_OP), 0.5, dtype=torch.float64)
+    rand[0, 0] = 0.25 if flip else 0.75  # recipe.flip: mirrored when below 1/2
+    rand[1, :2] = (torch.tensor([top, left], dtype=torch.float64) + 0.5) / (2 * padding + 1)  # recipe.pad_crop
+    return rand
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_device_loader_orders_and_shards_exactly_like_distributed_sampler(world_size):
     train_set, _ = indexed_sets(50)
     for epoch in (0, 1):
         shards = []
         for rank in range(world_size):
-            loader = device_loader(train_set, 4, rank, world_size, seed=7)
+            loader = loader_of("device", train_set, 4, rank, world_size, seed=7)
             sampler = DistributedSampler(train_set, world_size, rank, shuffle=True, seed=7, drop_last=True)
             sampler.set_epoch(epoch)
             expected = list(sampler)[:len(loader) * 4]  # full batches only, as drop_last
@@ -59,10 +70,10 @@ def test_device_loader_orders_and_shards_exactly_like_distributed_sampler(world_
 
 def test_device_loader_order_depends_on_seed_and_epoch_only():
     train_set, _ = indexed_sets(48)
-    first = epoch_labels(device_loader(train_set, 8, seed=1), 0)
-    assert epoch_labels(device_loader(train_set, 8, seed=1), 0) == first
-    assert epoch_labels(device_loader(train_set, 8, seed=1), 1) != first
-    assert epoch_labels(device_loader(train_set, 8, seed=2), 0) != first
+    first = epoch_labels(loader_of("device", train_set, 8, seed=1), 0)
+    assert epoch_labels(loader_of("device", train_set, 8, seed=1), 0) == first
+    assert epoch_labels(loader_of("device", train_set, 8, seed=1), 1) != first
+    assert epoch_labels(loader_of("device", train_set, 8, seed=2), 0) != first
     assert sorted(i for batch in first for i in batch) == list(range(48))
 
 
@@ -75,22 +86,41 @@ def test_both_loaders_serve_the_same_images_in_the_same_order(cifar_dir):
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)  # evaluation: bit for bit
 
 
+@pytest.mark.parametrize("augment", sorted(recipe.AUGMENTATIONS))
+def test_both_loaders_serve_the_same_augmented_images_for_a_seed(augment):
+    """The device loader (a batch at a time) and the DataLoader's workers (an image at a time)
+    apply recipe.py's one implementation with the same numbers per image: the same crops."""
+    prep = du.preprocessing((32, 32, 3), CIFAR.mean, CIFAR.std, augment)
+    train_set, _ = indexed_sets(48, prep=prep)
+    for rank in (0, 1):
+        device, torchvision = (loader_of(kind, train_set, 8, rank=rank, world_size=2, seed=3)
+                               for kind in ("device", "torchvision"))
+        for epoch in (0, 1):
+            du.set_loader_epoch(device, epoch)
+            du.set_loader_epoch(torchvision, epoch)
+            batches = list(zip(device, torchvision, strict=True))
+            assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in batches)
+    plain = torch.from_numpy(train_set.images).permute(0, 3, 1, 2).float() / 255
+    served = to_uint8(torch.cat([x for x, _ in device])).permute(0, 3, 1, 2).float() / 255
+    order = torch.cat([y for _, y in device])
+    assert torch.equal(served, plain[order]) == (augment == "none")  # the others change the images
+
+
 def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     image = np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     pil = Image.fromarray(image)
     combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
-    offsets = torch.tensor([(top, left) for top, left, _ in combos])
-    flips = torch.tensor([flip for _, _, flip in combos])
-    on_device = du.normalize(du.crop_flip(torch.from_numpy(image).expand(len(combos), -1, -1, -1), offsets, flips,
-                                          du.CIFAR100.padding),
-                             du.normalization_table(du.CIFAR100.mean, du.CIFAR100.std))
-    dataset = du.InMemoryImages(image[None], np.zeros(1), du.train_transform())
+    rand = torch.stack([randoms_for(top, left, flip, CIFAR.padding) for top, left, flip in combos])
+    batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
+    on_device = device_loader.normalize(device_loader.augment(batch, rand, CIFAR.ops, CIFAR),
+                                        device_loader.normalization_table(CIFAR.mean, CIFAR.std))
+    dataset = du.InMemoryImages(image[None], np.zeros(1), CIFAR)
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).
-        cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, du.CIFAR100.padding), top, left, 32, 32)
-        reference = TF.normalize(TF.to_tensor(cropped), du.CIFAR100.mean, du.CIFAR100.std)
+        cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, CIFAR.padding), top, left, 32, 32)
+        reference = TF.normalize(TF.to_tensor(cropped), CIFAR.mean, CIFAR.std)
         assert torch.equal(on_device[k], reference), ("device", top, left, flip)
-        assert torch.equal(dataset[(0, top, left, flip)][0], reference), ("torchvision", top, left, flip)
+        assert torch.equal(dataset[(0, rand[k].tolist())][0], reference), ("torchvision", top, left, flip)
 
 
 def test_device_augmentation_has_the_guides_distribution():
@@ -99,14 +129,14 @@ def test_device_augmentation_has_the_guides_distribution():
     rows, cols = np.meshgrid(np.arange(1, size + 1), np.arange(1, size + 1), indexing="ij")
     image = np.stack([rows, cols, np.zeros_like(rows)], axis=-1).astype(np.uint8)
     train_set, _ = indexed_sets(n, images=np.tile(image, (n, 1, 1, 1)))
-    out = torch.cat([to_uint8(x) for x, _ in device_loader(train_set, 500, seed=5)]).long()  # (n, 32, 32, 3)
+    out = torch.cat([to_uint8(x) for x, _ in loader_of("device", train_set, 500, seed=5)]).long()  # (n, 32, 32, 3)
     assert len(out) == n
     # The centre pixel always comes from the image: it gives the crop offset in the padded image.
     src_row, src_col = out[:, 16, 16, 0] - 1, out[:, 16, 16, 1] - 1
     flipped = out[:, 16, 17, 1] < out[:, 16, 16, 1]
-    top = src_row - 16 + du.CIFAR100.padding
+    top = src_row - 16 + CIFAR.padding
     # Flipped: output column j shows source column (31 - (left - PADDING) - j).
-    left = torch.where(flipped, 31 - 16 + du.CIFAR100.padding - src_col, src_col - 16 + du.CIFAR100.padding)
+    left = torch.where(flipped, 31 - 16 + CIFAR.padding - src_col, src_col - 16 + CIFAR.padding)
     for offset in (top, left):
         counts = torch.bincount(offset, minlength=9).double()
         assert len(counts) == 9  # nothing outside 0..8
@@ -115,18 +145,18 @@ def test_device_augmentation_has_the_guides_distribution():
     assert abs(flipped.double().mean().item() - 0.5) < 0.025  # 5 standard deviations
     # Zero padding: a crop offset by d rows from the centre shows |d| rows of zeros.
     zero_rows = (out[..., 0] == 0).all(dim=2).sum(dim=1)
-    assert torch.equal(zero_rows, (top - du.CIFAR100.padding).abs())
+    assert torch.equal(zero_rows, (top - CIFAR.padding).abs())
 
 
-def test_device_augmentation_is_a_function_of_seed_epoch_and_rank():
+def test_device_augmentation_is_a_function_of_seed_and_epoch():
     """What makes a mid-epoch resume exact: a fresh loader (a restarted run) serves epoch 2
     exactly as a loader that has already served epochs 0 and 1."""
     train_set, _ = indexed_sets(40)
-    used = device_loader(train_set, 8, seed=9)
+    used = loader_of("device", train_set, 8, seed=9)
     for epoch in (0, 1):
         epoch_labels(used, epoch)
     du.set_loader_epoch(used, 2)
-    fresh = device_loader(train_set, 8, seed=9)
+    fresh = loader_of("device", train_set, 8, seed=9)
     du.set_loader_epoch(fresh, 2)
     for (x, y), (x_ref, y_ref) in zip(used, fresh, strict=True):
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
@@ -149,11 +179,11 @@ def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_d
     for batches in (epoch_batches(0, [0, 1]), epoch_batches(2, [0, 1])):
         assert all(torch.equal(x, x_ref) for x, x_ref in zip(batches, reference, strict=True))
 
-    def parameters(epoch):
-        sampler = du.CropFlipSampler(range(64), 64, seed=2)
+    def keys(epoch):
+        sampler = du.AugmentSampler(range(64), 64, 2, CIFAR)
         sampler.set_epoch(epoch)
         return list(sampler)
 
-    assert parameters(1) == parameters(1) != parameters(2)  # each epoch augments anew
-    offsets = torch.tensor([key[1:3] for key in parameters(1)])
-    assert offsets.min() == 0 and offsets.max() == 2 * du.CIFAR100.padding
+    assert keys(1) == keys(1) != keys(2)  # each epoch augments anew
+    rand = torch.tensor([key[1] for key in keys(1)])  # (64, ops, RANDOM_PER_OP)
+    assert rand.shape == (64, len(CIFAR.ops), recipe.RANDOM_PER_OP) and 0 <= rand.min() and rand.max() < 1

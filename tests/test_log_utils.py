@@ -1,4 +1,4 @@
-"""log_utils.py: progress lines for terminals and batch logs, epoch lines, ETA, the summary,
+"""engine/log.py: progress lines for terminals and batch logs, epoch lines, ETA, the summary,
 and a metrics file that survives a failing disk. Pure functions are called directly."""
 
 import io
@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-import log_utils as lu
-from device_utils import DistContext
+from engine import log as run_log
+from engine.processes import DistContext
 
 
 class FakeTerminal(io.StringIO):
@@ -29,7 +29,7 @@ class FakeClock:
 def _show(stream, clock, interval_s, steps=4):
     """Run a 4-batch phase, one second per batch; count the calls of the (GPU-syncing) detail."""
     calls = []
-    progress = lu.Progress(True, "Epoch 1/3", steps, interval_s, stream=stream, clock=clock)
+    progress = run_log.Progress(True, "Epoch 1/3", steps, interval_s, stream=stream, clock=clock)
     for step in range(1, steps + 1):
         clock.now += 1.0
         progress.update(step, 8 * step, lambda: calls.append(step) or "loss 2.0000")
@@ -56,14 +56,14 @@ def test_progress_on_a_terminal_is_one_updating_line_and_none_when_disabled():
     assert "\rEpoch 1/3 [1/4] loss 2.0000, 8.0 img/s, 0:00:03 left\033[K" in shown and shown.endswith("\r\033[K")
     for enabled, interval_s in ((True, 0), (False, 1)):  # --log-interval 0, or not rank 0
         log = io.StringIO()
-        progress = lu.Progress(enabled, "x", 4, interval_s, stream=log, clock=FakeClock())
+        progress = run_log.Progress(enabled, "x", 4, interval_s, stream=log, clock=FakeClock())
         progress.update(1, 8, lambda: pytest.fail("no line, so no GPU sync"))
         assert log.getvalue() == ""
 
 
 def test_progress_of_a_resumed_epoch_counts_only_its_own_batches():
     log, clock = io.StringIO(), FakeClock()
-    progress = lu.Progress(True, "Epoch 2/3", 10, 1.0, first=6, stream=log, clock=clock)
+    progress = run_log.Progress(True, "Epoch 2/3", 10, 1.0, first=6, stream=log, clock=clock)
     clock.now += 2.0
     progress.update(8, 16)  # 2 batches in 2 s: 2 left take 2 s
     assert "[8/10], 8.0 img/s, 0:00:02 left" in log.getvalue()
@@ -72,20 +72,20 @@ def test_progress_of_a_resumed_epoch_counts_only_its_own_batches():
 @pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.6, "0:01:00"), (3725, "1:02:05"),
                                            (90000, "1d 1:00:00"), (None, "?"), (float("nan"), "?")])
 def test_duration(seconds, text):
-    assert lu.duration(seconds) == text
+    assert run_log.duration(seconds) == text
 
 
 def test_eta_leaves_out_this_processs_first_epoch():
-    assert lu.eta_seconds([], 5) is None
-    assert lu.eta_seconds([30.0], 2) == 60.0  # nothing else known yet
-    assert lu.eta_seconds([30.0, 10.0, 12.0], 3) == pytest.approx(33.0)
-    assert lu.eta_seconds([30.0, 10.0], 0) == 0.0
+    assert run_log.eta_seconds([], 5) is None
+    assert run_log.eta_seconds([30.0], 2) == 60.0  # nothing else known yet
+    assert run_log.eta_seconds([30.0, 10.0, 12.0], 3) == pytest.approx(33.0)
+    assert run_log.eta_seconds([30.0, 10.0], 0) == 0.0
 
 
 def test_epoch_line_starts_with_a_timestamp_and_ends_with_elapsed_and_eta():
     record = {"epoch": 3, "epoch_time_s": 9.8191, "train_loss": 3.12341, "val_loss": 2.6997, "val_accuracy": 0.3386,
               "images_per_sec": 5084.21, "lr": 0.0099, "eval_time_s": 1.04}
-    line = lu.epoch_line(record, 100, 125.0, 3600.4)
+    line = run_log.epoch_line(record, 100, 125.0, 3600.4)
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d Epoch 3/100: Time=9\.819s, Train Loss=3\.1234, "
                         r"Val Loss=2\.6997, Val Accuracy=0\.3386, Throughput=5084\.2 img/s, LR=0\.0099, "
                         r"Eval=1\.0s \| elapsed 0:02:05, ETA 1:00:00", line)
@@ -93,16 +93,16 @@ def test_epoch_line_starts_with_a_timestamp_and_ends_with_elapsed_and_eta():
 
 def test_metrics_are_appended_never_rewritten(tmp_path):
     path = tmp_path / "out" / "metrics.jsonl"
-    lu.RunLogger(True, path).record({"epoch": 1})
-    lu.RunLogger(True, path).record({"epoch": 2})
-    lu.RunLogger(False, path).record({"epoch": 99})  # not rank 0: writes nothing
+    run_log.RunLogger(True, path).record({"epoch": 1})
+    run_log.RunLogger(True, path).record({"epoch": 2})
+    run_log.RunLogger(False, path).record({"epoch": 99})  # not rank 0: writes nothing
     assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2]
 
 
 def test_a_metrics_line_that_cannot_be_written_is_kept_for_the_next_one(tmp_path):
     (tmp_path / "logs").write_text("a file where the folder should be")  # every write fails
     out = io.StringIO()
-    logger = lu.RunLogger(True, tmp_path / "logs" / "m.jsonl", stream=out)
+    logger = run_log.RunLogger(True, tmp_path / "logs" / "m.jsonl", stream=out)
     logger.record({"epoch": 1})
     assert out.getvalue().startswith(f"WARNING: cannot append to --metrics-file {tmp_path / 'logs' / 'm.jsonl'} (")
     assert out.getvalue().endswith("); 1 line kept in memory for the next epoch\n")  # no checkpoints
@@ -120,14 +120,14 @@ def _record(epoch, seconds, accuracy, **extra):
 def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     records = [_record(1, 4.0, 0.1), _record(2, 1.0, 0.3), _record(3, 1.0, 0.2, device="CPU: x", peak_memory_gib=None)]
     ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
-    text = "\n".join(lu.summarize(records, ctx, test_size=10_000, wall_s=9.5))
+    text = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5))
     assert "Final Accuracy: 0.2000 on 320 of 10000 test images (--limit-batches) (best 0.3000 at epoch 2)" in text
     assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time of this process 9.5s") in text
-    resumed = "\n".join(lu.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
+    resumed = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
     assert "over the run's 3 epochs (those before the resume too); wall time" in resumed
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
-    assert "on all 320 test images" in "\n".join(lu.summarize(records, ctx, test_size=320))
+    assert "on all 320 test images" in "\n".join(run_log.summarize(records, ctx, test_size=320))
 
 
 def test_a_data_set_of_the_wrong_size_is_said():
@@ -136,7 +136,7 @@ def test_a_data_set_of_the_wrong_size_is_said():
             self.dataset = range(n)
 
     cifar = SimpleNamespace(title="CIFAR-100", expected_sizes={"train": 50_000, "test": 10_000})
-    assert lu.size_warning(cifar, Loader(64), None) == [
+    assert run_log.size_warning(cifar, Loader(64), None) == [
         "WARNING: this CIFAR-100 has 64 training images instead of 50000: an incomplete copy or other files?"]
-    assert lu.size_warning(cifar, Loader(50_000), Loader(10_000)) == []
-    assert lu.size_warning(SimpleNamespace(title="my folder", expected_sizes=None), Loader(64), None) == []
+    assert run_log.size_warning(cifar, Loader(50_000), Loader(10_000)) == []
+    assert run_log.size_warning(SimpleNamespace(title="my folder", expected_sizes=None), Loader(64), None) == []

@@ -1,4 +1,4 @@
-"""Seeing where the time goes (monitor.py): GPU sampling in a thread, TensorBoard scalars that
+"""Seeing where the time goes (engine/monitor.py): GPU sampling in a thread, TensorBoard scalars that
 show each epoch once across a resume, and the profiler window, one trace per rank."""
 
 import gzip
@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import monitor
+from device_utils import single_process_context
+from engine import monitor
+from train_utils import parse_args
 from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
-from flags import parse_args
 
 # Tiny CIFAR-100 runs: 2 steps of 4 images per epoch.
 TINY = ("--batch-size", "4", "--limit-batches", "2", "--warmup-epochs", "0", *FAST)
@@ -265,7 +266,6 @@ def test_no_profiler_and_no_thread_unless_asked(tmp_path):
 
 
 def _cpu_context():
-    from device_utils import single_process_context
     return single_process_context()
 
 

@@ -8,9 +8,11 @@ import subprocess
 import time
 import urllib.request
 
+from pathlib import Path
+
 import pytest
 
-import data_formats as df
+from engine import data_formats
 from conftest import (FAST, error_lines, python_cmd, run, run_main, start, torchrun_cmd, wait_for, clean_env,
                       write_cifar100)
 
@@ -72,10 +74,10 @@ def silent_proxy(monkeypatch):
 
 @pytest.mark.parametrize("name", ["cifar100", "fashion-mnist"])  # one archive; 4 files from 2 mirrors each
 def test_a_download_that_never_answers_fails_with_one_line(silent_proxy, tmp_path, monkeypatch, name):
-    monkeypatch.setattr(df, "DOWNLOAD_STALL_S", 1.5)
+    monkeypatch.setattr(data_formats, "DOWNLOAD_STALL_S", 1.5)
     start_time = time.monotonic()
-    with pytest.raises(df.DatasetError) as caught:
-        df.prepare(tmp_path / "datasets", df.DATASETS[name])
+    with pytest.raises(data_formats.DatasetError) as caught:
+        data_formats.prepare(tmp_path / "datasets", data_formats.DATASETS[name])
     assert time.monotonic() - start_time < 5 * 1.5  # one stall, not one per mirror and file
     message = str(caught.value)
     assert "downloading it failed (no answer from the network for 1.5 s); on a machine with internet" in message
@@ -105,12 +107,13 @@ def test_ctrl_c_during_a_stalled_download_leaves_nothing_and_no_traceback(silent
                                          ("cifar-100-python", ".")])
 def test_data_dir_naming_the_data_sets_own_folder_means_its_parent(given, root):
     name = "fashion-mnist" if "FashionMNIST" in given else "mnist" if "MNIST" in given else "cifar100"
-    assert df.data_root(df.Path(given), df.DATASETS[name]) == df.Path(root)
+    assert data_formats.data_root(Path(given), data_formats.DATASETS[name]) == Path(root)
 
 
 def test_the_real_data_sets_folder_inside_one_of_that_name_is_kept(tmp_path):
     write_cifar100(tmp_path / "cifar-100-python")  # the files are in .../cifar-100-python/cifar-100-python
-    assert df.data_root(tmp_path / "cifar-100-python", df.DATASETS["cifar100"]) == tmp_path / "cifar-100-python"
+    folder = tmp_path / "cifar-100-python"
+    assert data_formats.data_root(folder, data_formats.DATASETS["cifar100"]) == folder
 
 
 def test_train_py_accepts_the_data_sets_own_folder(tmp_path):

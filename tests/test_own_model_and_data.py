@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-import checkpoint_utils as cu
 import dataset_utils as du
-import image_folder
-import task
+from engine import data_formats, device_loader, image_folder, stopping
+from engine import weights as weights_file
+from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
                       write_cifar100, write_image_folder)
 from model import WideResNet
@@ -73,7 +73,7 @@ def test_an_image_folder_learns_under_train_py_and_torchrun(project):
     assert ("Images: 32x32 (the training images' most common of 2 sizes; 40 resized: scaled to cover, "
             "centre-cropped), RGB (56 converted from other modes)") in out
     assert "Ignored 2 file(s) that are not images, e.g. images/" in out  # notes.txt twice; .DS_Store is hidden
-    assert "Augmentation: random horizontal flip, random 32x32 crop of the 4-pixel zero-padded image" in out
+    assert "Augmentation: flip-crop (flip, pad_crop, 4-pixel padding)" in out
     assert "Traceback" not in result.stderr
     assert_learned(read_metrics(project / "one.jsonl"))
 
@@ -93,7 +93,7 @@ def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
     process = start(python_cmd("train.py", *args), project, project / "first.log")
     wait_for(project / "first.log", "Epoch 2/20:", process)
     process.send_signal(signal.SIGUSR1)
-    assert process.wait(timeout=120) == cu.EXIT_STOPPED
+    assert process.wait(timeout=120) == stopping.EXIT_STOPPED
     assert "Stopped after" in (project / "first.log").read_text()
 
     # Resuming with the Wide ResNet instead is refused: another model is another run.
@@ -125,7 +125,7 @@ def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
 
 def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
     model = WideResNet(num_classes=4)
-    cu.save_weights(model, project / "w.pt", {"classes": ["cat", "dog", "eel", "fox"]})
+    weights_file.save_weights(model, project / "w.pt", {"classes": ["cat", "dog", "eel", "fox"]})
     reloaded = WideResNet(num_classes=4)
     reloaded.load_state_dict(torch.load(project / "w.pt", weights_only=True), strict=True)  # the guide's layout
     os.chdir(project)
@@ -246,41 +246,40 @@ def test_float_images_are_served_alike_by_both_loaders():
     rng = np.random.default_rng(0)
     images = rng.normal(size=(6, 8, 8, 2)).astype(np.float32)
     prep = du.preprocessing((8, 8, 2), (0.1, -0.2), (1.5, 0.5), "flip-crop")
-    data = du.InMemoryImages(images, np.arange(6), None, prep)
-    sampler = du.CropFlipSampler(range(6), 6, seed=3, prep=prep)
-    keys = list(sampler)
-    pil_free = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
-    offsets = torch.tensor([key[1:3] for key in keys])
-    flips = torch.tensor([key[3] for key in keys])
-    on_device = du.normalize_float(du.crop_flip(torch.from_numpy(images), offsets, flips, prep.padding),
-                                   *du.float_stats(prep, "cpu"))
-    assert torch.equal(pil_free, on_device)
+    data = du.InMemoryImages(images, np.arange(6), prep)
+    keys = list(du.AugmentSampler(range(6), 6, 3, prep))
+    one_at_a_time = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
+    rand = torch.tensor([key[1] for key in keys], dtype=torch.float64)
+    on_device = device_loader.normalize_float(device_loader.augment(torch.from_numpy(images), rand, prep.ops, prep),
+                                              *device_loader.float_stats(prep, "cpu"))
+    assert torch.equal(one_at_a_time, on_device)
     assert torch.allclose(data[0][0], (torch.from_numpy(images[0]).permute(2, 0, 1) - torch.tensor([0.1, -0.2])[:, None,
                           None]) / torch.tensor([1.5, 0.5])[:, None, None])
 
 
 def test_augment_chooses_for_any_data_set():
-    cifar, mnist = du.DATASETS["cifar100"], du.DATASETS["mnist"]
+    cifar, mnist = data_formats.DATASETS["cifar100"], data_formats.DATASETS["mnist"]
 
     def prep(spec, augment):
-        made = du.preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.padding, spec.flip)
-        return made.padding, made.flip
+        made = du.spec_preprocessing(spec, augment)
+        return made.padding, [op.__name__ for op in made.ops]
 
-    assert prep(cifar, "auto") == (4, True) and prep(mnist, "auto") == (2, False)
-    assert prep(mnist, "flip-crop") == (2, True) and prep(cifar, "crop") == (4, False)
-    assert prep(cifar, "none") == (0, False)
+    assert prep(cifar, "auto") == (4, ["flip", "pad_crop"]) and prep(mnist, "auto") == (2, ["pad_crop"])
+    assert prep(mnist, "flip-crop") == (2, ["flip", "pad_crop"]) and prep(cifar, "crop") == (4, ["pad_crop"])
+    assert prep(cifar, "none")[1] == []
     assert du.preprocessing((64, 48, 3), (0,) * 3, (1,) * 3).padding == 6  # a folder: 1/8 of the shorter side
     # none: the device loader serves the images only normalized.
     images = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
     plain = du.preprocessing((8, 8, 3), (0.5,) * 3, (0.25,) * 3, "none")
-    loader = du.DeviceLoader(du.InMemoryImages(images, np.arange(4), None, plain), 4, range(4), torch.device("cpu"),
-                             augment=True, drop_last=True)
+    loader = device_loader.DeviceLoader(du.InMemoryImages(images, np.arange(4), plain), 4, range(4),
+                                        torch.device("cpu"), augmented=True, drop_last=True)
     [(batch, _)] = list(loader)
-    assert torch.equal(batch, du.normalize(torch.from_numpy(images), du.normalization_table(plain.mean, plain.std)))
+    table = device_loader.normalization_table(plain.mean, plain.std)
+    assert torch.equal(batch, device_loader.normalize(torch.from_numpy(images), table))
 
 
 def test_a_data_set_that_does_not_fit_is_streamed(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(task, "DEVICE_DATA_FRACTION", 1e-12)
+    monkeypatch.setattr(du, "DEVICE_DATA_FRACTION", 1e-12)
     write_cifar100(tmp_path / "data")
     assert run_main("train.py", "--data-dir", tmp_path / "data", "--synthetic", "--epochs", "1", "--limit-batches",
                     "1", "--batch-size", "8", "--metrics-file", tmp_path / "m.jsonl", *FAST) == 0
@@ -364,12 +363,12 @@ def test_every_bad_data_set_is_one_line(tmp_path, capsys, monkeypatch, case):
 
 
 def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
-    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "folder"]) == 0
+    assert demo_data.main(["--dataset", "folder", str(tmp_path / "demo")]) == 0
     assert len(list((tmp_path / "demo" / "train" / "class_3").glob("image_*"))) == 64
-    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "folder"]) == 2
+    assert demo_data.main(["--dataset", "folder", str(tmp_path / "demo")]) == 2
     assert f"error: {tmp_path / 'demo' / 'train'} exists already" in capsys.readouterr().err
-    assert du.main(["--write-demo", str(tmp_path / "demo"), "--dataset", "mnist"]) == 0
-    images, labels = du.read_split(tmp_path / "demo", "train", du.DATASETS["mnist"])
+    assert demo_data.main(["--dataset", "mnist", str(tmp_path / "demo")]) == 0
+    images, labels = data_formats.read_split(tmp_path / "demo", "train", data_formats.DATASETS["mnist"])
     assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
     assert json.dumps(sorted(p.name for p in (tmp_path / "demo").iterdir())) == '["MNIST", "test", "train"]'
 

@@ -5,8 +5,13 @@ link to docs/ leads somewhere."""
 import re
 import shlex
 
+
+import check_network
+import dataset_utils
+import recipe
 from conftest import REPO, python_cmd, read_metrics, run
-from flags import build_parser
+from tools import benchmark, demo_data, report
+from train_utils import build_parser
 
 README = (REPO / "README.md").read_text()
 
@@ -35,7 +40,7 @@ def test_the_worked_example_runs_and_prints_what_the_readme_shows(tmp_path):
     commands = [shlex.split(line.split("#")[0]) for line in
                 re.search(r"```bash\n(.*?)```", example, re.S).group(1).splitlines()]
     write_demo, train = commands[0], commands[1]
-    assert write_demo[:2] == ["python", "dataset_utils.py"] and train[:2] == ["python", "train.py"]
+    assert write_demo[:2] == ["python", "tools/demo_data.py"] and train[:2] == ["python", "train.py"]
     assert run(python_cmd(*write_demo[1:]), cwd=tmp_path).returncode == 0
     result = run(python_cmd(*train[1:], "--cache-dir", "cache", "--metrics-file", "m.jsonl"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -53,3 +58,60 @@ def test_every_link_to_a_file_leads_to_one():
     for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
+
+
+def shell_blocks(markdown):
+    """The text of each fenced block marked bash or sh, or not marked."""
+    blocks, language, lines = [], None, []
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, lines = line[3:].strip(), []
+            else:
+                if language in ("", "bash", "sh"):
+                    blocks.append("\n".join(lines))
+                language = None
+        elif language is not None:
+            lines.append(line)
+    return blocks
+
+
+def documented_commands():
+    """(page, script, its arguments) of every python or torchrun command in README's and docs/'s
+    shell blocks (continuation lines joined; comments, shell variables and pipes dropped)."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in shell_blocks(page.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split(" #")[0].split("&&")[-1].split(" | ")[0]
+                words = command.split()
+                scripts = [i for i, word in enumerate(words) if re.fullmatch(r"(tools/)?\w+\.py", word)]
+                launchers = {word.rpartition("/")[2] for word in words[:scripts[0]]} if scripts else set()
+                if launchers & {"python", "torchrun"}:
+                    args = [word.strip("'\"") for word in words[scripts[0] + 1:] if "$" not in word]
+                    yield page.name, words[scripts[0]], args
+
+
+def test_every_documented_command_names_a_script_that_takes_its_flags(capsys, monkeypatch):
+    """README and docs/ show commands users copy: each script must exist and parse the
+    command's flags (placeholders such as DIR or W.pt are values, which parse). The optimizer
+    and augmentation docs/recipe.md adds to recipe.py are added first, as the page says."""
+    added = {**vars(recipe), "OPTIMIZERS": {}, "AUGMENTATIONS": {}}
+    for snippet in re.findall(r"```python\n(.*?)```", (REPO / "docs" / "recipe.md").read_text(), re.S):
+        exec(snippet, added)
+    for table in ("OPTIMIZERS", "AUGMENTATIONS"):
+        for name, value in added[table].items():
+            monkeypatch.setitem(getattr(recipe, table), name, value)
+    parsers = {"train.py": build_parser, "train_ddp.py": build_parser, "check_network.py": check_network.build_parser,
+               "dataset_utils.py": dataset_utils.build_parser, "tools/benchmark.py": benchmark.build_parser,
+               "tools/report.py": report.build_parser, "tools/demo_data.py": demo_data.build_parser}
+    seen = set()
+    for page, script, args in documented_commands():
+        assert (REPO / script).is_file(), f"{page}: {script} does not exist"
+        assert script in parsers, f"{page}: no parser known for {script}"
+        parser = parsers[script]("x") if parsers[script] is build_parser else parsers[script]()
+        try:
+            parser.parse_args(args)
+        except SystemExit:
+            raise AssertionError(f"{page}: {script} {' '.join(args)}: {capsys.readouterr().err}") from None
+        seen.add(script)
+    assert {"train.py", "train_ddp.py", "tools/benchmark.py", "tools/demo_data.py", "check_network.py"} <= seen

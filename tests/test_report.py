@@ -1,4 +1,4 @@
-"""report.py on the metrics files of real 1-process and 2-process runs: tables that say what
+"""tools/report.py on the metrics files of real 1-process and 2-process runs: tables that say what
 the files say, the scaling efficiency as stated, the PNG, GPU logs, and bad input."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import report
+from tools import report
 from conftest import FAST, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
 
 # 2 epochs of 2 steps, 4 images per process: the same per-process batch at 1 and 2 processes.
@@ -145,12 +145,12 @@ def test_a_bad_gpu_log_is_one_line(metrics, tmp_path, capsys):
 
 
 def test_report_runs_as_a_script(metrics, tmp_path):
-    result = run(python_cmd("report.py", metrics[1]), cwd=tmp_path)
+    result = run(python_cmd("tools/report.py", metrics[1]), cwd=tmp_path)
     assert result.returncode == 0 and "| one.jsonl | 2 | 1 |" in result.stdout, result.stderr
 
 
 def test_gpu_utilization_and_power_from_the_metrics(metrics, tmp_path, capsys):
-    """NVML's per-epoch means (train_utils via monitor.py): weighted by training time, epoch 1
+    """NVML's per-epoch means (train_utils via engine/monitor.py): weighted by training time, epoch 1
     left out, '-' for a run without them (the CPU)."""
     first, second = read_metrics(metrics[2])
     sampled = [{**first, "gpu_util_percent": 5.0, "gpu_power_w": 100.0},  # warm-up: left out

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 from conftest import FAST, clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
 from model import WideResNet
 

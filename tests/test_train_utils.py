@@ -5,22 +5,22 @@ import math
 import re
 import shlex
 from datetime import timedelta
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-import checkpoint_utils as cu
 import dataset_utils as du
-import device_utils as du_device
-import flags
-import lr_schedule
-import task
+import device_utils
+import recipe
 import train_utils as tu
-from checkpoint_utils import StopRequests, TrainState
-from device_utils import UserError, single_process_context
+from device_utils import single_process_context
+from engine import lr_schedule, optimizers, precision, processes
+from engine import weights as weights_file
+from engine.errors import UserError
+from engine.task import DataInfo, Task
 from model import WideResNet
-from task import DataInfo, Task
 
 GUIDE_LINES = {
     "train.py": "--batch-size 256 --epochs 100 --base-lr 0.01 --target-accuracy 0.95 --patience 2",
@@ -31,7 +31,7 @@ GUIDE_LINES = {
 
 @pytest.mark.parametrize("line", GUIDE_LINES.values(), ids=GUIDE_LINES.keys())
 def test_guide_command_lines_keep_their_meaning(line):
-    args = flags.parse_args("test", shlex.split(line))
+    args = tu.parse_args("test", shlex.split(line))
     values = dict(zip(shlex.split(line)[::2], shlex.split(line)[1::2]))
     assert args.batch_size == int(values["--batch-size"])  # global batch
     assert args.base_lr == float(values["--base-lr"])      # used as given
@@ -39,20 +39,20 @@ def test_guide_command_lines_keep_their_meaning(line):
 
 
 def test_one_recipe_by_default():
-    args = flags.parse_args("test", [])
+    args = tu.parse_args("test", [])
     assert (args.momentum, args.nesterov, args.weight_decay) == (0.9, True, 5e-4)
     assert (args.lr_schedule, args.warmup_epochs, args.label_smoothing, args.precision) == ("cosine", 2.0, 0.1, "auto")
-    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
+    optimizer = recipe.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
     group = optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (0.01, 0.9, True, 5e-4)
 
 
 def test_guide_recipes_are_reachable_by_flags():
-    part1 = flags.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
+    part1 = tu.parse_args("test", shlex.split("--momentum 0 --no-nesterov --weight-decay 0 --lr-schedule constant "
                                               "--warmup-epochs 0 --label-smoothing 0 --precision fp32"))
-    group = tu.make_optimizer(torch.nn.Linear(2, 2), part1, torch.device("cpu")).param_groups[0]
+    group = recipe.make_optimizer(torch.nn.Linear(2, 2), part1, torch.device("cpu")).param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0, False, 0)
-    assert lr_schedule.lr_factor(0, 100, 0, "constant") == lr_schedule.lr_factor(99, 100, 0, "constant") == 1.0
+    assert recipe.lr_factor(0, 100, 0, "constant") == recipe.lr_factor(99, 100, 0, "constant") == 1.0
 
 
 BAD_FLAGS = {
@@ -68,7 +68,10 @@ BAD_FLAGS = {
     "--warmup-epochs -2": "--warmup-epochs: '-2' is not a number >= 0",
     "--precision fp8": "--precision: invalid choice: 'fp8'",
     "--limit-batches 0": "--limit-batches: '0' is not a positive integer",
-    "--momentum 0": "--nesterov needs --momentum > 0; for plain SGD add --no-nesterov",
+    "--momentum 0 --nesterov": "--nesterov needs --momentum > 0; for plain SGD add --no-nesterov",
+    "--optimizer adamw --momentum 0.9": "--momentum applies to --optimizer sgd, not adamw",
+    "--optimizer adamw --no-nesterov": "--nesterov applies to --optimizer sgd, not adamw",
+    "--optimizer lion": "--optimizer: invalid choice: 'lion'",
     "--bogus": "unrecognized arguments: --bogus",
     "--epochs 3 --warmup-epochs 3.5": "--warmup-epochs 3.5 is longer than the run (--epochs 3)",
     "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
@@ -89,14 +92,14 @@ BAD_FLAGS = {
 @pytest.mark.parametrize("line", BAD_FLAGS)
 def test_bad_flags_are_one_line_and_exit_2(line, capsys):
     with pytest.raises(SystemExit) as info:
-        flags.parse_args("test", shlex.split(line))
+        tu.parse_args("test", shlex.split(line))
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and BAD_FLAGS[line] in err
 
 
 def test_help_shows_every_real_default():
-    text = " ".join(flags.build_parser("x").format_help().split())
+    text = " ".join(tu.build_parser("x").format_help().split())
     assert "--seed N seed for weights" in text and "(default: 0)" in text  # 0 is a default, not "none"
     assert "(default: None)" not in text and "(default: False)" not in text
 
@@ -104,7 +107,7 @@ def test_help_shows_every_real_default():
 def test_bad_flags_are_printed_by_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit):
-        flags.parse_args("test", ["--batch-size", "0"])
+        tu.parse_args("test", ["--batch-size", "0"])
     assert capsys.readouterr().err == ""
 
 
@@ -118,26 +121,27 @@ def test_global_batch_must_split_evenly():
 
 def test_warmup_then_cosine():
     total, warmup = 100, 10
-    factors = [lr_schedule.lr_factor(s, total, warmup, "cosine") for s in range(total)]
+    factors = [recipe.lr_factor(s, total, warmup, "cosine") for s in range(total)]
     assert factors[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
     assert factors[warmup] == 1.0
-    assert lr_schedule.lr_factor(warmup + (total - warmup) // 2, total, warmup, "cosine") == pytest.approx(0.5)
+    assert recipe.lr_factor(warmup + (total - warmup) // 2, total, warmup, "cosine") == pytest.approx(0.5)
     assert 0 < factors[-1] < 0.001
     assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:]))  # decays monotonically
-    assert lr_schedule.lr_factor(5, 100, 0, "cosine") < 1.0  # no warm-up: decay starts at once
+    assert recipe.lr_factor(5, 100, 0, "cosine") < 1.0  # no warm-up: decay starts at once
 
 
 def test_scheduler_steps_per_optimizer_step():
-    args = flags.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
-    optimizer = tu.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
-    scheduler = lr_schedule.make_scheduler(optimizer, args, steps_per_epoch=4)
+    args = tu.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
+    optimizer = recipe.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
+    cycles = [lr_schedule.first_cycle(args.epochs, args.warmup_epochs, 4)]  # 4 steps per epoch
+    scheduler = lr_schedule.make_scheduler(optimizer, cycles, partial(recipe.lr_factor, schedule=args.lr_schedule))
     lrs = []
     for _ in range(12):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert lrs[:4] == pytest.approx([0.1, 0.2, 0.3, 0.4])
-    assert lrs[4:] == pytest.approx([0.4 * lr_schedule.lr_factor(s, 12, 4, "cosine") for s in range(4, 12)])
+    assert lrs[4:] == pytest.approx([0.4 * recipe.lr_factor(s, 12, 4, "cosine") for s in range(4, 12)])
 
 
 @pytest.mark.parametrize("history, expected", [
@@ -159,13 +163,13 @@ def test_eval_summary_weighs_every_image_equally():
 
 def test_precision_on_cpu():
     cpu = torch.device("cpu")
-    assert tu.configure_precision("auto", cpu).name == "fp32"
-    assert tu.configure_precision("fp32", cpu).autocast_dtype is None
-    assert tu.configure_precision("bf16", cpu).autocast_dtype == torch.bfloat16
+    assert precision.configure_precision("auto", cpu).name == "fp32"
+    assert precision.configure_precision("fp32", cpu).autocast_dtype is None
+    assert precision.configure_precision("bf16", cpu).autocast_dtype == torch.bfloat16
     for mode in ("fp16", "tf32"):
         with pytest.raises(UserError, match=f"--precision {mode} needs a CUDA GPU"):
-            tu.configure_precision(mode, cpu)
-    with tu.configure_precision("bf16", cpu).autocast(cpu):
+            precision.configure_precision(mode, cpu)
+    with precision.configure_precision("bf16", cpu).autocast(cpu):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
@@ -173,64 +177,64 @@ def test_weights_round_trip_and_wrapped_prefixes(tmp_path):
     torch.manual_seed(1)
     source = WideResNet(num_classes=100)
     path = tmp_path / "w.pt"
-    cu.save_weights(source, path)
+    weights_file.save_weights(source, path)
     loaded = WideResNet(num_classes=100)
-    cu.load_weights(loaded, path)
+    weights_file.load_weights(loaded, path)
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values()))
     # A state_dict saved from a DDP-wrapped model ('module.' prefixes) loads too.
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
-    cu.load_weights(WideResNet(num_classes=100), path)
+    weights_file.load_weights(WideResNet(num_classes=100), path)
 
 
 def test_weights_that_do_not_fit_are_refused(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(WideResNet(num_classes=10).state_dict(), path)
     with pytest.raises(UserError, match="does not fit WideResNet.*2 differently shaped tensors .e.g. fc.bias"):
-        cu.load_weights(WideResNet(num_classes=100), path)
+        weights_file.load_weights(WideResNet(num_classes=100), path)
     path.write_bytes(b"not a torch file")
     with pytest.raises(UserError, match="is not a readable state_dict"):
-        cu.load_weights(WideResNet(num_classes=100), path)
+        weights_file.load_weights(WideResNet(num_classes=100), path)
     with pytest.raises(UserError, match="no such file"):
-        cu.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
+        weights_file.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
     torch.save(WideResNet(num_classes=100), path)  # the whole model, pickled: a common mistake
     with pytest.raises(UserError, match=r"holds pickled Python objects .a whole model saved with torch.save.model.\?.,"
                                         r" not a state_dict; save one with torch.save.model.state_dict"):
-        cu.load_weights(WideResNet(num_classes=100), path)
+        weights_file.load_weights(WideResNet(num_classes=100), path)
 
 
 def test_fast_settings_by_default():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    args = flags.parse_args("test", [])
+    args = tu.parse_args("test", [])
     assert args.loader == "auto" and not args.compile
-    assert task.choose_loader("auto", 10e6, 80e9) == ("device", "auto: the data set (10.0 MB) fits in 25% of the "
+    assert du.choose_loader("auto", 10e6, 80e9) == ("device", "auto: the data set (10.0 MB) fits in 25% of the "
                                                                 "device's 80 GB")
-    assert task.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
-    assert task.choose_loader("auto", 10, 40)[0] == "device"
-    assert task.choose_loader("device", 11, 40) == ("device", "--loader device")
-    assert du_device.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
-    assert du_device.memory_format(args.channels_last, cpu) == torch.contiguous_format
-    assert du_device.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last
-    assert du_device.memory_format(True, cpu) == torch.channels_last        # --channels-last
-    assert flags.parse_args("test", ["--no-channels-last"]).channels_last is False
-    assert tu.optimizer_kernels(cuda)["fused"] is True and not tu.optimizer_kernels(cpu)["fused"]
-    assert flags.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
+    assert du.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
+    assert du.choose_loader("auto", 10, 40)[0] == "device"
+    assert du.choose_loader("device", 11, 40) == ("device", "--loader device")
+    assert device_utils.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
+    assert device_utils.memory_format(args.channels_last, cpu) == torch.contiguous_format
+    assert device_utils.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last
+    assert device_utils.memory_format(True, cpu) == torch.channels_last        # --channels-last
+    assert tu.parse_args("test", ["--no-channels-last"]).channels_last is False
+    kernels = [recipe.make_optimizer(torch.nn.Linear(2, 2), args, device).param_groups[0]["fused"]
+               for device in (cuda, cpu)]
+    assert kernels == [True, None]  # one fused kernel on CUDA (the CPU has one too, so this builds here)
+    assert tu.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
 
 
 def _train_two_steps(extra):
     """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
     rng = np.random.default_rng(0)
-    data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
-                             du.train_transform())
-    args = flags.parse_args("test", ["--batch-size", "8", "--synthetic", *extra])
+    data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16))
+    args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *extra])
     train_loader, test_loader = du.build_loaders(data, data, 8, loader="device")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 100))
     info = DataInfo("cifar100", "test images", "test images", tuple(map(str, range(100))), data.prep, {})
     task = Task(model, "a small CNN", "test:cnn", train_loader, test_loader, info, "device", "--loader")
-    run = tu.prepare_run(task, args, single_process_context())
-    run.stop = StopRequests(run.ctx)
-    done = tu.train_steps(run, iter(train_loader), TrainState(run_id="test"))
+    run, state, _ = tu.prepare_run(task, args, single_process_context())
+    done = tu.train_steps(run, iter(train_loader), state)
     assert done.images == 16
     return run, done.loss_sum
 
@@ -266,9 +270,15 @@ def _one_step(model, optimizer, scaler=None, factor=1.0):
         scaler.update()
 
 
+def _fused_sgd(model):
+    """recipe.py's SGD as it is built on CUDA (the CPU has the same fused kernel)."""
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
+
+
 def test_momentum_buffers_exist_from_the_start_in_each_parameters_layout():
     model = _conv_model().to(memory_format=torch.channels_last)
-    optimizer = tu.make_optimizer(model, flags.parse_args("x", []), torch.device("cpu"))
+    optimizer = _fused_sgd(model)
+    optimizers.prefill_momentum(optimizer)
     for param in model.parameters():
         buffer = optimizer.state[param]["momentum_buffer"]
         assert torch.equal(buffer, torch.zeros_like(param)) and buffer.stride() == param.stride()
@@ -285,9 +295,8 @@ def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory
     """GradScaler skips a step with an overflow; the fused kernel then returns before filling
     the momentum buffers it created (the CPU has the same fused kernel)."""
     model = _conv_model()
-    optimizer = tu.make_optimizer(model, flags.parse_args("x", []), torch.device("cpu"))
-    for group in optimizer.param_groups:
-        group.update(fused=True, foreach=None)  # the CUDA configuration
+    optimizer = _fused_sgd(model)
+    optimizers.prefill_momentum(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     before = [param.detach().clone() for param in model.parameters()]
     _one_step(model, optimizer, scaler, factor=math.inf)  # overflow: the step is skipped
@@ -305,16 +314,18 @@ def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory
 def test_resumed_optimizer_state_takes_the_parameters_layout():
     """A checkpoint written in NCHW (the CPU, or --no-channels-last) resumed by a channels_last
     model: load_state_dict keeps NCHW buffers, which CUDA's fused kernel refuses."""
-    args, cpu = flags.parse_args("x", []), torch.device("cpu")
+    args, cpu = tu.parse_args("x", []), torch.device("cpu")
     saved = _conv_model()
-    saved_optimizer = tu.make_optimizer(saved, args, cpu)
+    saved_optimizer = recipe.make_optimizer(saved, args, cpu)
     _one_step(saved, saved_optimizer)
     model = _conv_model().to(memory_format=torch.channels_last)
-    optimizer = tu.make_optimizer(model, args, cpu)
+    optimizer = _fused_sgd(model)  # this device's: fused, where the checkpoint's was not
+    kernels = optimizers.kernel_choices(optimizer)
     optimizer.load_state_dict(saved_optimizer.state_dict())
     conv = model[0].weight
     assert optimizer.state[conv]["momentum_buffer"].stride() != conv.stride()  # what load_state_dict leaves
-    tu.fit_optimizer_to_params(optimizer, torch.device("cuda"))
+    assert optimizer.param_groups[0]["fused"] is None  # and the saved run's kernel choice
+    optimizers.fit_optimizer_to_params(optimizer, kernels)
     for param, saved_param in zip(model.parameters(), saved.parameters()):
         buffer = optimizer.state[param]["momentum_buffer"]
         assert buffer.stride() == param.stride()
@@ -323,13 +334,13 @@ def test_resumed_optimizer_state_takes_the_parameters_layout():
 
 
 def test_nccl_version_is_the_loaded_librarys():
-    assert du_device.nccl_version_name(22703) == "2.27.3" and du_device.nccl_version_name(2804) == "2.8.4"
+    assert device_utils.nccl_version_name(22703) == "2.27.3" and device_utils.nccl_version_name(2804) == "2.8.4"
     maps = ("7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
             "7f20-7f30 r-xp 00000000 08:01 34 /cluster/work/support/nccl/lib/libnccl.so.2.27.3\n"
             "7f40-7f50 rw-p 00000000 00:00 0 \n")
-    assert du_device.loaded_library("libnccl", maps) == "/cluster/work/support/nccl/lib/libnccl.so.2.27.3"
-    assert du_device.loaded_library("libnccl", maps.splitlines()[0]) is None
-    line = du_device.nccl_report()  # this process: PyTorch's own NCCL when its wheel has one
+    assert device_utils.loaded_library("libnccl", maps) == "/cluster/work/support/nccl/lib/libnccl.so.2.27.3"
+    assert device_utils.loaded_library("libnccl", maps.splitlines()[0]) is None
+    line = device_utils.nccl_report()  # this process: PyTorch's own NCCL when its wheel has one
     assert re.fullmatch(r"NCCL version: (\d+\.\d+\.\d+, loaded from /\S+ \(PyTorch was built with [\d.]+\)"
                         r"|[\d.]+ \(linked into PyTorch\))", line), line
 
@@ -344,33 +355,32 @@ def test_every_entry_point_makes_its_gpu_current_and_autotunes(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ctx = du_device.single_process_context()
+    ctx = device_utils.single_process_context()
     assert ctx.device == torch.device("cuda", 2) and made_current == [torch.device("cuda", 2)]
     assert torch.backends.cudnn.benchmark is True
     with pytest.raises(UserError, match="LOCAL_RANK=5 but this node shows only 4 GPU"):
-        du_device.use_device(5)
+        device_utils.use_device(5)
 
 
 def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
     ls = lr_schedule
-    args = flags.parse_args("test", ["--epochs", "10", "--warmup-epochs", "2"])
-    first = [ls.first_cycle(args.epochs, args.warmup_epochs, 10)]  # 10 steps per epoch: 100 steps, 20 of warm-up
-    assert [ls.schedule_factor(s, first, "cosine") for s in range(100)] == [ls.lr_factor(s, 100, 20, "cosine")
-                                                                            for s in range(100)]
-    longer = flags.parse_args("test", ["--epochs", "15", "--warmup-epochs", "2"])
+    cosine, constant = (partial(recipe.lr_factor, schedule=name) for name in ("cosine", "constant"))
+    first = [ls.first_cycle(10, 2, 10)]  # 10 epochs of 10 steps: 100 steps, 20 of warm-up
+    assert [ls.schedule_factor(s, first, cosine) for s in range(100)] == [recipe.lr_factor(s, 100, 20, "cosine")
+                                                                          for s in range(100)]
     for at in (100, 60):  # a finished run (factor ~0), and one extended half-way (factor ~0.6)
-        cycles = ls.extend(first, longer, 10, at, "cosine")
-        before = ls.schedule_factor(at, first, "cosine")
+        cycles = ls.extend(first, 15, 2, 10, at, cosine)  # to 15 epochs, 2 warm-up epochs
+        before = ls.schedule_factor(at, first, cosine)
         warmup = min(20, (150 - at) // 4)  # --warmup-epochs, at most a quarter of the extension
         assert cycles[-1] == ls.Cycle(at, warmup, 150, before) and warmup == (12 if at == 100 else 20)
-        factors = [ls.schedule_factor(s, cycles, "cosine") for s in range(at, 150)]
+        factors = [ls.schedule_factor(s, cycles, cosine) for s in range(at, 150)]
         assert abs(factors[0] - before) <= (1 - before) / warmup + 1e-12  # no jump: one warm-up increment
         assert factors[warmup] == 1.0 and max(factors) == 1.0  # back at --base-lr after the warm-up
         assert all(a >= b for a, b in zip(factors[warmup:], factors[warmup + 1:])) and 0 < factors[-1] < 0.01
-        assert [ls.schedule_factor(s, cycles, "cosine") for s in range(at)] == [ls.lr_factor(s, 100, 20, "cosine")
-                                                                                for s in range(at)]  # the past stays
-    constant = ls.extend(first, longer, 10, 100, "constant")
-    assert {ls.schedule_factor(s, constant, "constant") for s in range(20, 150)} == {1.0}  # only back to the top
+        assert [ls.schedule_factor(s, cycles, cosine) for s in range(at)] == [recipe.lr_factor(s, 100, 20, "cosine")
+                                                                              for s in range(at)]  # the past stays
+    extended = ls.extend(first, 15, 2, 10, 100, constant)
+    assert {ls.schedule_factor(s, extended, constant) for s in range(20, 150)} == {1.0}  # only back to the top
 
 
 def test_auto_precision_takes_only_native_bf16(monkeypatch):
@@ -380,16 +390,16 @@ def test_auto_precision_takes_only_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
     gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert tu.configure_precision("auto", gpu).name == "fp32"
+    assert precision.configure_precision("auto", gpu).name == "fp32"
     with pytest.raises(UserError, match="no bf16 support"):
-        tu.configure_precision("bf16", gpu)
+        precision.configure_precision("bf16", gpu)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # H100, GH200
-    assert tu.configure_precision("auto", gpu) == tu.Precision("bf16", torch.bfloat16)
+    assert precision.configure_precision("auto", gpu) == precision.Precision("bf16", torch.bfloat16)
 
 
 def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():
     timeout = timedelta(minutes=10)
     gpu = torch.device("cuda", 3)
-    assert du_device.group_options(gpu, timeout) == {
-        "backend": "nccl", "timeout": timeout + timedelta(minutes=du_device.NCCL_TIMEOUT_MARGIN_MIN), "device_id": gpu}
-    assert du_device.group_options(torch.device("cpu"), timeout) == {"backend": "gloo", "timeout": timeout}
+    assert device_utils.group_options(gpu, timeout) == {
+        "backend": "nccl", "timeout": timeout + timedelta(minutes=processes.NCCL_TIMEOUT_MARGIN_MIN), "device_id": gpu}
+    assert device_utils.group_options(torch.device("cpu"), timeout) == {"backend": "gloo", "timeout": timeout}

@@ -1,8 +1,8 @@
-"""``python benchmark.py --report FILE.md``: everything the first hour on a GPU should produce,
+"""``python tools/benchmark.py --report FILE.md``: everything the first hour on a GPU should produce,
 in one command of under 9 minutes (what a lent GPU machine allows per command):
 
 1. the versions: GPU, driver, torch, CUDA, cuDNN, NCCL;
-2. benchmark.py's comparison of the guide's recipe with this project's defaults (pipeline and
+2. tools/benchmark.py's comparison of the guide's recipe with this project's defaults (pipeline and
    training), then the defaults with ``--compile``;
 3. a profile of the defaults' training steps, split into convolutions and matmuls,
    normalization and element-wise work, the rest, and idle time;
@@ -29,14 +29,17 @@ from pathlib import Path
 
 import torch
 
-from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory
-from log_utils import first_line
-from monitor import is_communication
+if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
+from engine.errors import first_line  # noqa: E402
+from engine.monitor import is_communication  # noqa: E402
 
 BUDGET_S = 8.5 * 60  # one command may run 10 minutes on a lent machine: a margin for start-up and writing
 GOAL_IMAGES_PER_S = 25_000  # the project's goal for one H100/H200/GH200 with the defaults (issue 3)
 COMPILE_PAYS = 1.05  # --compile becomes the recommended default when it is at least this much faster
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 GPU_TIER = "tests/test_gpu.py"
 MIN_TIER_S = 30  # less time than this left: the tier is not started
 TIER_GRACE_S = 20  # after Ctrl-C, pytest's time to tear down (its fixtures kill the torchruns they started)
@@ -82,7 +85,7 @@ def profile_split(rows, wall_ms):
 class Figures:
     """What the report measured; None where a part was not run."""
     versions: dict
-    rows: list = field(default_factory=list)  # benchmark.py's rows (guide and project)
+    rows: list = field(default_factory=list)  # tools/benchmark.py's rows (guide and project)
     compiled: dict = None       # the project's recipe with --compile: images_per_sec, warmup_s
     split: dict = None          # profile_split of the defaults
     peaks: dict = field(default_factory=dict)  # batch -> peak GiB

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from device_utils import UserError
+from engine.errors import UserError
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049  # the idx files' magic numbers: uint8 data, 3 or 1 dimensions
 # A download that receives nothing for this long fails (seconds): a compute node whose network
@@ -44,8 +44,8 @@ class DataSpec:
     split_sizes: dict         # images per split in the official files
     mean: tuple               # per channel, of the training images scaled to 0..1
     std: tuple
+    augment: str              # --augment auto: flip-crop, or crop for digits (a mirrored 3 is no 3)
     padding: int              # zero padding (pixels) around the image before the random crop
-    flip: bool                # random horizontal flips (not for digits: a mirrored 3 is no 3)
     files: dict               # split -> the files it is read from (names inside ``folder``)
     source: str               # torchvision's class for it: where the files are downloaded from
     label_key: str = ""       # CIFAR pickles: the key of the labels ("" for idx files)
@@ -63,33 +63,23 @@ class DataSpec:
     def all_files(self):
         return [name for split in ("train", "test") for name in self.files[split]] + list(self.extra_files)
 
-    def augmentation(self):
-        return describe_augmentation(self.image_shape, self.padding, self.flip, self.mean, self.std)
-
-
-def describe_augmentation(image_shape, padding, flip, mean, std):
-    """What happens to a training image, in words (for --help and the start-up block)."""
-    crop = (f"random {image_shape[0]}x{image_shape[1]} crop of the {padding}-pixel zero-padded image" if padding
-            else "no crop")
-    return f"{'random horizontal flip' if flip else 'no flips'}, {crop}, normalized with mean {mean} and std {std}"
-
 
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 DATASETS = {spec.name: spec for spec in (
     DataSpec("cifar100", "CIFAR-100", "cifar-100-python", 100, (32, 32, 3), {"train": 50_000, "test": 10_000},
-             (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), padding=4, flip=True,
+             (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), augment="flip-crop", padding=4,
              files={"train": ("train",), "test": ("test",)}, source="CIFAR100", label_key="fine_labels",
              extra_files=("meta",)),
     DataSpec("cifar10", "CIFAR-10", "cifar-10-batches-py", 10, (32, 32, 3), {"train": 50_000, "test": 10_000},
-             (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), padding=4, flip=True,
+             (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="flip-crop", padding=4,
              files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
              source="CIFAR10", label_key="labels", extra_files=("batches.meta",)),
     DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.2860,), (0.3530,), padding=2, flip=True, files=_IDX, source="FashionMNIST"),
+             (0.2860,), (0.3530,), augment="flip-crop", padding=2, files=_IDX, source="FashionMNIST"),
     DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.1307,), (0.3081,), padding=2, flip=False, files=_IDX, source="MNIST"),
+             (0.1307,), (0.3081,), augment="crop", padding=2, files=_IDX, source="MNIST"),
 )}
 
 
@@ -98,8 +88,8 @@ class DatasetError(UserError):
 
 
 def default_data_dir() -> Path:
-    """``datasets/`` beside the scripts, as in the guide."""
-    return Path(__file__).resolve().parent / "datasets"
+    """``datasets/`` beside the scripts (train.py's folder, which holds engine/), as in the guide."""
+    return Path(__file__).resolve().parents[1] / "datasets"
 
 
 def data_root(root, spec) -> Path:

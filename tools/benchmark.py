@@ -1,14 +1,14 @@
 """Throughput of the guide's recipe against this project's defaults, measured in one run on
 one device (a GPU when there is one, else the CPU):
 
-    python benchmark.py                        # stable GPU figures (not yet run on a GPU)
-    python benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
-    python benchmark.py --json results.json    # the rows, for BENCHMARKS.md
-    python benchmark.py --compile              # the project's recipe with torch.compile
-    python benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
-    python benchmark.py --dataset folder --data-dir my_images --image-size 64 --model my_net.py:Net  # yours
-    python benchmark.py --profile              # and torch.profiler's table of the project's steps
-    srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python benchmark.py --json bench.json  # on Olivia
+    python tools/benchmark.py                        # stable GPU figures (not yet run on a GPU)
+    python tools/benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
+    python tools/benchmark.py --json results.json    # the rows, for BENCHMARKS.md
+    python tools/benchmark.py --compile              # the project's recipe with torch.compile
+    python tools/benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
+    python tools/benchmark.py --dataset folder --data-dir my_images --image-size 64 --model my_net.py:Net  # yours
+    python tools/benchmark.py --profile              # and torch.profiler's table of the project's steps
+    srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python tools/benchmark.py --json bench.json  # on Olivia
 
 Recipes:
     guide    the guide's part 1: its DataLoader (PIL transforms in the main process,
@@ -30,44 +30,34 @@ FILE.py:NAME data set from --data-dir.
 
 import argparse
 import json
+import sys
 import time
 from contextlib import nullcontext
+from typing import NamedTuple
 from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import count, islice
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+import torchvision.transforms as transforms
+from torch.utils.data import DataLoader, Dataset
 
-import gpu_report
-from checkpoint_utils import check_writable
-from data_formats import DATASETS, default_data_dir, missing_files
-from dataset_utils import (
-    InMemoryImages,
-    build_loaders,
-    set_loader_epoch,
-    train_transform,
-)
-from device_utils import (
-    UserError,
-    device_name,
-    memory_format,
-    single_process_context,
-    synchronize,
-)
-from flags import (
-    DEFAULT_MODEL,
-    OneLineParser,
-    dataset_name,
-    image_size,
-    parse_args,
-    plugin_ref,
-    positive_int,
-)
-from monitor import device_profiler, top_operators, unused_path
-from task import build_task, default_num_workers
-from train_utils import run_cli, time_training_steps
+if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dataset_utils import build_loaders, default_num_workers, set_loader_epoch, to_pil  # noqa: E402
+from device_utils import device_name, memory_format, single_process_context  # noqa: E402
+from engine.cli import run_cli  # noqa: E402
+from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
+from engine.errors import UserError  # noqa: E402
+from engine.files import check_writable  # noqa: E402
+from engine.flags import OneLineParser, dataset_name, image_size, plugin_ref, positive_int  # noqa: E402
+from engine.models import DEFAULT_MODEL  # noqa: E402
+from engine.monitor import device_profiler, top_operators, unused_path  # noqa: E402
+from engine.processes import synchronize  # noqa: E402
+from tools import gpu_report  # noqa: E402
+from train_utils import build_task, parse_args, prepare_run, train_steps  # noqa: E402
 
 # train.py flags of each recipe; both get --batch-size from the command line.
 RECIPES = {
@@ -76,6 +66,31 @@ RECIPES = {
               "--warmup-epochs", "0", "--label-smoothing", "0"],
     "project": [],
 }
+
+
+class StepTiming(NamedTuple):
+    images_per_sec: float  # of the timed steps, over all ranks
+    warmup_s: float        # wall time of the untimed warm-up steps (cuDNN autotuning, compilation)
+    precision: str         # as resolved for this device
+
+
+def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_context=nullcontext):
+    """Train ``task.model`` on ``batches`` with train_utils' steps (the flags' recipe, precision
+    and layout): ``warmup_steps`` untimed, then ``steps`` timed, the device synchronized
+    before each clock reading, inside ``timed_context()`` (a profiler, say). No evaluation,
+    checkpoints or stop requests: the run's StopRequests is never entered, so nothing but
+    Ctrl-C stops it."""
+    run, state, _ = prepare_run(task, args, ctx)
+    synchronize(ctx.device)
+    start = time.perf_counter()
+    train_steps(run, islice(batches, warmup_steps), state)  # returns after a host sync
+    warmup_s = time.perf_counter() - start
+    with timed_context():
+        start = time.perf_counter()
+        images = train_steps(run, islice(batches, steps), state).images  # ends in a host sync
+        seconds = time.perf_counter() - start
+    return StepTiming(images / seconds, warmup_s, run.precision.name)
+
 
 
 def build_parser():
@@ -145,10 +160,29 @@ def endless(loader):
         yield from loader
 
 
+class GuideImages(Dataset):
+    """The guide's training set as its dataset_utils.py builds it: PIL images through
+    RandomCrop(size, padding), RandomHorizontalFlip, ToTensor and Normalize, one image at a
+    time in the loading process. The baseline measured against, kept as the guide wrote it;
+    the project's own augmentation is recipe.py's."""
+
+    def __init__(self, train_set):
+        prep = train_set.prep
+        self.images, self.labels = train_set.images, train_set.labels
+        self.transform = transforms.Compose([transforms.RandomCrop(prep.image_shape[:2], padding=prep.padding),
+                                             transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+                                             transforms.Normalize(prep.mean, prep.std)])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.transform(to_pil(self.images[index])), int(self.labels[index])
+
+
 def guide_loader(train_set, batch_size, device):
     """The guide's training DataLoader, as written in its dataset_utils.py."""
-    images = InMemoryImages(train_set.images, train_set.labels, train_transform(train_set.prep), train_set.prep)
-    return DataLoader(images, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
+    return DataLoader(GuideImages(train_set), batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
                       pin_memory=device.type == "cuda")
 
 
@@ -248,7 +282,7 @@ def table(rows):
 
 
 def report(opts):
-    """--report: every figure of the first GPU hour (gpu_report.py) into one Markdown block. A
+    """--report: every figure of the first GPU hour (tools/gpu_report.py) into one Markdown block. A
     part that fails is named in the block and the others still run."""
     start = time.monotonic()
     figures = gpu_report.Figures(versions=gpu_report.versions())
@@ -276,7 +310,7 @@ def report(opts):
     for size in (256, 1024):
         figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.peak_memory(
             lambda: project_steps([], size, 2, 3), ctx.device))
-    command = f"python benchmark.py --report {opts.report}"
+    command = f"python tools/benchmark.py --report {opts.report}"
     figures.seconds = time.monotonic() - start
     print(f"\n== the figures so far (should the GPU tier overrun):\n{gpu_report.markdown(figures, command)}",
           flush=True)
@@ -316,7 +350,7 @@ def main():
     if opts.report:
         if not torch.cuda.is_available():
             raise UserError("--report measures a CUDA GPU and this machine has none; run it on a GPU node, e.g. "
-                            "srun --gpus=1 apptainer exec --nv \"$CONTAINER_PATH\" python benchmark.py --report "
+                            "srun --gpus=1 apptainer exec --nv \"$CONTAINER_PATH\" python tools/benchmark.py --report "
                             "report.md")
         check_writable(opts.report, "--report")
         return report(opts)

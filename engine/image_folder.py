@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from data_formats import DatasetError, default_data_dir
-from device_utils import available_cores
+from engine.data_formats import DatasetError, default_data_dir
+from engine.processes import available_cores
 
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}

@@ -1,9 +1,9 @@
 """Tables and a picture from training runs: their --metrics-file outputs and, optionally, the
 job scripts' GPU logs (``*_gpu.csv``).
 
-    python report.py metrics.jsonl                                  # one table row per run
-    python report.py run1.jsonl run4.jsonl run8.jsonl --plot runs.png   # + the scaling table, a PNG
-    python report.py multigpu.jsonl --gpu-log multigpu_123_gpu.csv --plot runs.png
+    python tools/report.py metrics.jsonl                                  # one table row per run
+    python tools/report.py run1.jsonl run4.jsonl run8.jsonl --plot runs.png   # + the scaling table, a PNG
+    python tools/report.py multigpu.jsonl --gpu-log multigpu_123_gpu.csv --plot runs.png
 
 Prints Markdown (paste it into a README or an issue):
 - a table with one row per run: epochs, GPUs, nodes, batch, precision, accuracy and on how
@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from log_utils import throughput
+if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.log import throughput  # noqa: E402
 
 FIGURE_INCHES, FIGURE_DPI = (12, 8), 100  # the PNG is 1200 x 800 pixels
 # What must be equal for runs to be compared in the scaling table.
@@ -319,7 +322,7 @@ def plot(runs, logs, path):
 # ---------------------------------------------------------------------------------------------
 # Command line.
 
-def main(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="METRICS_FILE",
                         help="--metrics-file outputs of train.py / train_ddp.py (JSON lines)")
@@ -328,6 +331,11 @@ def main(argv=None):
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help=f"write the picture here ({FIGURE_INCHES[0] * FIGURE_DPI} x "
                              f"{FIGURE_INCHES[1] * FIGURE_DPI} pixels; needs matplotlib)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         runs = [run for path in args.metrics for run in read_runs(path)]

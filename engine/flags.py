@@ -10,17 +10,19 @@ import argparse
 import math
 import sys
 
-from checkpoint_utils import EXIT_STOPPED, KEEP_CHECKPOINTS
-from data_formats import DATASETS
-from device_utils import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, UserError, env_rank
-from monitor import tensorboard_missing
+from engine.checkpoints import KEEP_CHECKPOINTS
+from engine.data_formats import DATASETS
+from engine.errors import UserError
+from engine.models import DEFAULT_MODEL
+from engine.monitor import tensorboard_missing
+from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, rank_or_zero
+from engine.stopping import EXIT_STOPPED
 
-DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
-DEFAULT_WARMUP_EPOCHS = 2.0
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision")
-AUGMENTATIONS = ("auto", "flip-crop", "crop", "none")
+# Flags outside the recipe's group that define the run all the same: a resume must keep them.
+RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic")
 FOLDER = "folder"  # --dataset folder: an image folder in torchvision's ImageFolder layout
 
 
@@ -64,7 +66,7 @@ below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def plugin_ref(text):
-    """FILE.py:NAME or module:NAME, checked for form only (task.py imports it)."""
+    """FILE.py:NAME or module:NAME, checked for form only (engine/plugins.py imports it)."""
     source, _, name = text.rpartition(":")
     if not source or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r} is not FILE.py:NAME or module:NAME")
@@ -88,7 +90,7 @@ def image_size(text):
     raise argparse.ArgumentTypeError(f"{text!r} is not a size in pixels (N or HxW, e.g. 64 or 48x64)")
 
 
-def build_parser(description):
+def build_parser(description, add_recipe_arguments):
     # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
     parser = OneLineParser(description=description, formatter_class=_Formatter, allow_abbrev=False)
     stop = parser.add_argument_group("run length and early stopping")
@@ -100,26 +102,9 @@ def build_parser(description):
     stop.add_argument("--patience", metavar="EPOCHS", type=positive_int, default=2,
                       help="consecutive epochs (count) at or above --target-accuracy before stopping")
 
-    recipe = parser.add_argument_group("recipe (identical for train.py and train_ddp.py)")
-    recipe.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
-                        help="global batch in images per optimizer step, split evenly over all processes")
-    recipe.add_argument("--base-lr", metavar="LR", type=positive_float, default=0.01,
-                        help="peak learning rate, used as given (not scaled with batch size or GPU count)")
-    recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                        help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
-    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=None,
-                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr (default: "
-                             f"{DEFAULT_WARMUP_EPOCHS:g}; given explicitly, at most --epochs)")
-    recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=0.9,
-                        help="SGD momentum coefficient (0 = plain SGD)")
-    recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True,
-                        help="Nesterov momentum (needs --momentum > 0)")
-    recipe.add_argument("--weight-decay", metavar="COEFF", type=non_negative_float, default=5e-4,
-                        help="SGD L2 weight-decay coefficient, applied to all parameters")
-    recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
-                        help="label smoothing of the training loss (fraction of probability mass); "
-                             "the reported validation loss is plain cross-entropy")
-    recipe.add_argument("--precision", choices=PRECISIONS, default="auto",
+    add_recipe_arguments(parser)  # recipe.py's group: --batch-size, --optimizer, --base-lr, ... --augment
+    numerics = parser.add_argument_group("numerics (part of the recipe: a resume keeps it)")
+    numerics.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="auto = bf16 autocast on GPUs that support it, else fp32; fp16 = autocast "
                              "with GradScaler (CUDA only); tf32 = fp32 with TF32 matmuls and convolutions "
                              "(CUDA only); fp32 = strict fp32")
@@ -145,11 +130,6 @@ def build_parser(description):
     task.add_argument("--synthetic", action="store_true",
                       help="random images and labels of a built-in data set's shape and size instead of its files: "
                            "for smoke tests and throughput; accuracy is meaningless")
-    task.add_argument("--augment", choices=AUGMENTATIONS, default="auto",
-                      help="training augmentation: auto = the data set's own (" + "; ".join(
-                          f"{spec.name}: {spec.augmentation()}" for spec in DATASETS.values())
-                      + f"; {FOLDER} and FILE.py:NAME: flip-crop); flip-crop = random horizontal flip and a crop "
-                        "of the zero-padded image (padding 1/8 of the image side); crop = no flips; none")
     task.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
                       help=f"--dataset {FOLDER}: resize every image to this size, N or HxW in pixels (scaled to "
                            "cover, then centre-cropped); default: the training images' most common size")
@@ -237,18 +217,13 @@ def build_parser(description):
     return parser
 
 
-def parse_args(description, argv=None):
-    parser = build_parser(description)
+def parse_args(parser, check_recipe_arguments, argv=None):
+    """Parse and check the command line of ``parser`` (build_parser's); the recipe's own
+    checks and derived defaults come from ``check_recipe_arguments(args, error)``."""
     args = parser.parse_args(argv)
-    if args.nesterov and args.momentum == 0:
-        parser.error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
+    check_recipe_arguments(args, parser.error)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
-    if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
-        args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
-    elif args.warmup_epochs > args.epochs:
-        parser.error(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs}): the "
-                     "learning rate would never reach --base-lr; use fewer warm-up epochs")
     builtin = args.dataset in DATASETS
     if args.dataset == FOLDER and not args.data_dir:
         parser.error(f"--dataset {FOLDER} needs --data-dir DIR, the folder holding train/CLASS/IMAGE and "
@@ -271,14 +246,8 @@ def parse_args(description, argv=None):
     return args
 
 
-def defaults():
-    """Every flag's default, by name: what a checkpoint written before a flag existed ran with."""
-    return vars(build_parser("").parse_args([]))
-
-
-def rank_or_zero():
-    """Global rank from the environment, 0 when it is unset or unreadable (for messages only)."""
-    try:
-        return env_rank()
-    except UserError:
-        return 0
+def run_defining_flags(parser, recipe_group):
+    """The flags a resumed run must keep (the dest names): the recipe's group and
+    RUN_DEFINING_FLAGS. --epochs is not among them: a larger one extends the run."""
+    group = next(g for g in parser._action_groups if g.title == recipe_group)
+    return (*(action.dest for action in group._group_actions), *RUN_DEFINING_FLAGS)

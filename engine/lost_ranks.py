@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from device_utils import DistContext, RunAborted, cleanup_distributed, group_active
-from log_utils import first_line
+from engine.errors import RunAborted, first_line
+from engine.processes import DistContext, cleanup_distributed, group_active
 
 ROLL_CALL_S = 30.0  # after a failed collective: how long the ranks that are alive wait for each other
 

@@ -1,19 +1,26 @@
 """Small learnable data sets in every on-disk format the scripts read, for demos and tests
 (CIFAR-100 and the others cannot always be downloaded; a compute node has no internet):
 
-    python dataset_utils.py --write-demo demo --dataset folder     # demo/train/CLASS/*.png|jpg, demo/test/...
-    python dataset_utils.py --write-demo demo --dataset cifar100   # demo/cifar-100-python/{train,test,meta}
+    python tools/demo_data.py --dataset folder my_images    # my_images/train/CLASS/*.png|jpg, my_images/test/...
+    python tools/demo_data.py --dataset cifar100 demo       # demo/cifar-100-python/{train,test,meta}
 
 Each class is a colour plus noise, so a network learns it in a few epochs: a check that
 data, augmentation and training work end to end, not a score to compare.
 """
 
+import argparse
 import gzip
 import pickle
+import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.data_formats import DATASETS  # noqa: E402
 
 def learnable_images(labels, rng, height, width, channels, classes=10):
     """uint8 images (N, height, width, channels) a network can learn to classify: a colour set
@@ -140,3 +147,39 @@ def write_image_folder(root, classes=4, n_train=32, n_test=8, seed=0, sizes=((32
             (root / split / "class_0" / "notes.txt").write_text("not an image\n")
             (root / split / "class_0" / ".DS_Store").write_bytes(b"\0")
     return root
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Write a small learnable copy of a data set into DIR (each class a "
+                                                 "colour plus noise), to try the scripts without downloading: 512 "
+                                                 "training and 128 test images of 10 classes in the data set's own "
+                                                 "format, or for folder an image folder of 4 classes with PNG and "
+                                                 "JPEG, RGB and gray images of two sizes.")
+    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100", help="which format")
+    parser.add_argument("directory", metavar="DIR", type=Path,
+                        help="where to write it (must not hold that data set already)")
+    return parser
+
+
+def main(argv=None):
+    """``python tools/demo_data.py --dataset NAME DIR``: never writes over an existing copy."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    root, dataset = args.directory, args.dataset
+    target = root / ("train" if dataset == "folder" else DATASETS[dataset].folder)
+    if target.exists():
+        print(f"error: {target} exists already; give another folder", file=sys.stderr)
+        return 2
+    if dataset == "folder":
+        write_image_folder(root, classes=4, n_train=64, n_test=16)
+        print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
+              f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")
+    else:
+        write_dataset(root, dataset, learnable=True, n_train=512, n_test=128)
+        print(f"Wrote a learnable 10-class copy of {DATASETS[dataset].title} (512 training and 128 test images) "
+              f"into {root}: train with --dataset {dataset} --data-dir {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,8 +24,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from device_utils import gather_objects, synchronize
-from log_utils import count, first_line
+from engine.errors import first_line
+from engine.log import count
+from engine.processes import gather_objects, synchronize
 
 GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
 TENSORBOARD_PIP = "pip install tensorboard"
@@ -368,7 +369,7 @@ def unused_path(path):
 
 class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
-    ``Monitors()`` is all off (benchmark.py's timed steps)."""
+    ``Monitors()`` is all off (tools/benchmark.py's timed steps)."""
 
     def __init__(self, args=None, ctx=None, log=None, run_id=None, last_record=None, resumed=False):
         self.args, self.ctx, self.log = args, ctx, log

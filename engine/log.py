@@ -6,11 +6,12 @@ for terminals: on a terminal the progress within an epoch is one updating line; 
 ``.out`` file it is a timestamped line at most every ``--log-interval`` seconds. Every epoch
 line starts with a timestamp and ends with the elapsed wall time and an ETA for the run.
 
-No torch import: report.py reads metrics files with these functions on any machine.
+No torch import: tools/report.py reads metrics files with these functions on any machine.
 """
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -140,12 +141,12 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # Start-up block, epoch lines, summary.
 
-def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False):
+def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
+                 optimizer="", loss=""):
     """The derived values, printed once at the start of training (``task``: the task.Task;
     ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
-    is resumed)."""
+    is resumed; ``optimizer``, ``loss``: what runs, described from the objects)."""
     data = task.data
-    momentum = f"momentum {args.momentum}{' (Nesterov)' if args.nesterov else ''}" if args.momentum else "no momentum"
     workers = task.train_loader.num_workers
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
               else f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per training "
@@ -159,10 +160,10 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {steps} steps per epoch",
         *data.notes,
         *size_warning(data, task.train_loader, task.test_loader),
-        f"Augmentation: {data.prep.augmentation()}",
+        f"Augmentation: {data.prep.describe()}",
         f"Weights: {describe_weights(args, continuing)}",
-        f"Recipe: SGD base LR {args.base_lr}, {args.warmup_epochs:g} warm-up epochs then {args.lr_schedule}, "
-        f"{momentum}, weight decay {args.weight_decay:g}, label smoothing {args.label_smoothing:g}",
+        f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
+        f"{args.lr_schedule}",
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
           if args.warmup_epochs > args.epochs else []),
@@ -175,14 +176,25 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     return lines
 
 
-def first_line(err):
-    """The first line of an exception's message (libraries go on with advice and stacks), or
-    its type's name when it has none."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+def describe_resume(path, state, saved_world_size, world_size, weights=None):
+    where = f"epoch {state.epoch}, after step {state.step}" if state.step else f"after epoch {state.epoch - 1}"
+    return (f"Resuming from {path}: {where} (saved by {count(saved_world_size, 'process', 'processes')}, now "
+            f"{world_size})" + (f"; its weights replace --weights {weights}" if weights else ""))
 
 
 def count(n, one, many):
     return f"{n} {one if n == 1 else many}"
+
+
+def rank_list(ranks) -> str:
+    """[0, 1, 2, 3, 8] -> '[0-3, 8]'; [2, 3] -> '[2, 3]'."""
+    ranks, parts, start = sorted(ranks), [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            run = ranks[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
+            start = i
+    return "[" + ", ".join(parts) + "]"
 
 
 def processes(ctx, n):
@@ -288,3 +300,32 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
         peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
         lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))
     return lines
+
+# ---------------------------------------------------------------------------------------------
+# The metrics file across resumes.
+
+def reconcile_metrics(path, run_id, records):
+    """On resume: make ``path`` hold each finished epoch of run ``run_id`` exactly once.
+    Lines of epochs the checkpoint does not have (they run again) are dropped, records the
+    file lost are appended; other runs' lines and unparsable lines are kept as they are."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else []
+    done, seen, kept = {r["epoch"] for r in records}, set(), []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict) and entry.get("run_id") == run_id:
+            if entry.get("epoch") not in done or entry.get("epoch") in seen:
+                continue
+            seen.add(entry["epoch"])
+        kept.append(line)
+    kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
+    if kept != lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+

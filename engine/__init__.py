@@ -1,0 +1,31 @@
+"""The engine: what train.py, train_ddp.py and the tools stand on, one concern per file. You
+edit recipe.py, model.py and your own files; nothing here names a model, a data set or an
+optimizer, so yours plug in without changes here. Imports flow one way: the top-level
+scripts import the engine, and the engine imports no top-level module except the user's
+files named on the command line (--model, --dataset FILE.py:NAME).
+
+    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line
+    cli.py           run_cli: those as one line and an exit status
+    processes.py     who this process is (torchrun's variables) and how the ranks agree
+    lost_ranks.py    a rank that stopped answering, named in one line
+    flags.py         the engine's flags, parsed with recipe.py's
+    task.py          Task and DataInfo: where the loop meets the model and the data
+    plugins.py       loading the user's FILE.py:NAME
+    models.py        --model built, probed and given --weights
+    user_data.py     --dataset FILE.py:NAME read into memory
+    data_formats.py  the built-in data sets' files: fetched, read, checked
+    image_folder.py  --dataset folder: decoded once into a cache
+    device_loader.py batches on the device; normalization and augmentation as tensor operations
+    seeds.py         every random stream from (seed, epoch, rank)
+    precision.py     --precision: autocast dtype, TF32
+    optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
+    lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
+    checkpoints.py   checkpoint folders, resume, Checkpointer
+    weights.py       weights files: save, load, check
+    files.py         atomic writes, outputs checked at start
+    stopping.py      signals and --stop-file: all ranks stop after the same step
+    log.py           what is printed, and the metrics file
+    monitor.py       GPU utilization and power, TensorBoard, the profiler
+    nccl_log.py      which network NCCL chose, from its own log (check_network.py)
+    bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them
+"""

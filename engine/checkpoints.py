@@ -1,0 +1,254 @@
+"""Checkpoints: what a run needs to continue exactly where it stopped, on any number of GPUs,
+without losing or overwriting anything already written.
+
+- A checkpoint folder belongs to one run. A new run refuses a folder that holds
+  checkpoints; ``--resume`` continues the run in it; ``--resume=auto`` (the job scripts)
+  continues it when there is a checkpoint and starts a new run otherwise.
+- Global rank 0 writes every checkpoint atomically, keeps the newest two of its own run
+  (pruning never touches a file this run did not write) and chooses the checkpoint a resume
+  starts from; every rank loads exactly that file, or the run stops with one error.
+- Checkpoints are written at the end of an epoch at most every ``--checkpoint-interval``
+  minutes (0 = every epoch), and always on a stop request and at the end of training.
+- A resume with another model, data set, recipe or optimizer is refused in one line.
+"""
+
+import itertools
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import UserError
+from engine.files import atomic_save
+from engine.processes import any_rank, from_rank0, gather_objects
+
+CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
+
+
+UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved in every checkpoint; the loop updates it in place."""
+    run_id: str                                      # tags this run's lines in --metrics-file
+    epoch: int = 1                                   # the epoch in progress (1-based)
+    step: int = 0                                    # optimizer steps done in it
+    partial: tuple = (0.0, 0, 0.0)                   # loss sum, images, seconds of those steps (all ranks)
+    history: list = field(default_factory=list)      # validation accuracy of each finished epoch
+    records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
+    checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
+    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (lr_schedule.Cycle as lists)
+
+
+def new_run_id():
+    return uuid.uuid4().hex[:12]
+
+
+def checkpoint_paths(directory):
+    """Checkpoints in ``directory``, newest first (the names sort by optimizer step)."""
+    return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt"), reverse=True)
+
+
+def continues_run(directory, resume):
+    """Whether this run continues the run in ``directory`` (True) or starts a new one (False).
+
+    ``resume``: None (a new run), "required" (--resume: continue, error if nothing to continue)
+    or "auto" (continue when there is a checkpoint). A new run never starts in a folder that
+    holds checkpoints: its own would overwrite and prune the other run's, and a later --resume
+    would not know which run it continues. Call on global rank 0 (``from_rank0``).
+    """
+    if resume == "required":
+        return True
+    existing = checkpoint_paths(directory) if directory else []
+    if resume == "auto":
+        return bool(existing)
+    if existing:
+        raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of another run (newest: "
+                        f"{existing[0].name}); continue that run with --resume, or give this run another "
+                        "--checkpoint-dir")
+    return False
+
+
+def read_checkpoint(path, device):
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError("not a checkpoint of these scripts")
+    return checkpoint
+
+
+def _why(err):
+    """A short, whole reason: the error's type and the first sentence of its message (torch.load's
+    messages run to several sentences of advice that do not apply here)."""
+    text = " ".join(str(err).split())
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{type(err).__name__}: {first}" if first else f"{type(err).__name__} (empty or truncated file?)"
+
+
+def _aside(path):
+    """Where an unreadable checkpoint goes: NAME.unreadable (.2, .3, ...: never over an earlier one)."""
+    for n in itertools.count(1):
+        aside = path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{f'.{n}' if n > 1 else ''}")
+        if not aside.exists():
+            return aside
+
+
+def choose_checkpoint(directory, device, log):
+    """(path, checkpoint): the newest checkpoint in ``directory`` that reads. A newer one that
+    does not read is renamed to NAME.unreadable (kept, out of the way) with a warning. Never a
+    silent fresh start: nothing readable is an error. Call on global rank 0."""
+    problems = []
+    for path in checkpoint_paths(directory):
+        try:
+            return path, read_checkpoint(path, device)
+        except Exception as err:  # truncated, corrupted, or foreign
+            problems.append(f"{path.name}: {type(err).__name__}")
+            aside = _aside(path)
+            try:
+                os.replace(path, aside)
+                kept = f"renamed it to {aside.name}"
+            except OSError:
+                kept = "left it in place"
+            log.info(f"WARNING: checkpoint {path} is unreadable ({_why(err)}); {kept} and trying the previous one")
+    found = f" ({'; '.join(problems)})" if problems else ""
+    raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
+
+
+def load_agreed_checkpoint(directory, ctx, log):
+    """(path, checkpoint), the same file on every rank: global rank 0 chooses it, every other
+    rank reads exactly that file. A rank that cannot read it (a folder that is not shared, a
+    file-system error) stops every rank with the same one-line error; no rank falls back to
+    another checkpoint on its own, which would resume the ranks at different steps."""
+    chosen = {}
+
+    def choose():
+        path, chosen["checkpoint"] = choose_checkpoint(directory, ctx.device, log)
+        return str(path)
+
+    path = from_rank0(choose, ctx.control_group)
+    failure = None
+    if not ctx.is_main:
+        try:
+            chosen["checkpoint"] = read_checkpoint(path, ctx.device)
+        except Exception as err:
+            failure = _why(err)
+    failures = {rank: why for rank, why in enumerate(gather_objects(failure, ctx.control_group)) if why}
+    if failures:
+        rank, why = next(iter(failures.items()))
+        raise UserError(f"--resume: rank(s) {sorted(failures)} cannot read {path}, the checkpoint rank 0 chose "
+                        f"(rank {rank}: {why}); every node must see the same --checkpoint-dir, on a "
+                        "shared file system")
+    return Path(path), chosen["checkpoint"]
+
+
+def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags):
+    """Refuse to continue a run with another model, data set, optimizer or recipe (it would not
+    be the same run). ``check_fits(state_dict, source)`` raises when the model's shape differs;
+    ``optimizer`` is the one this run built; ``recipe_flags``: the names of the flags a resume
+    must keep. A checkpoint written before a flag existed ran with its default (``defaults``:
+    the flags' defaults, by name)."""
+    saved = {**defaults, **checkpoint["args"]}
+    trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
+    if trained_on != fingerprint["dataset"]:
+        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
+                        f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
+    if checkpoint.get("model_key", defaults["model"]) != model_key:
+        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {args.model}; "
+                        f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
+    check_fits(checkpoint["model"], "the checkpoint")
+    saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
+    if saved_class != now:
+        fix = (f"resume with --optimizer {saved['optimizer']}" if saved["optimizer"] != args.optimizer
+               else f"restore recipe.py's --optimizer {args.optimizer} as it was")
+        raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
+                        f"(--optimizer {args.optimizer}, recipe.py): its state would not fit; {fix}, or start a new "
+                        "run in another --checkpoint-dir")
+    old, new = checkpoint["data"], fingerprint
+    differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
+    if differ:
+        other = {"train_labels_sha256": "different labels", "classes": "other classes",
+                 "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now"}
+        raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
+                        f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
+                        + "".join(f", {other[key]}" for key in other if key in differ) + ")")
+    changed = [f"--{name.replace('_', '-')} {saved.get(name)} (now {getattr(args, name)})"
+               for name in recipe_flags if saved.get(name) != getattr(args, name)]
+    if args.epochs < saved["epochs"]:
+        changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
+                       "--epochs, not shortened)")
+    if changed:
+        raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
+                        + "; rerun with its values or start a new --checkpoint-dir")
+
+
+def restore(checkpoint, module, optimizer, scheduler, scaler, ctx):
+    """Load model, optimizer, schedule and scaler from ``checkpoint``; returns its TrainState
+    and this rank's RNG states (None when it was saved at an epoch boundary or by another
+    number of ranks)."""
+    module.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    scaler.load_state_dict(checkpoint["scaler"])
+    rng = checkpoint["rng"]
+    rng_state = rng[ctx.rank] if rng and len(rng) == ctx.world_size else None
+    return TrainState(**checkpoint["state"]), rng_state
+
+
+class Checkpointer:
+    """Writes one run's checkpoints into its folder: global rank 0 writes, every rank waits
+    for the file (so none exits while it is written). Records how often and how long."""
+
+    def __init__(self, directory, interval_minutes, ctx):
+        self.directory = Path(directory) if directory else None
+        self.interval_s = interval_minutes * 60
+        self.ctx = ctx
+        self.last_time = time.monotonic()
+        self.last_step = None  # optimizer step of the newest checkpoint written or loaded
+        self.count, self.seconds = 0, 0.0
+
+    def loaded(self, step):
+        """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""
+        self.last_step = step
+
+    def due(self):
+        """At the end of an epoch: is a checkpoint due? Decided by rank 0's clock, so every
+        rank agrees (a one-element all-reduce on the CPU)."""
+        if self.directory is None:
+            return False
+        late = time.monotonic() - self.last_time >= self.interval_s
+        return any_rank(self.ctx.is_main and late, self.ctx.control_group)
+
+    def save(self, run, state, rng_states=None):
+        """Write the checkpoint of the run at ``state`` (unless exactly that one was written
+        already) and prune this run's older ones, keeping KEEP_CHECKPOINTS. Returns its path."""
+        step = run.scheduler.last_epoch  # optimizer steps so far: the name sorts by progress
+        path = self.directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
+        if step == self.last_step:
+            return path
+        start = time.perf_counter()
+        kept = [name for name in state.checkpoints if name != path.name] + [path.name]
+        state.checkpoints, pruned = kept[-KEEP_CHECKPOINTS:], kept[:-KEEP_CHECKPOINTS]
+
+        def write():
+            try:
+                atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
+                             "optimizer": run.optimizer.state_dict(),
+                             "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
+                             "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
+                             "data": run.task.data.fingerprint, "model_key": run.task.model_key,
+                             "world_size": run.ctx.world_size}, path)
+                for name in pruned:  # only this run's own files
+                    (self.directory / name).unlink(missing_ok=True)
+            except OSError as err:
+                raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); the previous "
+                                f"checkpoints are kept") from None
+
+        from_rank0(write, self.ctx.control_group)  # every rank waits until the file is on disk
+        self.last_time, self.last_step = time.monotonic(), step
+        self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - start
+        return path
+
+

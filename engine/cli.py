@@ -1,0 +1,51 @@
+"""How every entry point ends: ``run_cli(main)`` turns a user's mistake, an aborted run, a
+stop request and Ctrl-C into one line and an exit status, never a traceback, and makes
+sure rank 0's line is the one the user sees.
+"""
+
+import os
+import sys
+import time
+
+from engine.errors import TrainingStopped, UserError
+from engine.processes import rank_or_zero
+
+RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
+
+
+def let_rank0_fail_first():
+    """On a rank that prints nothing for an error or a stop that rank 0 prints: wait (at most
+    RANK0_FIRST_S) for torchrun to end this process. torchrun stops every rank as soon as one
+    fails; were that this rank, rank 0 could be stopped before its line, and the user would
+    see only torchrun's report."""
+    time.sleep(RANK0_FIRST_S)
+
+
+def run_cli(main):
+    """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
+    for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
+    rank = rank_or_zero()
+    try:
+        main()
+    except TrainingStopped as stop:
+        if rank == 0:
+            print(stop, flush=True)
+        elif stop.exit_code:
+            let_rank0_fail_first()
+        sys.exit(stop.exit_code)
+    except UserError as err:
+        prints = rank == 0 or not err.same_on_every_rank
+        if prints:
+            print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
+        if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)
+            sys.stdout.flush()
+            os._exit(err.exit_code)
+        if not prints:
+            let_rank0_fail_first()
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
+        if rank == 0:
+            print(f"Interrupted ({str(err) or 'Ctrl-C'})", file=sys.stderr)
+        sys.exit(130)
+
+

@@ -1,0 +1,105 @@
+"""Turning stored images into the model's input, as batched tensor operations on any device:
+normalization bit for bit as ToTensor + Normalize compute it, the training augmentation
+(recipe.py's operations, fed the per-image random numbers of ``augmentation_randoms``), and
+``DeviceLoader``, which serves batches from a data set that lives on the GPU.
+
+The torchvision loader (dataset_utils.InMemoryImages in DataLoader workers) calls the same
+``augment`` and ``normalize`` on a batch of one image, so both loaders serve the same
+crops for the same seed.
+"""
+
+import torch
+
+from engine.seeds import derived_seed
+
+AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
+
+
+def augmentation_randoms(size, ops, seed, epoch, per_op):
+    """float64 (size, len(ops), per_op): uniform numbers in [0, 1) for every image of a data set of
+    ``size`` and every operation, from (seed, epoch) alone. Drawn on the CPU (a CUDA generator
+    draws other numbers from the same seed): every device, rank and worker sees the same
+    numbers for the same image, whatever ran before."""
+    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, AUGMENT_STREAM))
+    return torch.rand((size, len(ops), per_op), generator=generator, dtype=torch.float64)
+
+
+def augment(images, rand, ops, prep):
+    """``ops`` (recipe.AUGMENTATIONS[...]) applied in order to images (B, H, W, C); rand
+    (B, len(ops), per_op) on the images' device."""
+    for i, op in enumerate(ops):
+        images = op(images, rand[:, i], prep)
+    return images
+
+
+def normalization_table(mean, std):
+    """float32 (256, C): what ToTensor + Normalize make of each uint8 value in each channel,
+    computed once on the CPU with their operations (value / 255, - mean, / std). Normalizing by
+    lookup in it gives the same bits on every device; computed on a GPU, the division by 255
+    becomes a multiplication by 1/255, a bit off for some values."""
+    values = torch.arange(256, dtype=torch.float32).div(255)[:, None]  # (256, 1)
+    return values.sub(torch.tensor(mean)).div(torch.tensor(std))  # (256, C)
+
+
+def normalize(images, table):
+    """uint8 (B, H, W, C) -> float32 (B, C, H, W), bit for bit what ToTensor + Normalize compute:
+    one lookup per value in ``table`` (normalization_table, on the images' device). The result
+    is channels-last in memory (the permute is a view), which is the layout the model wants on
+    the GPU."""
+    channels = torch.arange(images.shape[-1], device=images.device)  # (C,), broadcast against (B, H, W, C)
+    return table[images.long(), channels].permute(0, 3, 1, 2)
+
+
+def float_stats(prep, device):
+    """``prep``'s mean and std as float32 (C,) tensors on ``device``."""
+    return (torch.tensor(prep.mean, dtype=torch.float32, device=device),
+            torch.tensor(prep.std, dtype=torch.float32, device=device))
+
+
+def normalize_float(images, mean, std):
+    """Float images (B, H, W, C) -> float32 (B, C, H, W), (x - mean) / std per channel: the
+    normalization of a data set that is float already (no uint8 scale to undo)."""
+    return images.float().sub(mean).div(std).permute(0, 3, 1, 2)
+
+
+class DeviceLoader:
+    """Batches of (images float32 (B, C, H, W), labels int64 (B,)) cut from a data set that
+    lives on ``device`` as uint8 (or float). Indices come from ``sampler`` (a
+    DistributedSampler for training, so the order and sharding are exactly the torchvision
+    loader's); training batches get the data set's augmentation (``dataset.prep.ops``) with
+    each image's random numbers of the epoch, so batch k of an epoch is the same whether or
+    not batches before it were drawn (mid-epoch resume skips them)."""
+
+    num_workers = 0  # for the start-up block: no worker processes
+
+    def __init__(self, dataset, batch_size, sampler, device, augmented, drop_last, seed=0):
+        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
+        self.prep = dataset.prep
+        self.augmented = augmented and bool(self.prep.ops)
+        self.device, self.drop_last, self.seed = device, drop_last, seed
+        self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
+        self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
+        if self.images.dtype == torch.uint8:
+            table = normalization_table(self.prep.mean, self.prep.std).to(device)  # float32 (256, C)
+            self.normalize = lambda images: normalize(images, table)
+        else:  # float images: no lookup table
+            stats = float_stats(self.prep, device)
+            self.normalize = lambda images: normalize_float(images, *stats)
+
+    def __len__(self):
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (rest > 0 and not self.drop_last)
+
+    def __iter__(self):
+        # One small host-to-device copy per epoch: this rank's indices (N / world_size int64).
+        indices = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.device)
+        if self.augmented:
+            # The whole data set's numbers, copied once per epoch (8 bytes each, 32 per operation
+            # and image): each image's, whatever rank serves it.
+            rand = self.prep.randoms(len(self.labels), self.seed, getattr(self.sampler, "epoch", 0)).to(self.device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            images = self.images[batch]  # (B, H, W, C) uint8
+            if self.augmented:
+                images = augment(images, rand[batch], self.prep.ops, self.prep)
+            yield self.normalize(images), self.labels[batch]

@@ -1,0 +1,94 @@
+"""Files that are never half-written, and outputs checked before any work: a folder that
+cannot be written (someone else's project area, a read-only mount) is one line at start,
+not a traceback after hours of training.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.errors import UserError
+from engine.processes import from_rank0
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the first write creates the folder
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: leave no partial file behind
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_outputs(args, ctx):
+    """Every output path of the command line, checked by global rank 0 before any data is read
+    or any step trained: a folder that cannot be written (someone else's project area, a
+    read-only mount) is one line and exit status 2 at start, not a traceback after hours of
+    training that loses the model. Every rank gets rank 0's verdict."""
+    def check():
+        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
+            if path:
+                check_writable(path, flag)
+        for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard),
+                                ("--profile-dir", args.profile_dir)):
+            if directory:
+                check_writable_dir(directory, flag)
+
+    from_rank0(check, ctx.control_group)
+
+
+def check_writable(path, flag):
+    """Fail at start, not after hours of training, when an output file cannot be written.
+    Nothing is left behind: folders are made when the file is first written, so a command
+    that fails leaves no empty folder. The folder must take new files even when the file
+    exists: it is replaced through a temporary file beside it (atomic_save, reconcile_metrics).
+    (os.path, not pathlib: a folder that cannot be entered is "not there", not a traceback.)"""
+    path = Path(path)
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: not a writable file path (it is a folder)")
+    if os.path.exists(path):
+        try:
+            open(path, "ab").close()  # opened for appending, nothing written: the file is unchanged
+        except OSError as err:
+            raise UserError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
+    why = _why_not_creatable(path.parent)
+    if why:
+        verb = "write in" if os.path.isdir(path.parent) else "create"
+        raise UserError(f"{flag} {path}: cannot {verb} {path.parent} ({why})")
+
+
+def check_writable_dir(directory, flag):
+    """The same for a folder that files will be written into (created by the first write)."""
+    directory = Path(directory)
+    why = _why_not_creatable(directory)
+    if why:
+        raise UserError(f"{flag} {directory}: cannot {'write in' if os.path.isdir(directory) else 'create'} it "
+                        f"({why})")
+
+
+def _why_not_creatable(directory):
+    """Why ``directory`` cannot be (or become) a folder that files can be written into, or None.
+    The nearest existing folder is probed with a real file, removed at once: permissions,
+    ACLs, a read-only mount and root squash all show, which os.access misses for root."""
+    existing = directory.absolute()
+    while not os.path.exists(existing) and existing != existing.parent:  # the nearest existing ancestor
+        existing = existing.parent
+    if not os.path.isdir(existing):
+        return f"{existing} is a file" if existing != directory.absolute() else "a file of that name exists"
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")
+    except OSError as err:
+        return f"{existing}: {err.strerror or err}"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+

@@ -1,0 +1,90 @@
+"""The network of --model: built for the data's classes, channels and image size, probed with
+two images so that a model that does not fit is one line at start, and given --weights.
+
+NAME is a class or function. It is called with num_classes= and in_channels= (and
+image_size=(H, W) when its signature takes it) and returns an nn.Module that maps images
+(B, C, H, W) to logits (B, classes).
+"""
+
+import inspect
+
+import torch
+import torch.nn as nn
+
+from engine.errors import UserError
+from engine.plugins import call_user_code, load_plugin
+from engine.weights import load_weights
+
+DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
+
+def build_model(ref, data, seed, device, layout, weights=None):
+    """(model, name): --model ``ref`` for the data's classes, channels and size (``data``: a
+    task.DataInfo), on ``device`` in memory ``layout``, the same initial weights on every rank
+    (seeded), with the --weights file ``weights`` loaded if given."""
+    factory = load_plugin(ref, "--model")
+    height, width, channels = data.prep.image_shape
+    torch.manual_seed(seed)  # each epoch then reseeds per rank (seeds.epoch_seed)
+    model, name = make_model(factory, ref, num_classes=len(data.classes), in_channels=channels,
+                             image_size=(height, width))
+    shape = (channels, height, width)
+    # Probed on its device (a model may use operations only the GPU has), first in NCHW, which
+    # gives lazy modules their shapes, then in the layout training feeds it (x.view fails on
+    # channels_last).
+    model = model.to(device)
+    check_output(model, ref, shape, len(data.classes), device)
+    model = model.to(memory_format=layout)
+    if layout != torch.contiguous_format:
+        check_output(model, ref, shape, len(data.classes), device, layout)
+    if weights:
+        load_weights(model, weights, name, expected=data.weights_metadata())
+    return model, name
+
+
+def make_model(factory, ref, num_classes, in_channels, image_size):
+    """Call ``factory`` with the keyword arguments its signature takes; (model, name)."""
+    label = ref.rpartition(":")[2]
+    if not callable(factory):
+        raise UserError(f"--model {ref}: {label} is not a class or function but a value of type "
+                        f"{type(factory).__name__}")
+    kwargs = {"num_classes": num_classes, "in_channels": in_channels}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some built-ins have no signature: just call it
+        params = None
+    if params is not None:
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [k for k in kwargs if not takes_any
+                   and (k not in params or params[k].kind is inspect.Parameter.POSITIONAL_ONLY)]
+        if "image_size" in params:
+            kwargs["image_size"] = image_size
+        required = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if missing or required:
+            problem = (f"does not take {' and '.join(missing)}" if missing
+                       else f"also requires {', '.join(required)} (give {'them' if len(required) > 1 else 'it'} a "
+                            "default)")
+            raise UserError(f"--model {ref}: {label}{inspect.signature(factory)} {problem}; it is called as "
+                            f"{label}(num_classes=N, in_channels=C[, image_size=(H, W)])")
+    model = call_user_code(lambda: factory(**kwargs), f"--model {ref}", ref)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"--model {ref}: {label}(...) returned a {type(model).__name__}, not an nn.Module")
+    shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    return model, f"{label}({shown})" + ("" if ref == DEFAULT_MODEL else f" from {ref.rpartition(':')[0]}")
+
+
+def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torch.contiguous_format):
+    """A forward pass of two zero images in eval mode (no statistics updated, nothing
+    random): the output must be logits (2, num_classes). Lazy modules get their shapes."""
+    images = torch.zeros(2, *image_shape, device=device).contiguous(memory_format=layout)
+    what = f"--model {ref} on images (2, {', '.join(map(str, image_shape))})" + (
+        "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
+    model.eval()
+    with torch.no_grad():
+        out = call_user_code(lambda: model(images), what, ref)
+    model.train()
+    shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+    if shape != (2, num_classes):
+        raise UserError(f"--model {ref} maps images (2, {', '.join(map(str, image_shape))}) to {shape}, not to logits "
+                        f"(2, {num_classes}) for the data's {num_classes} classes")
+
+

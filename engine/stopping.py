@@ -1,0 +1,116 @@
+"""Stop requests: signals, --stop-file and a vanished torchrun set a flag; the ranks agree
+after every step, and the loop stops after the same step on every rank, checkpoints and
+exits (EXIT_STOPPED after a signal, 0 after the stop file).
+"""
+
+import signal
+import threading
+from pathlib import Path
+
+from engine.errors import TrainingStopped
+from engine.processes import PendingMax, group_active, launcher_gone, max_over_ranks
+
+EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
+
+
+STOP_FILE_POLL_S = 1.0  # rank 0's thread looks for --stop-file this often (a metadata call on a shared FS)
+
+
+# What a rank saw, ordered so that the all-reduced maximum is what every rank acts on.
+NO_STOP, STOP_FILE, STOP_SIGNAL = 0, 1, 2
+
+
+class StopRequests:
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM (scancel, preemption, torchrun
+    passing either on) and SIGINT (Ctrl-C) only set a flag, and so do ``stop_file`` appearing
+    (seen by global rank 0) and the death of the torchrun that started this rank: the loop
+    stops after the next step (the current one in one process), checkpoints, and exits. A
+    second Ctrl-C quits at once.
+
+    Exit status: EXIT_STOPPED after a signal; 0 after the stop file, which the job scripts
+    use to stop training before the time limit without signalling torchrun (it would report
+    the stop as a crash, with a traceback).
+
+    Nothing of this waits in a training step: a thread looks for the stop file (a stat on
+    Lustre can take 50 ms), and the ranks agree asynchronously (``after_step``): the
+    agreement started after one step is read after the next, so all ranks stop after the
+    same step, one step after the request was seen.
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, ctx, stop_file=None, checkpoint_dir=None):
+        self.ctx = ctx
+        self.checkpoint_dir = checkpoint_dir
+        self.stop_file = Path(stop_file) if stop_file and ctx.is_main else None
+        self.received = None  # the name of the first signal
+        self.file_seen = False
+        self._previous = {}
+        self._pending = None  # the agreement started after the last step (PendingMax)
+        self._done = threading.Event()
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        if self.stop_file is not None:
+            threading.Thread(target=self._watch_stop_file, name="stop-file", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._done.set()  # the thread ends after its current look (not joined: a hung stat must not hang us)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _watch_stop_file(self):
+        while not self._done.is_set():
+            if self.stop_file.exists():
+                self.file_seen = True
+                return
+            self._done.wait(STOP_FILE_POLL_S)
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == "SIGINT":
+            # Ctrl-C twice: the user does not want to wait.
+            raise KeyboardInterrupt("a second Ctrl-C: " + (f"nothing saved since the last checkpoint in "
+                                                           f"{self.checkpoint_dir}" if self.checkpoint_dir
+                                                           else "the model is lost (no --checkpoint-dir)"))
+        self.received = self.received or signal.Signals(signum).name
+
+    def _local(self):
+        if not self.received and launcher_gone(self.ctx):  # an orphan: nobody would see its output or exit
+            self.received = "torchrun, its launcher, has exited"
+        if self.received:
+            return STOP_SIGNAL
+        return STOP_FILE if self.file_seen else NO_STOP
+
+    def after_step(self):
+        """After each training step: the stop every rank acts on now (NO_STOP, STOP_FILE or
+        STOP_SIGNAL), from the agreement started after the previous step, which has finished
+        meanwhile (a one-element gloo all-reduce on the CPU: tens of microseconds, no GPU sync);
+        then the next one starts with this rank's flag. Every rank reads the same results in
+        the same order, so all stop after the same step."""
+        if not group_active():
+            return self._local()
+        agreed = self.drain()
+        if agreed == NO_STOP:
+            self._pending = PendingMax(self._local(), self.ctx.control_group)
+        return agreed
+
+    def drain(self):
+        """Finish the agreement under way, if any, and return it (NO_STOP if none). The flags
+        stay set, so a stop it carried is seen again by the next ``agreed``."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending else NO_STOP
+
+    def agreed(self):
+        """The stop every rank acts on, now: the maximum over ranks (blocking; between epochs)."""
+        self.drain()
+        return max_over_ranks(self._local(), self.ctx.control_group)
+
+    def stopped(self, kind, where, path):
+        """The exception that ends training after the stop checkpoint ``path``."""
+        cause = {STOP_FILE: f"--stop-file {self.stop_file}" if self.stop_file else "--stop-file",
+                 STOP_SIGNAL: self.received or "a signal to another rank"}[kind]
+        saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
+        return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
+
+

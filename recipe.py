@@ -1,0 +1,187 @@
+"""How the model is trained: the optimizer, the loss, the learning-rate schedule and the
+training augmentations. This is the file to edit for a recipe of your own; the loop
+(train_utils.py) calls the four ``make_*``/``lr_factor`` functions and the augmentations
+below, and nothing else of the recipe.
+
+    python train.py --optimizer adamw --base-lr 0.001 --weight-decay 0.05
+    python train.py --augment crop --label-smoothing 0 --lr-schedule constant
+    torchrun --standalone --nproc_per_node=4 train_ddp.py --optimizer adamw --epochs 30
+    sbatch --account=nnXXXXk multigpu_job.sh --optimizer adamw
+
+Each knob is a flag, defined once in ``add_arguments`` with its default; a checkpoint
+records them, and a resume with other values (or another optimizer class) is refused.
+Your own optimizer: one function ``(model, args, device) -> torch.optim.Optimizer`` and a
+line in OPTIMIZERS. Any torch.optim optimizer trains, checkpoints and resumes exactly.
+Your own augmentation: one function ``(images, rand, prep) -> images`` and a line in
+AUGMENTATIONS; every loader (the device loader, the DataLoader's workers) and tools/benchmark.py
+apply that one function, so it is written once.
+"""
+
+import argparse
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.flags import below_one, non_negative_float, positive_float, positive_int
+
+RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
+DEFAULT_WARMUP_EPOCHS = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer.
+
+def sgd(model, args, device):
+    """The guide's optimizer: SGD with (Nesterov) momentum and L2 weight decay on every
+    parameter; one fused kernel for all parameters on CUDA."""
+    return torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
+                           weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
+
+
+def adamw(model, args, device):
+    """AdamW with decoupled weight decay on the weights only: biases and normalization
+    parameters (tensors of one dimension) get none, as timm and nanoGPT do."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trained if p.ndim > 1]},
+              {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.base_lr, betas=(0.9, 0.999), weight_decay=args.weight_decay,
+                             fused=True if device.type == "cuda" else None)
+
+
+class OptimizerChoice(NamedTuple):
+    build: Callable       # (model, args, device) -> torch.optim.Optimizer
+    base_lr: float        # the default of --base-lr with this optimizer
+    weight_decay: float   # the default of --weight-decay
+
+
+OPTIMIZERS = {
+    "sgd": OptimizerChoice(sgd, base_lr=0.01, weight_decay=5e-4),
+    "adamw": OptimizerChoice(adamw, base_lr=1e-3, weight_decay=0.05),
+}
+
+
+def make_optimizer(model, args, device):
+    return OPTIMIZERS[args.optimizer].build(model, args, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss: logits (B, classes) and labels (B,) -> a scalar.
+
+def make_loss(args):
+    """Cross-entropy with label smoothing (the reported validation loss is plain cross-entropy)."""
+    return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning-rate schedule, stepped once per optimizer step.
+
+def lr_factor(step, total_steps, warmup_steps, schedule):
+    """Multiplier of --base-lr for optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps`` (reaching 1 at the last warm-up step), then constant or cosine to 0 at
+    ``total_steps``. A pure function of the step, so a resume needs no state to follow it."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training augmentations: batched operations on images (B, H, W, C), uint8 or float, on any
+# device. ``rand`` (B, RANDOM_PER_OP) float64 holds uniform numbers in [0, 1), drawn for each
+# image of the data set from (--seed, epoch) alone: the same image gets the same numbers in
+# every loader, on every rank and after a resume. ``prep`` is the data set's
+# dataset_utils.Preprocessing (image shape, padding). Test images are never augmented.
+
+RANDOM_PER_OP = 4  # uniform numbers each operation gets per image
+
+
+def flip(images, rand, prep):
+    """Mirror each image left-right with probability 1/2 (RandomHorizontalFlip)."""
+    mirrored = rand[:, 0] < 0.5  # (B,) bool
+    return torch.where(mirrored[:, None, None, None], images.flip(2), images)
+
+
+def pad_crop(images, rand, prep):
+    """A crop of the image's own size from the image zero-padded by prep.padding pixels on each
+    side, its offsets uniform over 0..2*padding (the guide's RandomCrop(size, padding)): one
+    gather for the whole batch, no loop over images, no host sync."""
+    b, h, w, _ = images.shape
+    p = prep.padding
+    offsets = (rand[:, :2] * (2 * p + 1)).long()  # (B, 2): top, left in the padded image
+    padded = F.pad(images, (0, 0, p, p, p, p))  # (B, H + 2p, W + 2p, C), zeros around
+    rows = offsets[:, :1] + torch.arange(h, device=images.device)  # (B, H)
+    cols = offsets[:, 1:] + torch.arange(w, device=images.device)  # (B, W)
+    batch = torch.arange(b, device=images.device)[:, None, None]
+    return padded[batch, rows[:, :, None], cols[:, None, :]]
+
+
+AUGMENTATIONS = {  # --augment NAME: the operations, applied in this order
+    "flip-crop": (flip, pad_crop),
+    "crop": (pad_crop,),
+    "flip": (flip,),
+    "none": (),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe's flags: one definition each, with units; train.py, train_ddp.py and tools/benchmark.py
+# share them.
+
+def add_arguments(parser):
+    recipe = parser.add_argument_group(RECIPE_GROUP)
+    recipe.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
+                        help="global batch in images per optimizer step, split evenly over all processes")
+    recipe.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="sgd = SGD with Nesterov momentum (the guide's); adamw = AdamW, no weight decay on "
+                             "biases and normalization parameters. Add your own in recipe.py's OPTIMIZERS")
+    recipe.add_argument("--base-lr", metavar="LR", type=positive_float, default=None,
+                        help="peak learning rate, used as given (not scaled with batch size or GPU count); default: "
+                             + ", ".join(f"{name} {choice.base_lr:g}" for name, choice in OPTIMIZERS.items()))
+    recipe.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                        help="after warm-up: cosine decay to 0 at the last step of --epochs, or constant")
+    recipe.add_argument("--warmup-epochs", metavar="EPOCHS", type=non_negative_float, default=None,
+                        help="epochs (may be fractional) of linear learning-rate warm-up up to --base-lr (default: "
+                             f"{DEFAULT_WARMUP_EPOCHS:g}; given explicitly, at most --epochs)")
+    recipe.add_argument("--momentum", metavar="COEFF", type=below_one, default=None,
+                        help="--optimizer sgd: momentum coefficient (0 = plain SGD; default 0.9)")
+    recipe.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None,
+                        help="--optimizer sgd: Nesterov momentum (default: on when --momentum > 0)")
+    recipe.add_argument("--weight-decay", metavar="COEFF", type=non_negative_float, default=None,
+                        help="weight-decay coefficient: L2 on every parameter for sgd, decoupled on the weights for "
+                             "adamw; default: " + ", ".join(f"{name} {choice.weight_decay:g}"
+                                                            for name, choice in OPTIMIZERS.items()))
+    recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
+                        help="label smoothing of the training loss (fraction of probability mass); "
+                             "the reported validation loss is plain cross-entropy")
+    recipe.add_argument("--augment", choices=("auto", *AUGMENTATIONS), default="auto",
+                        help="training augmentation (recipe.py's AUGMENTATIONS): flip-crop = random horizontal flip "
+                             "and a crop of the zero-padded image (padding 1/8 of the image side); crop = no flips; "
+                             "flip = no crop; none; auto = the data set's own (CIFAR and Fashion-MNIST flip-crop, "
+                             "MNIST crop, 4 or 2 pixels of padding; flip-crop for your own images)")
+
+
+def check_arguments(args, error):
+    """Resolve the defaults that depend on other flags (derived once, here) and refuse
+    combinations that cannot work: ``error(message)`` exits with one line."""
+    choice = OPTIMIZERS[args.optimizer]
+    if args.optimizer == "sgd":
+        args.momentum = 0.9 if args.momentum is None else args.momentum
+        if args.nesterov and args.momentum == 0:
+            error("--nesterov needs --momentum > 0; for plain SGD add --no-nesterov")
+        args.nesterov = args.momentum > 0 if args.nesterov is None else args.nesterov
+    else:
+        for flag in ("momentum", "nesterov"):
+            if getattr(args, flag) is not None:
+                error(f"--{flag} applies to --optimizer sgd, not {args.optimizer}")
+    args.base_lr = choice.base_lr if args.base_lr is None else args.base_lr
+    args.weight_decay = choice.weight_decay if args.weight_decay is None else args.weight_decay
+    if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
+        args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
+    elif args.warmup_epochs > args.epochs:
+        error(f"--warmup-epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs}): the "
+              "learning rate would never reach --base-lr; use fewer warm-up epochs")

@@ -1,0 +1,98 @@
+"""The shape of the house: the guide's files and the few a user runs or edits at the top,
+tools in tools/, the engine in engine/; imports flow one way (top -> engine, tools -> both),
+no circle and no function-level import of the project's own modules to dodge one; no
+module over 450 lines; each augmentation defined once."""
+
+import ast
+import re
+
+from conftest import REPO
+
+TOP = {"train", "train_ddp", "model", "dataset_utils", "train_utils", "device_utils", "recipe", "check_network",
+       "predict"}
+MAX_LINES = 450
+
+
+def project_modules():
+    """{module name: path} of every Python file outside tests/: 'train_utils', 'engine.log', 'tools.report'."""
+    found = {}
+    for path in [*REPO.glob("*.py"), *REPO.glob("engine/*.py"), *REPO.glob("tools/*.py")]:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        found[".".join(p for p in parts if p != "__init__") or parts[0]] = path
+    return found
+
+
+def imports_of(path, modules):
+    """(module imported, at module level?) for each import of a project module in ``path``."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name in modules:
+                found.append((name, id(node) in top_level))
+    return found
+
+
+def test_the_top_holds_the_guides_files_and_the_users_and_nothing_else():
+    top = {path.stem for path in REPO.glob("*.py")}
+    assert top <= TOP and len(top) <= 10, sorted(top - TOP)
+    assert {p.stem for p in (REPO / "tools").glob("*.py")} >= {"benchmark", "report", "gpu_report", "demo_data"}
+
+
+def test_no_module_is_over_450_lines():
+    long = {name: n for name, path in project_modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_imports_flow_one_way_with_no_circle_and_no_lazy_import_of_our_own():
+    modules = project_modules()
+    graph = {}
+    for name, path in modules.items():
+        found = imports_of(path, modules)
+        lazy = [imported for imported, at_top in found if not at_top]
+        assert not lazy, f"{name} imports {lazy} inside a function"
+        graph[name] = {imported for imported, _ in found} - {name}
+        if name.startswith("engine"):
+            assert all(i.startswith("engine") for i in graph[name]), f"{name} imports {graph[name]}"
+        elif not name.startswith("tools"):
+            assert not any(i.startswith("tools") for i in graph[name]), f"{name} imports a tool: {graph[name]}"
+    # No circle: a topological order exists.
+    done, visiting = set(), []
+
+    def visit(name):
+        assert name not in visiting, "import circle: " + " -> ".join([*visiting[visiting.index(name):], name])
+        if name not in done:
+            visiting.append(name)
+            for imported in graph.get(name, ()):
+                visit(imported if imported in graph else imported.rpartition(".")[0])
+            visiting.pop()
+            done.add(name)
+
+    for name in graph:
+        visit(name)
+
+
+def test_each_augmentation_is_defined_once_in_recipe_py():
+    import recipe
+    ops = {op.__name__ for ops in recipe.AUGMENTATIONS.values() for op in ops}
+    for name, path in project_modules().items():
+        text = path.read_text()
+        defined = {op for op in ops if re.search(rf"^def {op}\(", text, re.M)}
+        assert defined == (ops if name == "recipe" else set()), (name, defined)
+        if name != "tools.benchmark":  # the guide's own transforms: the baseline it measures against
+            used = {node.attr for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute)}
+            assert not used & {"RandomCrop", "RandomHorizontalFlip", "RandomResizedCrop", "hflip"}, name
+
+
+def test_data_and_caches_go_beside_the_scripts_not_into_the_engine():
+    from engine import data_formats, image_folder
+    assert data_formats.default_data_dir() == REPO / "datasets"
+    assert image_folder.default_cache_dir() == REPO / "datasets" / "cache"

@@ -1,0 +1,156 @@
+"""recipe.py is the user's: each optimizer it offers (and one a user adds by editing it, as
+docs/recipe.md shows) trains, stops on a signal and resumes to exactly the weights of an
+uninterrupted run, in 1 process and in 2-process DDP; the start-up block and the metrics name
+what runs; an augmentation a user adds is served alike by both loaders; a DDP model with a
+parameter that gets no gradient is one line."""
+
+import os
+import re
+import shutil
+import signal
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import dataset_utils as du
+import recipe
+from conftest import REPO, TINY_MODEL, error_lines, read_metrics, run, start, torchrun_cmd, wait_for
+from test_resilience import _rank_pid
+from train_utils import parse_args
+
+RUN = (*TINY_MODEL, "--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "8",
+       "--checkpoint-interval", "0", "--num-workers", "0", "--log-interval", "0")
+
+
+def recipe_docs_snippet(name):
+    """The python block of docs/recipe.md that defines ``name``."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "recipe.md").read_text(), re.S)
+    return next(block for block in blocks if f"def {name}(" in block)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A copy of the scripts, as a user has them, with docs/recipe.md's RMSprop and cutout
+    added at the end of recipe.py."""
+    folder = tmp_path_factory.mktemp("project")
+    for path in REPO.iterdir():
+        if path.suffix == ".py":
+            shutil.copy(path, folder)
+    shutil.copytree(REPO / "engine", folder / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(folder / "recipe.py", "a") as f:
+        f.write("\n\n" + recipe_docs_snippet("rmsprop") + "\n\n" + recipe_docs_snippet("cutout"))
+    return folder
+
+
+def single(*args):
+    """train.py of the folder the command runs in (a project's copy)."""
+    return [sys.executable, "train.py", *args]
+
+
+def ddp(*args):
+    """train_ddp.py of the folder the command runs in, 2 processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ddp.py", *args]
+
+
+@pytest.mark.parametrize("optimizer, launcher", [("sgd", single), ("adamw", single), ("rmsprop", single),
+                                                 ("sgd", ddp), ("adamw", ddp)],
+                         ids=["sgd-1", "adamw-1", "rmsprop-1", "sgd-2", "adamw-2"])
+def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, tmp_path, optimizer, launcher):
+    names = {"sgd": "SGD", "adamw": "AdamW", "rmsprop": "RMSprop"}
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    outputs = []
+    for folder in (reference, stopped):
+        shutil.copytree(project, folder)
+        outputs.append(("--optimizer", optimizer, "--checkpoint-dir", folder / "ckpt", "--metrics-file",
+                        folder / "m.jsonl", "--save-weights", folder / "w.pt"))
+    whole = run(launcher(*RUN, *outputs[0]), cwd=reference)
+    assert whole.returncode == 0, whole.stderr
+    assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
+
+    process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log")
+    wait_for(stopped / "log", "Epoch 1/3:", process)
+    os.kill(process.pid if launcher is single else _rank_pid(process.pid, 1), signal.SIGUSR1)  # DDP: rank 1 only
+    process.wait(timeout=120)
+    log = (stopped / "log").read_text()
+    resumed = run(launcher(*RUN, *outputs[1], "--resume"), cwd=stopped)
+    assert re.search(r"Stopped after step \d of epoch [23] \((SIGUSR1|a signal to another rank)\)", log), log
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming from" in resumed.stdout and f"Recipe: {names[optimizer]} (" in resumed.stdout
+    a, b = (torch.load(folder / "w.pt", weights_only=True) for folder in (reference, stopped))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    records = read_metrics(stopped / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2, 3] and {r["optimizer"] for r in records} == {names[optimizer]}
+    assert records[-1]["augment"] == ["flip", "pad_crop"] and records[-1]["loss"] == "CrossEntropyLoss"
+    compared = ("train_loss", "val_loss", "val_accuracy", "lr")
+    assert [[r[k] for k in compared] for r in records] == [[r[k] for k in compared]
+                                                           for r in read_metrics(reference / "m.jsonl")]
+
+
+def test_the_guides_sgd_and_adamw_are_what_their_flags_say():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    sgd = recipe.make_optimizer(model, parse_args("x", []), torch.device("cpu"))
+    assert type(sgd) is torch.optim.SGD and len(sgd.param_groups) == 1
+    assert sgd.param_groups[0]["weight_decay"] == 5e-4 and sgd.param_groups[0]["nesterov"] is True
+    adamw = recipe.make_optimizer(model, parse_args("x", ["--optimizer", "adamw"]), torch.device("cpu"))
+    assert type(adamw) is torch.optim.AdamW and adamw.param_groups[0]["lr"] == 1e-3
+    decayed, plain = adamw.param_groups
+    assert [p.ndim for p in decayed["params"]] == [4] and decayed["weight_decay"] == 0.05  # the conv's weight
+    assert [p.ndim for p in plain["params"]] == [1, 1, 1] and plain["weight_decay"] == 0.0  # biases, BatchNorm
+
+
+def test_an_augmentation_added_to_recipe_py_is_served_alike_by_both_loaders(project, monkeypatch):
+    namespace = {"torch": torch}
+    exec(recipe_docs_snippet("cutout").split("\n\nAUGMENTATIONS")[0], namespace)  # the function, as documented
+    monkeypatch.setitem(recipe.AUGMENTATIONS, "flip-crop-cutout", (recipe.flip, recipe.pad_crop, namespace["cutout"]))
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "flip-crop-cutout")
+    images = np.random.default_rng(0).integers(1, 256, (16, 32, 32, 3), dtype=np.uint8)  # no zeros of their own
+    data = du.InMemoryImages(images, np.arange(16), prep)
+    device, torchvision = (du.build_loaders(data, data, 8, loader=kind, seed=5)[0]
+                           for kind in ("device", "torchvision"))
+    batches = [(x, y) for x, y in device]
+    assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(batches, torchvision))
+    pixels = torch.cat([x for x, _ in batches]) * 0.25 + 0.5  # back to 0..1
+    assert ((pixels == 0).all(dim=1).flatten(1).sum(dim=1) >= 8 * 8).all()  # each image has its hole (or more)
+
+
+def test_an_edited_recipe_trains_with_the_new_augmentation(project):
+    result = run(single(*RUN, "--augment", "flip-crop-cutout", "--epochs", "1", "--metrics-file", "aug.jsonl"),
+                 cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert "Augmentation: flip-crop-cutout (flip, pad_crop, cutout, 4-pixel padding)" in result.stdout
+    assert read_metrics(project / "aug.jsonl")[-1]["augment"] == ["flip", "pad_crop", "cutout"]
+
+
+UNUSED = '''import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+        self.spare = nn.Linear(4, 4)  # defined, never used
+
+    def forward(self, x):
+        return self.body(x)
+'''
+
+
+def test_a_ddp_parameter_without_a_gradient_is_one_line(tmp_path):
+    (tmp_path / "unused.py").write_text(UNUSED)
+    result = run(torchrun_cmd(2, "train_ddp.py", "--model", "unused.py:Net", "--synthetic", "--epochs", "1",
+                              "--limit-batches", "2", "--batch-size", "8", "--num-workers", "0"), cwd=tmp_path)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [
+        "error: parameter spare.weight (and 1 more) of --model unused.py:Net got no gradient in the first step: DDP "
+        "needs every trainable parameter in each step's loss; freeze it with requires_grad_(False) in the model, or "
+        "pass find_unused_parameters=True to DDP in train_ddp.py (slower)"]
+    # No rank's traceback (torchrun's own report of a failed worker follows the line, as always).
+    assert "Expected to have finished reduction" not in result.stderr and "train_utils.py\", line" not in result.stderr
+    frozen = UNUSED.replace("self.spare = nn.Linear(4, 4)  # defined, never used",
+                            "self.spare = nn.Linear(4, 4).requires_grad_(False)")
+    (tmp_path / "unused.py").write_text(frozen)  # the fix the line names
+    fixed = run(torchrun_cmd(2, "train_ddp.py", "--model", "unused.py:Net", "--synthetic", "--epochs", "1",
+                             "--limit-batches", "2", "--batch-size", "8", "--num-workers", "0"), cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
