@@ -42,7 +42,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.device_loader import DeviceLoader, augment, augmentation_randoms, normalization_table, normalize
+from engine.device_loader import (DeviceLoader, augment, augmentation_randoms, float_stats, normalization_table,
+                                  normalize, normalize_float)
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, image_size
 from engine.image_folder import channel_stats, default_cache_dir, prepare_folder, read_folder_cache
@@ -144,8 +145,7 @@ class InMemoryImages(Dataset):
         if rand is not None:
             image = augment(image, torch.tensor(rand, dtype=torch.float64)[None], self.prep.ops, self.prep)
         if self.table is None:  # float images
-            mean, std = (torch.tensor(v, dtype=torch.float32) for v in (self.prep.mean, self.prep.std))
-            return image.float().sub(mean).div(std).permute(0, 3, 1, 2)[0].contiguous(), int(self.labels[index])
+            return normalize_float(image, *float_stats(self.prep, "cpu"))[0].contiguous(), int(self.labels[index])
         return normalize(image, self.table)[0].contiguous(), int(self.labels[index])
 
 

@@ -240,7 +240,7 @@ def test_a_short_run_learns_each_data_set(tmp_path, name):
     root = write_dataset(tmp_path / "data", name, learnable=True, classes=4, n_train=64, n_test=32)
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", "--dataset", name, "--data-dir", root, "--epochs", "3", "--batch-size", "16",
-                            "--warmup-epochs", "0", "--metrics-file", metrics, *FAST), cwd=tmp_path)
+                            "--warmup-epochs", "0", "--patience", "4", "--metrics-file", metrics, *FAST), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     spec = data_formats.DATASETS[name]
     assert f"on {spec.title} with Batch Size: 16" in result.stdout
