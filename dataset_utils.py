@@ -28,10 +28,9 @@ alone: the same crops in both loaders, on every rank, and after a resume.
 """
 
 import argparse
-import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.device_loader import (DeviceLoader, augment, augmentation_randoms, float_stats, normalization_table,
+from engine.device_loader import (DeviceLoader, augmentation_randoms, float_stats, model_view, normalization_table,
                                   normalize, normalize_float)
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, image_size
@@ -50,22 +49,29 @@ from engine.image_folder import channel_stats, default_cache_dir, prepare_folder
 from engine.processes import available_cores, from_rank0
 from engine.task import DataInfo, data_fingerprint
 from engine.plugins import plugin_key
+from engine.splits import describe_split, stratified_split
 from engine.user_data import read_user_data
+import recipe  # noqa: I001 (the user's file, after the engine's)
 from recipe import AUGMENTATIONS, RANDOM_PER_OP
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
 LOADERS = ("device", "torchvision")
-DEVICE_DATA_FRACTION = 0.25  # --loader auto: the data set goes on the device when it fits this share of its memory
 
 
 @dataclass(frozen=True)
 class Preprocessing:
     """How stored images become the model's input."""
-    image_shape: tuple  # (H, W, C) of the stored images
+    image_shape: tuple  # (H, W, C) the model's input
     mean: tuple         # per channel: of the pixels scaled to 0..1 (uint8 images), or as stored (float)
     std: tuple
     augment: str = "none"  # the training augmentation: a name in recipe.AUGMENTATIONS
     padding: int = 0       # zero padding (pixels) around a training image before a random crop
+    stored_size: tuple = None  # (H, W) of the stored images when larger than the input (resized-crop), else None
+
+    @property
+    def stored(self):
+        """(H, W) of the stored images: test images are centre-cropped from it to image_shape."""
+        return tuple(self.stored_size or self.image_shape[:2])
 
     @property
     def ops(self):
@@ -80,7 +86,10 @@ class Preprocessing:
         """What happens to a training image, in words (the start-up block)."""
         ops = ", ".join(op.__name__ for op in self.ops) or "nothing"
         padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
-        return f"{self.augment} ({ops}{padding}), normalized with mean {self.mean} and std {self.std}"
+        height, width, _ = self.image_shape
+        sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
+                 "centre crop" if self.stored != (height, width) else "")
+        return f"{self.augment} ({ops}{padding}{sizes}), normalized with mean {self.mean} and std {self.std}"
 
 
 def spec_preprocessing(spec, augment="auto"):
@@ -88,13 +97,13 @@ def spec_preprocessing(spec, augment="auto"):
     return preprocessing(spec.image_shape, spec.mean, spec.std, augment, spec.augment, spec.padding)
 
 
-def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop", padding=None):
+def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop", padding=None, stored_size=None):
     """The Preprocessing for --augment: ``own_augment`` and ``padding`` are the data set's own
     (auto); padding defaults to 1/8 of the shorter side (4 pixels for 32x32, as CIFAR's)."""
     if padding is None:
         padding = max(1, round(min(image_shape[:2]) / 8))
     return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), own_augment if augment == "auto" else augment,
-                         padding)
+                         padding, stored_size and tuple(stored_size))
 
 
 def per_process_batch(global_batch, world_size):
@@ -131,19 +140,36 @@ class InMemoryImages(Dataset):
     random numbers of its own.
     """
 
-    def __init__(self, images, labels, prep=None):
+    def __init__(self, images, labels, prep=None, rows=None):
         prep = prep or spec_preprocessing(CIFAR100)  # the guide's
-        self.images, self.labels, self.prep = images, labels, prep
+        self.source, self.source_labels, self.prep = images, labels, prep
+        self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
+        self.labels = labels if rows is None else np.asarray(labels)[rows]
         self.table = normalization_table(prep.mean, prep.std) if images.dtype == np.uint8 else None  # (256, C)
+
+    @property
+    def images(self):
+        """The images (N, H, W, C): the array itself, or a copy of a subset's rows."""
+        return self.source if self.rows is None else self.source[self.rows]
+
+    @property
+    def nbytes(self):
+        return len(self) * self.source[0].nbytes
+
+    def subset(self, rows):
+        """The images at ``rows`` (indices into this set) of a held-out split, without a copy."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows if self.rows is None else self.rows[rows]
+        return InMemoryImages(self.source, self.source_labels, self.prep, rows)
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, key):
         index, rand = key if isinstance(key, tuple) else (key, None)
-        image = torch.from_numpy(np.array(self.images[index]))[None]  # (1, H, W, C): a copy, out of the memory map
-        if rand is not None:
-            image = augment(image, torch.tensor(rand, dtype=torch.float64)[None], self.prep.ops, self.prep)
+        row = index if self.rows is None else self.rows[index]
+        image = torch.from_numpy(np.array(self.source[row]))[None]  # (1, H, W, C): a copy, out of the memory map
+        image = model_view(image, None if rand is None else torch.tensor(rand, dtype=torch.float64)[None], self.prep)
         if self.table is None:  # float images
             return normalize_float(image, *float_stats(self.prep, "cpu"))[0].contiguous(), int(self.labels[index])
         return normalize(image, self.table)[0].contiguous(), int(self.labels[index])
@@ -269,15 +295,26 @@ def set_loader_epoch(loader, epoch):
 # --dataset of the command line: the data and what the engine knows of it (engine/task.py).
 
 def build_data(args, ctx):
-    """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both."""
+    """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both; with --val-fraction
+    the test set is the part of the training images held out."""
     if args.dataset in DATASETS:
-        return builtin_data(args, ctx)
-    if args.dataset == FOLDER:
-        return folder_data(args, ctx)
-    # Global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others.
-    loaded = {}
-    from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
-    return loaded["data"] if ctx.is_main else plugin_data(args)
+        train, test, info = builtin_data(args, ctx)
+    elif args.dataset == FOLDER:
+        train, test, info = folder_data(args, ctx)
+    else:  # global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others
+        loaded = {}
+        from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
+        train, test, info = loaded["data"] if ctx.is_main else plugin_data(args)
+    if args.val_fraction:
+        split = stratified_split(train.labels, args.val_fraction, args.seed)
+        unused = (f"; its {len(test)} test images are not used" if test is not None else "")
+        train, test = train.subset(split.train), train.subset(split.val)
+        info = replace(info, notes=(*info.notes, describe_split(split, args.val_fraction, args.seed,
+                                                                 len(info.classes)) + unused))
+    elif test is None:
+        raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
+                        "validation with --val-fraction 0.2 (20% of each class)")
+    return train, test, info
 
 
 def builtin_data(args, ctx):
@@ -294,19 +331,33 @@ def builtin_data(args, ctx):
 
 def folder_data(args, ctx):
     """The image folder, decoded into its cache by global rank 0 (the others wait), then
-    memory-mapped by every rank."""
+    memory-mapped by every rank. With resized-crop the cache keeps the images at 8/7 of the
+    training size (recipe.stored_size)."""
+    augment, size = args.augment, args.image_size
+    if augment == "auto" and size:
+        augment = recipe.auto_augment(size)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, args.image_size)), ctx.control_group,
-                        patient=True)
+    stored = recipe.stored_size(augment, size) if size else None
+    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, stored,
+                                                   needs_test=not args.val_fraction)),
+                        ctx.control_group, patient=True)
     folder = read_folder_cache(Path(target))
-    prep = preprocessing(folder.train[0].shape[1:], folder.mean, folder.std, args.augment)
-    train, test = InMemoryImages(*folder.train, prep), InMemoryImages(*folder.test, prep)
+    stored = tuple(folder.train[0].shape[1:3])
+    if augment == "auto":
+        augment = recipe.auto_augment(stored)
+    size = size or recipe.training_size(augment, stored)
+    prep = preprocessing((*size, folder.train[0].shape[3]), folder.mean, folder.std, augment,
+                         stored_size=stored if stored != tuple(size) else None)
+    train = InMemoryImages(*folder.train, prep)
+    test = InMemoryImages(*folder.test, prep) if folder.test is not None else None
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown})"
+    chosen = (f"--augment auto: {augment}, for images {'' if augment == 'resized-crop' else 'not '}larger than "
+              f"{recipe.PHOTO_PIXELS} pixels",) if args.augment == "auto" else ()
     return train, test, DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
-                                 data_fingerprint(FOLDER, False, train.labels, len(test), folder.classes,
+                                 data_fingerprint(FOLDER, False, train.labels, len(test or ()), folder.classes,
                                                   prep.image_shape),
-                                 notes=(*folder.notes,
+                                 notes=(*folder.notes, *chosen,
                                         f"Normalization: from the training images, mean {prep.mean}, std {prep.std}"))
 
 
@@ -316,38 +367,14 @@ def plugin_data(args):
     data = read_user_data(ref, data_dir)
     images = data.train[0]
     mean, std = channel_stats(images, 255 if images.dtype == np.uint8 else 1)
-    prep = preprocessing(images.shape[1:], mean, std, args.augment)
-    train, test = InMemoryImages(*data.train, prep), InMemoryImages(*data.test, prep)
+    prep = preprocessing(images.shape[1:], mean, std, args.augment, recipe.auto_augment(images.shape[1:3]))
+    train = InMemoryImages(*data.train, prep)
+    test = InMemoryImages(*data.test, prep) if data.test is not None else None
     key = plugin_key(ref)
     return train, test, DataInfo(key, ref, f"{ref}({data_dir}), {len(data.classes)} classes", data.classes, prep,
-                                 data_fingerprint(key, False, train.labels, len(test), data.classes, prep.image_shape),
+                                 data_fingerprint(key, False, train.labels, len(test or ()), data.classes,
+                                                  prep.image_shape),
                                  notes=(f"Normalization: from the training images, mean {prep.mean}, std {prep.std}",))
-
-
-def choose_loader(requested, data_bytes, memory_bytes):
-    """(loader, why) for --loader: auto puts the data set on the device when it fits
-    DEVICE_DATA_FRACTION of the device's memory, else streams it through the DataLoader."""
-    if requested != "auto":
-        return requested, f"--loader {requested}"
-    budget = DEVICE_DATA_FRACTION * memory_bytes
-    fits = data_bytes <= budget
-    return ("device" if fits else "torchvision",
-            f"auto: the data set ({size_text(data_bytes)}) {'fits' if fits else 'does not fit'} in "
-            f"{DEVICE_DATA_FRACTION:.0%} of the device's {size_text(memory_bytes)}")
-
-
-def size_text(nbytes):
-    """Bytes for people: 620.3 MB, 2.41 GB, 80 GB."""
-    if nbytes < 1e9:
-        return f"{nbytes / 1e6:.1f} MB"
-    return f"{nbytes / 1e9:.{2 if nbytes < 1e10 else 0}f} GB"
-
-
-def device_memory(device):
-    """Bytes of memory of ``device``: the GPU's, or the node's for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def default_num_workers(local_world_size):

@@ -36,8 +36,9 @@ DEFAULT_WARMUP_EPOCHS = 2.0
 
 def sgd(model, args, device):
     """The guide's optimizer: SGD with (Nesterov) momentum and L2 weight decay on every
-    parameter; one fused kernel for all parameters on CUDA."""
-    return torch.optim.SGD(model.parameters(), lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
+    parameter that trains (--freeze-backbone freezes some); one fused kernel for all on CUDA."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(trained, lr=args.base_lr, momentum=args.momentum, nesterov=args.nesterov,
                            weight_decay=args.weight_decay, fused=True if device.type == "cuda" else None)
 
 
@@ -120,12 +121,75 @@ def pad_crop(images, rand, prep):
     return padded[batch, rows[:, :, None], cols[:, None, :]]
 
 
+def resized_crop(images, rand, prep):
+    """A random part of each image, of RESIZED_CROP_SCALE of its area and an aspect ratio in
+    RESIZED_CROP_RATIO (uniform in log), resized bilinearly to the model's input size
+    prep.image_shape (torchvision's RandomResizedCrop with scale (0.25, 1)). A part wider or
+    taller than the image is clamped to it (torchvision draws again, up to 10 times)."""
+    _, height, width, _ = images.shape
+    low, high = RESIZED_CROP_SCALE
+    area = height * width * (low + (high - low) * rand[:, 0])  # (B,) float64, in pixels
+    ratio = RESIZED_CROP_RATIO[0] * (RESIZED_CROP_RATIO[1] / RESIZED_CROP_RATIO[0]) ** rand[:, 1]  # width / height
+    crop_w, crop_h = (area * ratio).sqrt().clamp(max=width), (area / ratio).sqrt().clamp(max=height)
+    return crop_resize(images, rand[:, 3] * (height - crop_h), rand[:, 2] * (width - crop_w), crop_h, crop_w,
+                       prep.image_shape[:2])
+
+
+def crop_resize(images, top, left, height, width, size):
+    """The part [top, top + height) x [left, left + width) of each image (B, H, W, C) (box
+    edges (B,) float64, in pixels), resized bilinearly to ``size`` (h, w) as torchvision's
+    resized_crop without antialiasing: pixel centres at +0.5, edges clamped to the part.
+    Batched: one gather per axis, no loop over images, no host sync; uint8 in, uint8 out."""
+    batch = torch.arange(len(images), device=images.device)[:, None]
+    first_row, next_row, down = _bilinear_taps(top, height, size[0], images.shape[1])  # (B, h)
+    first_col, next_col, across = _bilinear_taps(left, width, size[1], images.shape[2])  # (B, w)
+    upper, lower = images[batch, first_row].float(), images[batch, next_row].float()  # (B, h, W, C)
+    rows = (upper + (lower - upper) * down[:, :, None, None]).transpose(1, 2)  # (B, W, h, C)
+    left_px, right_px = rows[batch, first_col], rows[batch, next_col]  # (B, w, h, C)
+    out = (left_px + (right_px - left_px) * across[:, :, None, None]).transpose(1, 2)  # (B, h, w, C)
+    return out.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else out.to(images.dtype)
+
+
+def _bilinear_taps(start, length, out, size):
+    """For ``out`` output pixels spread over [start, start + length) of an axis of ``size``
+    pixels: the two source pixels of each, (B, out) int64, and the weight of the second,
+    (B, out) float32."""
+    steps = torch.arange(out, dtype=torch.float64, device=start.device) + 0.5
+    centres = start[:, None] + steps * (length / out)[:, None] - 0.5  # (B, out), in source pixels
+    centres = torch.minimum(torch.maximum(centres, start[:, None]), (start + length - 1)[:, None]).clamp(0, size - 1)
+    first = centres.floor()
+    return first.long(), (first + 1).clamp(max=size - 1).long(), (centres - first).float()
+
+
 AUGMENTATIONS = {  # --augment NAME: the operations, applied in this order
     "flip-crop": (flip, pad_crop),
     "crop": (pad_crop,),
     "flip": (flip,),
+    "resized-crop": (resized_crop, flip),
     "none": (),
 }
+RESIZED_CROP_SCALE = (0.25, 1.0)  # fraction of the image's area in a resized crop
+RESIZED_CROP_RATIO = (3 / 4, 4 / 3)  # its aspect ratio, width / height
+# resized-crop trains on crops of images stored at 8/7 of the training size and tests on their
+# centre: the usual resize to 256, centre crop 224 of torchvision's and timm's references.
+STORED_RATIO = 8 / 7
+PHOTO_PIXELS = 64  # --augment auto: images whose sides are all larger are photos (resized-crop)
+
+
+def auto_augment(size):
+    """--augment auto for your own images of ``size`` (H, W): resized-crop for photos, flip-crop
+    for small CIFAR-like images."""
+    return "resized-crop" if min(size) > PHOTO_PIXELS else "flip-crop"
+
+
+def stored_size(augment, size):
+    """(H, W) to store images at for training at ``size`` with ``augment``: larger for resized-crop."""
+    return tuple(round(side * STORED_RATIO) for side in size) if augment == "resized-crop" else tuple(size)
+
+
+def training_size(augment, stored):
+    """The inverse: the training size (H, W) of images stored at ``stored``."""
+    return tuple(round(side / STORED_RATIO) for side in stored) if augment == "resized-crop" else tuple(stored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +225,11 @@ def add_arguments(parser):
     recipe.add_argument("--augment", choices=("auto", *AUGMENTATIONS), default="auto",
                         help="training augmentation (recipe.py's AUGMENTATIONS): flip-crop = random horizontal flip "
                              "and a crop of the zero-padded image (padding 1/8 of the image side); crop = no flips; "
-                             "flip = no crop; none; auto = the data set's own (CIFAR and Fashion-MNIST flip-crop, "
-                             "MNIST crop, 4 or 2 pixels of padding; flip-crop for your own images)")
+                             "flip = no crop; resized-crop = a random 1/4 to all of the image's area, aspect 3/4 to "
+                             "4/3, resized to --image-size, and a flip (photos; images stored at 8/7 of the size, "
+                             "tested on the centre crop); none; auto = the data set's own (CIFAR and Fashion-MNIST "
+                             f"flip-crop, MNIST crop; your own images resized-crop when larger than {PHOTO_PIXELS} "
+                             "pixels, else flip-crop)")
 
 
 def check_arguments(args, error):

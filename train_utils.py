@@ -27,8 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import (build_data, build_loaders, choose_loader, default_num_workers, device_memory,
-                           per_process_batch, set_loader_epoch)
+from dataset_utils import build_data, build_loaders, default_num_workers, per_process_batch, set_loader_epoch
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
@@ -37,6 +36,8 @@ from engine.checkpoints import (Checkpointer, TrainState, check_resumable, conti
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, eta_seconds, reconcile_metrics, summarize, timestamp)
+from engine.device_loader import choose_loader, device_memory
+from engine.finetune import finetune
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -301,7 +302,7 @@ def parse_args(description, argv=None):
 def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device."""
     train_set, test_set, data = build_data(args, ctx)
-    loader, reason = choose_loader(args.loader, train_set.images.nbytes + test_set.images.nbytes,
+    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes,
                                    device_memory(ctx.device))
     workers = 0
     if loader == "torchvision":
@@ -312,7 +313,9 @@ def build_task(args, ctx):
         pin_memory=ctx.device.type == "cuda")
     model, name = build_model(args.model, data, args.seed, ctx.device, memory_format(args.channels_last, ctx.device),
                               args.weights)
-    return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason)
+    # Before DDP wraps the model: DDP syncs only the parameters that train.
+    note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
+    return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason, note)
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,18 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     task.py          Task and DataInfo: where the loop meets the model and the data
     plugins.py       loading the user's FILE.py:NAME
     models.py        --model built, probed and given --weights
+    finetune.py      --finetune: the weights that fit, a new head, --freeze-backbone
     user_data.py     --dataset FILE.py:NAME read into memory
     data_formats.py  the built-in data sets' files: fetched, read, checked
     image_folder.py  --dataset folder: decoded once into a cache
-    device_loader.py batches on the device; normalization and augmentation as tensor operations
+    splits.py        --val-fraction: a stratified validation split of the training images
+    device_loader.py batches on the device; normalization, augmentation, centre crop; --loader auto
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
     optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
     lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
     checkpoints.py   checkpoint folders, resume, Checkpointer
-    weights.py       weights files: save, load, check
+    weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start
     stopping.py      signals and --stop-file: all ranks stop after the same step
     log.py           what is printed, and the metrics file

@@ -239,6 +239,7 @@ class Checkpointer:
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
+                             "task": {"model": run.task.model_key, **run.task.data.weights_metadata()},
                              "world_size": run.ctx.world_size}, path)
                 for name in pruned:  # only this run's own files
                     (self.directory / name).unlink(missing_ok=True)

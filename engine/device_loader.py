@@ -1,18 +1,22 @@
 """Turning stored images into the model's input, as batched tensor operations on any device:
 normalization bit for bit as ToTensor + Normalize compute it, the training augmentation
 (recipe.py's operations, fed the per-image random numbers of ``augmentation_randoms``), and
-``DeviceLoader``, which serves batches from a data set that lives on the GPU.
+``DeviceLoader``, which serves batches from a data set that lives on the GPU; then when the
+data set goes there (``choose_loader``).
 
 The torchvision loader (dataset_utils.InMemoryImages in DataLoader workers) calls the same
-``augment`` and ``normalize`` on a batch of one image, so both loaders serve the same
+``model_view`` and ``normalize`` on a batch of one image, so both loaders serve the same
 crops for the same seed.
 """
+
+import os
 
 import torch
 
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
+DEVICE_DATA_FRACTION = 0.25  # --loader auto: the data set goes on the device when it fits this share of its memory
 
 
 def augmentation_randoms(size, ops, seed, epoch, per_op):
@@ -29,6 +33,26 @@ def augment(images, rand, ops, prep):
     (B, len(ops), per_op) on the images' device."""
     for i, op in enumerate(ops):
         images = op(images, rand[:, i], prep)
+    return images
+
+
+def centre_crop(images, size):
+    """The central ``size`` (h, w) of images (B, H, W, C), offsets rounded as torchvision's
+    CenterCrop rounds them: the test view of images stored larger than the model's input."""
+    height, width = size
+    top, left = round((images.shape[1] - height) / 2), round((images.shape[2] - width) / 2)
+    return images[:, top:top + height, left:left + width]
+
+
+def model_view(images, rand, prep):
+    """What the model sees of stored images (B, H, W, C): the training augmentation
+    (``prep.ops``) with each image's random numbers ``rand`` (None for test images: none),
+    then the centre of the model's input size ``prep.image_shape`` if still larger (images
+    stored 8/7 of it for resized-crop: the usual resize 256, centre crop 224)."""
+    if rand is not None:
+        images = augment(images, rand, prep.ops, prep)
+    if tuple(images.shape[1:3]) != tuple(prep.image_shape[:2]):
+        images = centre_crop(images, prep.image_shape[:2])
     return images
 
 
@@ -99,7 +123,31 @@ class DeviceLoader:
             rand = self.prep.randoms(len(self.labels), self.seed, getattr(self.sampler, "epoch", 0)).to(self.device)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = indices[start:start + self.batch_size]
-            images = self.images[batch]  # (B, H, W, C) uint8
-            if self.augmented:
-                images = augment(images, rand[batch], self.prep.ops, self.prep)
-            yield self.normalize(images), self.labels[batch]
+            images = model_view(self.images[batch], rand[batch] if self.augmented else None, self.prep)
+            yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64
+
+
+def choose_loader(requested, data_bytes, memory_bytes):
+    """(loader, why) for --loader: auto puts the data set on the device when it fits
+    DEVICE_DATA_FRACTION of the device's memory, else streams it through the DataLoader."""
+    if requested != "auto":
+        return requested, f"--loader {requested}"
+    budget = DEVICE_DATA_FRACTION * memory_bytes
+    fits = data_bytes <= budget
+    return ("device" if fits else "torchvision",
+            f"auto: the data set ({size_text(data_bytes)}) {'fits' if fits else 'does not fit'} in "
+            f"{DEVICE_DATA_FRACTION:.0%} of the device's {size_text(memory_bytes)}")
+
+
+def size_text(nbytes):
+    """Bytes for people: 620.3 MB, 2.41 GB, 80 GB."""
+    if nbytes < 1e9:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e9:.{2 if nbytes < 1e10 else 0}f} GB"
+
+
+def device_memory(device):
+    """Bytes of memory of ``device``: the GPU's, or the node's for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

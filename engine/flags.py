@@ -22,7 +22,7 @@ MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision")
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
-RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic")
+RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone")
 FOLDER = "folder"  # --dataset folder: an image folder in torchvision's ImageFolder layout
 
 
@@ -63,6 +63,7 @@ positive_float = _checked(float, lambda v: 0 < v < math.inf, "a positive number"
 non_negative_float = _checked(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 fraction = _checked(float, lambda v: 0 <= v <= 1, "a number between 0 and 1")
 below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+open_fraction = _checked(float, lambda v: 0 < v < 1, "a number between 0 and 1 (exclusive)")
 
 
 def plugin_ref(text):
@@ -130,9 +131,15 @@ def build_parser(description, add_recipe_arguments):
     task.add_argument("--synthetic", action="store_true",
                       help="random images and labels of a built-in data set's shape and size instead of its files: "
                            "for smoke tests and throughput; accuracy is meaningless")
+    task.add_argument("--val-fraction", metavar="FRACTION", type=open_fraction, default=None,
+                      help="hold out this fraction of each class of the training images for validation (e.g. 0.2), "
+                           "chosen by --seed, the same on every rank and after a resume; for data without a test "
+                           f"split (a --dataset {FOLDER} of train/ alone, a FILE.py:NAME returning (train, None)). "
+                           "Its test split, if any, is then not used")
     task.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
-                      help=f"--dataset {FOLDER}: resize every image to this size, N or HxW in pixels (scaled to "
-                           "cover, then centre-cropped); default: the training images' most common size")
+                      help=f"--dataset {FOLDER}: the model's input size, N or HxW in pixels (images scaled to "
+                           "cover, then centre-cropped; stored at 8/7 of it for --augment resized-crop); default: "
+                           "the training images' most common size (7/8 of it for resized-crop)")
     task.add_argument("--cache-dir", metavar="DIR", default=None,
                       help=f"--dataset {FOLDER}: where the images are kept decoded (uint8 .npy files, rebuilt when "
                            "the images change; default: datasets/cache/ beside the scripts)")
@@ -179,7 +186,15 @@ def build_parser(description, add_recipe_arguments):
     run.add_argument("--profile-steps", metavar="STEPS", type=positive_int, default=5,
                      help="--profile-dir: training steps recorded")
     run.add_argument("--weights", metavar="PATH", default=None,
-                     help="start from these model weights (a state_dict file, e.g. from the guide's model)")
+                     help="start from these model weights (a state_dict file, e.g. from the guide's model), "
+                          "trained on the same classes")
+    run.add_argument("--finetune", metavar="PATH", default=None,
+                     help="start from the weights in PATH (a state_dict, e.g. torchvision's ImageNet resnet18, or "
+                          "a checkpoint) that fit: every tensor of the same name and shape is loaded, the rest (a "
+                          "new classifier head for your classes) starts fresh and is named at start")
+    run.add_argument("--freeze-backbone", action="store_true",
+                     help="--finetune: train only the new layers; the loaded ones keep their weights (BatchNorm "
+                          "statistics still adapt)")
     run.add_argument("--save-weights", metavar="PATH", default=None,
                      help="write the final model's state_dict here (global rank 0, atomically)")
     run.add_argument("--eval-only", action="store_true",
@@ -240,6 +255,11 @@ def parse_args(parser, check_recipe_arguments, argv=None):
                 parser.error(f"--{flag.replace('_', '-')} applies with --profile-dir DIR")
     if args.tensorboard and (why := tensorboard_missing()):  # not a usage mistake: no "see --help"
         raise UserError(why)
+    if args.finetune and (args.weights or args.eval_only):
+        parser.error("--finetune starts training from weights with a new head; --weights (and --eval-only) load a "
+                     "model whole: give one of them")
+    if args.freeze_backbone and not args.finetune:
+        parser.error("--freeze-backbone needs --finetune PATH: it freezes the layers loaded from there")
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")

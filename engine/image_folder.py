@@ -1,7 +1,8 @@
 """--dataset folder: your own images in torchvision's ImageFolder layout, decoded once.
 
     DIR/train/CLASS/IMAGE     e.g. DIR/train/cat/0001.jpg, DIR/train/dog/a/b.png
-    DIR/test/CLASS/IMAGE      (or DIR/val/CLASS/IMAGE)
+    DIR/test/CLASS/IMAGE      (or DIR/val/CLASS/IMAGE; none with --val-fraction, which holds
+                              out part of train/ instead)
 
 Classes are the sorted folder names under train/ (label i is the i-th name). Any image file
 Pillow reads counts, in any mode and size: the images become RGB, or stay gray when every
@@ -14,7 +15,8 @@ The decoded images are kept as uint8 arrays in .npy files under --cache-dir, one
 image folder and one subfolder per version of its files and requested size:
 
     CACHE/<name>-<hash of its path>/<auto or HxW>-<hash of file names, sizes and times>/
-        train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy, meta.json
+        train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy (when
+        there is a test/), meta.json
 
 A cache is built in a temporary folder and renamed into place when complete, so an
 interrupted build is never used; it is rebuilt when any image file is added, removed or
@@ -52,7 +54,7 @@ STATS_VALUES = 2**24  # values per chunk when computing mean and std (16 MB of u
 class FolderData:
     """A decoded image folder: uint8 images (N, H, W, C) and int64 labels (N,) per split."""
     train: tuple            # (images, labels)
-    test: tuple
+    test: tuple             # None when the folder has no test/ (or val/)
     classes: tuple          # folder names, sorted: label i is classes[i]
     mean: tuple             # per channel, of the training images scaled to 0..1
     std: tuple
@@ -69,14 +71,19 @@ def image_extensions():
 # ---------------------------------------------------------------------------------------------
 # Scanning: which files, which classes (a stat per file, nothing decoded).
 
-def split_folder(root, split):
-    """The folder of ``split``: DIR/train, or DIR/test else DIR/val."""
+def split_folder(root, split, needed=True):
+    """The folder of ``split``: DIR/train, or DIR/test else DIR/val; None when it is missing and
+    not ``needed``."""
     for name in SPLIT_FOLDERS[split]:
         if (root / name).is_dir():
             return root / name
+    if not needed:
+        return None
     wanted = " or ".join(f"{root / name}/" for name in SPLIT_FOLDERS[split])
+    hint = ("" if split == "train" else
+            f"; to validate on part of {root}/train/ instead, add --val-fraction 0.2 (20% of each class held out)")
     raise DatasetError(f"--data-dir {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "
-                       f"{root}/test/CLASS/IMAGE, or val/ for test/)")
+                       f"{root}/test/CLASS/IMAGE, or val/ for test/){hint}")
 
 
 def _visible(path):
@@ -99,19 +106,21 @@ def class_files(folder, extensions):
     return images, others
 
 
-def scan(root):
-    """(classes, {split: (files, labels)}, ignored files): what is in the folder. A folder or
-    file that cannot be read is one line naming it."""
+def scan(root, needs_test=True):
+    """(classes, {split: (files, labels)}, ignored files): what is in the folder; no "test"
+    split when it has no test/ (or val/) and ``needs_test`` is False. A folder or file that
+    cannot be read is one line naming it."""
     try:
-        return _scan(Path(root).expanduser())
+        return _scan(Path(root).expanduser(), needs_test)
     except OSError as err:
         raise DatasetError(f"cannot read {err.filename or root} ({err.strerror or err})") from None
 
 
-def _scan(root):
+def _scan(root, needs_test):
     if not root.is_dir():
         raise DatasetError(f"--data-dir {root}: no such folder")
-    folders = {split: split_folder(root, split) for split in SPLIT_FOLDERS}
+    folders = {split: split_folder(root, split, needed=split == "train" or needs_test) for split in SPLIT_FOLDERS}
+    folders = {split: folder for split, folder in folders.items() if folder is not None}
     classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
     if not classes:
         raise DatasetError(f"{folders['train']} has no class folders (expected {folders['train']}/CLASS/IMAGE)")
@@ -271,13 +280,13 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
     headers = {split: list(_map(header, files, workers)) for split, (files, _) in splits.items()}
     train_sizes = [size for _, size in headers["train"]]
     size = image_size or choose_size(train_sizes)
-    all_headers = headers["train"] + headers["test"]
+    all_headers = [h for split_headers in headers.values() for h in split_headers]
     gray = all(mode in GRAY_MODES for mode, _ in all_headers)
     mode = "L" if gray else "RGB"
     resized = sum(s != size for _, s in all_headers)
     converted = sum(m != mode for m, _ in all_headers)
     distinct = len(set(train_sizes))
-    how = ("--image-size" if image_size else
+    how = ("as requested" if image_size else
            f"the training images' {'only size' if distinct == 1 else f'most common of {distinct} sizes'}")
     notes = [f"Images: {size[0]}x{size[1]} ({how}; {resized} resized: scaled to cover, centre-cropped), "
              + ("gray (every image is gray)" if gray else f"RGB ({converted} converted from other modes)")]
@@ -296,7 +305,8 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
             np.save(tmp / f"{split}_labels.npy", labels)
         mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
         seconds = time.perf_counter() - start  # headers, decoding, statistics
-        meta = {"format": CACHE_FORMAT, "classes": list(classes), "mean": mean, "std": std, "notes": notes,
+        meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
+                "notes": notes,
                 "image_size": list(size), "mode": mode, "build_s": seconds, "images": total}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
@@ -345,11 +355,12 @@ def remove_stale(folder_cache, keep, log):
             continue
 
 
-def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None):
+def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None, needs_test=True):
     """Make sure the cache of image folder ``root`` is current (build it if not): call on
-    global rank 0 while the other ranks wait. Returns the cache folder."""
+    global rank 0 while the other ranks wait. Returns the cache folder. A folder without
+    test/ (or val/) is refused when ``needs_test``."""
     root = Path(root).expanduser()
-    classes, splits, ignored = scan(root)
+    classes, splits, ignored = scan(root, needs_test)
     folder_cache = cache_root(root, cache_dir)
     target = folder_cache / folder_version(root, splits, image_size)
     if not (target / "meta.json").is_file():
@@ -364,17 +375,18 @@ def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None):
 
 def read_folder_cache(target):
     """FolderData from a cache folder that ``prepare_folder`` made: memory-mapped arrays
-    (copy-on-write, so torch can wrap them without a copy or a read-only warning)."""
+    (copy-on-write, so torch can wrap them without a copy or a read-only warning); its test
+    split is None when the folder has no test/."""
     meta_path = Path(target) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
         splits = {split: (np.load(target / f"{split}_images.npy", mmap_mode="c"),
                           np.load(target / f"{split}_labels.npy"))
-                  for split in SPLIT_FOLDERS}
+                  for split in meta.get("splits", SPLIT_FOLDERS)}
     except (OSError, ValueError) as err:
         raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
                            "see the same --cache-dir, on a shared file system (if it is damaged, delete it to "
                            "rebuild it)", same_on_every_rank=False) from None
     notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
-    return FolderData(splits["train"], splits["test"], tuple(meta["classes"]), tuple(meta["mean"]),
+    return FolderData(splits["train"], splits.get("test"), tuple(meta["classes"]), tuple(meta["mean"]),
                       tuple(meta["std"]), Path(target), notes)

@@ -161,7 +161,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         *data.notes,
         *size_warning(data, task.train_loader, task.test_loader),
         f"Augmentation: {data.prep.describe()}",
-        f"Weights: {describe_weights(args, continuing)}",
+        f"Weights: {describe_weights(args, continuing, task.weights_note)}",
         f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
         f"{args.lr_schedule}",
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
@@ -241,9 +241,11 @@ def size_warning(data, train_loader, test_loader):
     return [f"WARNING: this {data.title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
 
 
-def describe_weights(args, continuing=False):
+def describe_weights(args, continuing=False, note=""):
     if continuing:
         return f"from the newest readable checkpoint in {args.checkpoint_dir} (resuming)"
+    if note:
+        return note
     if args.weights:
         return f"loaded from {args.weights}"
     return f"random initialization (--seed {args.seed})"

@@ -3,7 +3,8 @@ two images so that a model that does not fit is one line at start, and given --w
 
 NAME is a class or function. It is called with num_classes= and in_channels= (and
 image_size=(H, W) when its signature takes it) and returns an nn.Module that maps images
-(B, C, H, W) to logits (B, classes).
+(B, C, H, W) to logits (B, classes). A NAME without an in_channels parameter (torchvision's
+models) is an RGB network: it gets none, and gray data is refused in one line.
 """
 
 import inspect
@@ -55,6 +56,14 @@ def make_model(factory, ref, num_classes, in_channels, image_size):
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         missing = [k for k in kwargs if not takes_any
                    and (k not in params or params[k].kind is inspect.Parameter.POSITIONAL_ONLY)]
+        if missing == ["in_channels"] or (takes_any and "in_channels" not in params and ref.startswith("torchvision.")):
+            # An RGB network: torchvision's models (resnet18(**kwargs)) and yours without in_channels.
+            if in_channels != 3:
+                raise UserError(f"--model {ref}: {label} takes no in_channels, so it expects RGB images, but the "
+                                f"data has {in_channels} channel(s) (gray images); use a model with an in_channels "
+                                "parameter, or RGB images")
+            del kwargs["in_channels"]
+            missing = []
         if "image_size" in params:
             kwargs["image_size"] = image_size
         required = [n for n, p in params.items() if p.default is p.empty and n not in kwargs

@@ -24,10 +24,13 @@ class DataInfo:
     notes: tuple = ()      # how the data was prepared, for the start-up block
 
     def weights_metadata(self):
-        """What saved weights carry beside the tensors, so an evaluation maps labels the same way."""
+        """What saved weights carry beside the tensors, so an evaluation or predict.py maps labels
+        and prepares images the same way: images are scaled to cover ``stored_size`` (H, W),
+        centre-cropped to it, then to ``image_size``, and normalized with ``mean`` and ``std``."""
         height, width, channels = self.prep.image_shape
         return {"dataset": self.key, "classes": list(self.classes), "image_size": [height, width],
-                "in_channels": channels, "mean": list(self.prep.mean), "std": list(self.prep.std)}
+                "stored_size": list(self.prep.stored), "in_channels": channels, "mean": list(self.prep.mean),
+                "std": list(self.prep.std)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Task:
     data: DataInfo
     loader: str            # device or torchvision, as chosen
     loader_reason: str     # why, for the start-up block
+    weights_note: str = ""  # where the initial weights come from, when not --weights or random (--finetune)
 
 
 def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None):

@@ -62,7 +62,7 @@ def as_hwc(image, what):
 
 class UserData(NamedTuple):
     train: tuple    # (images (N, H, W, C) uint8 or float32, labels int64 (N,))
-    test: tuple
+    test: tuple     # None when NAME returned (train, None): --val-fraction holds out part of train
     classes: tuple  # label i is classes[i]
 
 
@@ -74,16 +74,20 @@ def read_user_data(ref, data_dir):
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise UserError(f"--dataset {ref}: {ref.rpartition(':')[2]}(data_dir) returned a {type(result).__name__}, "
                         "not (train, test)")
-    (train_images, train_labels), (test_images, test_labels) = (
-        materialize(part, split, ref) for part, split in zip(result, ("training", "test")))
+    train_images, train_labels = materialize(result[0], "training", ref)
+    if result[1] is None:  # no test split: --val-fraction holds out part of the training set
+        test_images, test_labels = train_images[:0], train_labels[:0]
+    else:
+        test_images, test_labels = materialize(result[1], "test", ref)
     if train_images.shape[1:] != test_images.shape[1:] or train_images.dtype != test_images.dtype:
         raise UserError(f"--dataset {ref}: training images are {train_images.dtype} {train_images.shape[1:]} (H, W, "
                         f"C), test images {test_images.dtype} {test_images.shape[1:]}: make them alike")
     classes = getattr(result[0], "classes", None)
     classes = tuple(map(str, classes)) if classes is not None else tuple(
-        str(label) for label in range(int(max(train_labels.max(), test_labels.max())) + 1))
+        str(label) for label in range(int(np.concatenate([train_labels, test_labels]).max()) + 1))
     for labels, split in ((train_labels, "training"), (test_labels, "test")):
-        if labels.min() < 0 or labels.max() >= len(classes):
+        if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
             raise UserError(f"--dataset {ref}: {split} labels run from {labels.min()} to {labels.max()}, outside "
                             f"0..{len(classes) - 1} of its {len(classes)} classes")
-    return UserData((train_images, train_labels), (test_images, test_labels), classes)
+    test = (test_images, test_labels) if result[1] is not None else None
+    return UserData((train_images, train_labels), test, classes)

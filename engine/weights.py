@@ -1,9 +1,11 @@
-"""Weights files (--weights, --save-weights): the plain state_dict, the guide's layout, with
-what it was trained on (classes, image size, normalization) in its metadata, so that an
-evaluation or a prediction maps outputs to the same labels.
+"""Weights files (--weights, --finetune, --save-weights, predict.py): the plain state_dict,
+the guide's layout, with what it was trained on (the model, classes, image size, stored
+size, normalization) in its metadata, so that an evaluation or a prediction maps outputs to
+the same labels and prepares images the same way. A checkpoint serves as a weights file too.
 """
 
 import pickle
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +13,11 @@ from engine.errors import UserError
 from engine.files import atomic_save
 
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
+
+
+class SavedWeights(NamedTuple):
+    state: dict     # tensor name -> tensor, DDP's "module." and torch.compile's "_orig_mod." removed
+    metadata: dict  # what they were trained on (DataInfo.weights_metadata plus "model"), {} when unknown
 
 
 def save_weights(model, path, metadata=None):
@@ -23,29 +30,40 @@ def save_weights(model, path, metadata=None):
     atomic_save(state, path)
 
 
-def load_weights(model, path, model_name=None, expected=None):
-    """Load a state_dict file (or the model of a checkpoint) into ``model``. One line when it
-    is not one, does not fit ``model``, or was trained on other classes than ``expected``'s."""
+def read_weights(path, flag="--weights"):
+    """SavedWeights of a state_dict file or a checkpoint, read without running any pickled
+    code (weights_only). One line, naming ``flag`` and the file, when it is not one."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"--weights {path}: no such file", same_on_every_rank=False) from None
+        raise UserError(f"{flag} {path}: no such file", same_on_every_rank=False) from None
+    except IsADirectoryError:
+        raise UserError(f"{flag} {path} is a folder, not a weights file", same_on_every_rank=False) from None
     except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
         if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):  # weights_only refused a class
-            raise UserError(f"--weights {path} holds pickled Python objects (a whole model saved with "
+            raise UserError(f"{flag} {path} holds pickled Python objects (a whole model saved with "
                             "torch.save(model)?), not a state_dict; save one with torch.save(model.state_dict(), PATH)",
                             same_on_every_rank=False) from None
-        raise UserError(f"--weights {path} is not a readable state_dict ({type(err).__name__})",
+        raise UserError(f"{flag} {path} is not a readable state_dict ({type(err).__name__})",
                         same_on_every_rank=False) from None
-    saved = {}
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint
-        saved, state = state.get("data") or {}, state["model"]
-    if not isinstance(state, dict):
-        raise UserError(f"--weights {path} holds a {type(state).__name__}, not a state_dict")
-    saved = getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, saved)
-    state = _strip_prefixes(state)
-    check_state_fits(model, state, f"--weights {path}", model_name)
-    classes, wanted = saved.get("classes"), (expected or {}).get("classes")
+    metadata = {}
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint of train_utils
+        metadata = state.get("task") or state.get("data") or {}  # "data": checkpoints before "task" existed
+        if "model" not in metadata and state.get("model_key"):
+            metadata = {**metadata, "model": state["model_key"]}
+        state = state["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise UserError(f"{flag} {path} holds a {type(state).__name__} that is not a state_dict (names -> tensors)")
+    metadata = getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, metadata)
+    return SavedWeights(_strip_prefixes(state), dict(metadata))
+
+
+def load_weights(model, path, model_name=None, expected=None):
+    """Load a state_dict file (or the model of a checkpoint) into ``model``. One line when it
+    is not one, does not fit ``model``, or was trained on other classes than ``expected``'s."""
+    saved = read_weights(path)
+    check_state_fits(model, saved.state, f"--weights {path}", model_name)
+    classes, wanted = saved.metadata.get("classes"), (expected or {}).get("classes")
     if classes is not None and wanted is not None and list(classes) != list(wanted):
         if len(classes) == len(wanted):
             label = next(i for i, (a, b) in enumerate(zip(classes, wanted)) if a != b)
@@ -53,8 +71,9 @@ def load_weights(model, path, model_name=None, expected=None):
         else:
             detail = f"{len(classes)} classes there, {len(wanted)} here"
         raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
-                        "read as the wrong labels; use the data set they were trained on")
-    model.load_state_dict(state)
+                        "read as the wrong labels; use the data set they were trained on, or --finetune to start "
+                        "from them with a new head")
+    model.load_state_dict(saved.state)
 
 
 def _strip_prefixes(state):
@@ -76,5 +95,3 @@ def check_state_fits(model, state, source, model_name=None):
         raise UserError(f"{source} does not fit {model_name or type(model).__name__}: "
                         f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
                         f"differently shaped tensors (e.g. {example}): weights of another --model or --dataset?")
-
-

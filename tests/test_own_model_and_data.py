@@ -133,7 +133,8 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
                                              "--weights", "w.pt")) == 2
     assert error_lines(capsys.readouterr().err) == [
         "error: --weights w.pt were trained on other classes (label 0 is 'cat' there and 'class_0' here): their "
-        "outputs would be read as the wrong labels; use the data set they were trained on"]
+        "outputs would be read as the wrong labels; use the data set they were trained on, or --finetune to start "
+        "from them with a new head"]
 
 
 def test_the_cache_is_built_once_and_rebuilt_when_an_image_changes(tmp_path):
@@ -165,7 +166,7 @@ def test_gray_folders_stay_gray_and_image_size_resizes(tmp_path):
     assert data.train[0].shape == (8, 32, 32, 1) and "gray (every image is gray)" in data.notes[0]
     resized = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", (24, 20),
                                                                          log=lambda _: None))
-    assert resized.train[0].shape == (8, 24, 20, 1) and "Images: 24x20 (--image-size;" in resized.notes[0]
+    assert resized.train[0].shape == (8, 24, 20, 1) and "Images: 24x20 (as requested;" in resized.notes[0]
     assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == (32, 32)  # a tie: the smaller
 
 
@@ -279,7 +280,7 @@ def test_augment_chooses_for_any_data_set():
 
 
 def test_a_data_set_that_does_not_fit_is_streamed(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(du, "DEVICE_DATA_FRACTION", 1e-12)
+    monkeypatch.setattr(device_loader, "DEVICE_DATA_FRACTION", 1e-12)
     write_cifar100(tmp_path / "data")
     assert run_main("train.py", "--data-dir", tmp_path / "data", "--synthetic", "--epochs", "1", "--limit-batches",
                     "1", "--batch-size", "8", "--metrics-file", tmp_path / "m.jsonl", *FAST) == 0

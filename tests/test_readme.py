@@ -4,10 +4,14 @@ link to docs/ leads somewhere."""
 
 import re
 import shlex
+import sys
 
+import torch
+import torchvision
 
 import check_network
 import dataset_utils
+import predict
 import recipe
 from conftest import REPO, python_cmd, read_metrics, run
 from tools import benchmark, demo_data, report
@@ -103,7 +107,8 @@ def test_every_documented_command_names_a_script_that_takes_its_flags(capsys, mo
             monkeypatch.setitem(getattr(recipe, table), name, value)
     parsers = {"train.py": build_parser, "train_ddp.py": build_parser, "check_network.py": check_network.build_parser,
                "dataset_utils.py": dataset_utils.build_parser, "tools/benchmark.py": benchmark.build_parser,
-               "tools/report.py": report.build_parser, "tools/demo_data.py": demo_data.build_parser}
+               "tools/report.py": report.build_parser, "tools/demo_data.py": demo_data.build_parser,
+               "predict.py": predict.build_parser}
     seen = set()
     for page, script, args in documented_commands():
         assert (REPO / script).is_file(), f"{page}: {script} does not exist"
@@ -115,3 +120,25 @@ def test_every_documented_command_names_a_script_that_takes_its_flags(capsys, mo
             raise AssertionError(f"{page}: {script} {' '.join(args)}: {capsys.readouterr().err}") from None
         seen.add(script)
     assert {"train.py", "train_ddp.py", "tools/benchmark.py", "tools/demo_data.py", "check_network.py"} <= seen
+
+
+def test_the_photos_walk_runs_as_written_and_the_weights_load_in_plain_pytorch(tmp_path):
+    """docs/photos.md's commands, in order, on the demo photos with a smaller image size and
+    fewer steps (and random stand-in ImageNet weights: no internet here); then README's five
+    lines load the saved weights in a fresh Python."""
+    page = (REPO / "docs" / "photos.md").read_text()
+    block = re.search(r"## 3\. Train, predict\n\n```bash\n(.*?)```", page, re.S).group(1)
+    commands = [shlex.split(line) for line in block.splitlines()]
+    assert [c[1] for c in commands] == ["tools/demo_data.py", "train.py", "predict.py"]
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "resnet18.pt")
+    faster = {"train.py": ["--image-size", "72", "--epochs", "1", "--limit-batches", "2", "--cache-dir", "cache"]}
+    for command in commands:
+        result = run(python_cmd(*command[1:], *faster.get(command[1], [])), cwd=tmp_path)
+        assert result.returncode == 0, f"{command}: {result.stderr}"
+        assert "Traceback" not in result.stderr
+    rows = (tmp_path / "predictions.csv").read_text().splitlines()
+    assert rows[0] == "path,prediction,probability,top_k" and len(rows) == 1 + 61  # every demo photo
+    snippet = re.search(r"```python\n(import torch, torchvision\n.*?)```", README, re.S).group(1)
+    loaded = run([sys.executable, "-c", snippet + "print(sorted(task), model.fc.out_features)"], cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split("]")[-1].strip() == "3" and "'classes'" in loaded.stdout

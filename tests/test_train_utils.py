@@ -16,7 +16,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import lr_schedule, optimizers, precision, processes
+from engine import device_loader, lr_schedule, optimizers, precision, processes
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -206,11 +206,11 @@ def test_fast_settings_by_default():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     args = tu.parse_args("test", [])
     assert args.loader == "auto" and not args.compile
-    assert du.choose_loader("auto", 10e6, 80e9) == ("device", "auto: the data set (10.0 MB) fits in 25% of the "
-                                                                "device's 80 GB")
-    assert du.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
-    assert du.choose_loader("auto", 10, 40)[0] == "device"
-    assert du.choose_loader("device", 11, 40) == ("device", "--loader device")
+    assert device_loader.choose_loader("auto", 10e6, 80e9) == (
+        "device", "auto: the data set (10.0 MB) fits in 25% of the device's 80 GB")
+    assert device_loader.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
+    assert device_loader.choose_loader("auto", 10, 40)[0] == "device"
+    assert device_loader.choose_loader("device", 11, 40) == ("device", "--loader device")
     assert device_utils.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
     assert device_utils.memory_format(args.channels_last, cpu) == torch.contiguous_format
     assert device_utils.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last

@@ -7,6 +7,8 @@ one device (a GPU when there is one, else the CPU):
     python tools/benchmark.py --compile              # the project's recipe with torch.compile
     python tools/benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
     python tools/benchmark.py --dataset folder --data-dir my_images --image-size 64 --model my_net.py:Net  # yours
+    python tools/benchmark.py --dataset folder --data-dir my_photos --val-fraction 0.2 --image-size 224 \
+        --model torchvision.models:resnet18    # photos: resized-crop against torchvision's RandomResizedCrop
     python tools/benchmark.py --profile              # and torch.profiler's table of the project's steps
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python tools/benchmark.py --json bench.json  # on Olivia
 
@@ -52,10 +54,12 @@ from engine.cli import run_cli  # noqa: E402
 from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.files import check_writable  # noqa: E402
-from engine.flags import OneLineParser, dataset_name, image_size, plugin_ref, positive_int  # noqa: E402
+from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
+                          positive_int)
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.monitor import device_profiler, top_operators, unused_path  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
+from recipe import RESIZED_CROP_RATIO, RESIZED_CROP_SCALE  # noqa: E402
 from tools import gpu_report  # noqa: E402
 from train_utils import build_task, parse_args, prepare_run, train_steps  # noqa: E402
 
@@ -115,6 +119,8 @@ def build_parser():
                              "the pipeline's work)")
     parser.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
                         help="--dataset folder: resize the images to N or HxW pixels, as train.py's --image-size")
+    parser.add_argument("--val-fraction", metavar="FRACTION", type=open_fraction, default=None,
+                        help="a folder without test/: hold out this fraction, as train.py's --val-fraction")
     parser.add_argument("--model", metavar="FILE.py:NAME", type=plugin_ref, default=DEFAULT_MODEL,
                         help="the network, as train.py's --model (default: the guide's WideResNet)")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
@@ -131,7 +137,8 @@ def build_parser():
 def recipe_args(recipe, opts, batch, device, real, extra=()):
     """train.py's parsed flags of ``recipe`` at ``batch`` images per step, printed as a command."""
     flags = [*RECIPES[recipe], "--batch-size", str(batch), "--dataset", opts.dataset, "--model", opts.model,
-             *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []), *extra]
+             *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []),
+             *(["--val-fraction", str(opts.val_fraction)] if opts.val_fraction else []), *extra]
     if recipe == "guide" and device.type == "cuda":
         flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
     print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
@@ -172,6 +179,26 @@ class GuideImages(Dataset):
         self.transform = transforms.Compose([transforms.RandomCrop(prep.image_shape[:2], padding=prep.padding),
                                              transforms.RandomHorizontalFlip(), transforms.ToTensor(),
                                              transforms.Normalize(prep.mean, prep.std)])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.transform(to_pil(self.images[index])), int(self.labels[index])
+
+
+class TorchvisionResizedCrops(Dataset):
+    """resized-crop as torchvision's references write it: PIL images through
+    RandomResizedCrop(size, scale, ratio), RandomHorizontalFlip, ToTensor and Normalize, one
+    image at a time in DataLoader workers. What the device loader's batched resized-crop
+    (recipe.py) is measured against."""
+
+    def __init__(self, train_set):
+        prep = train_set.prep
+        self.images, self.labels = train_set.images, train_set.labels
+        self.transform = transforms.Compose([
+            transforms.RandomResizedCrop(prep.image_shape[:2], scale=RESIZED_CROP_SCALE, ratio=RESIZED_CROP_RATIO),
+            transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
 
     def __len__(self):
         return len(self.labels)
@@ -243,6 +270,14 @@ def benchmark(opts):
         rows.append({"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None,
                      "channels_last": False, "compile": False, **common,
                      **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
+    if train_set.prep.augment == "resized-crop":  # against torchvision's RandomResizedCrop in DataLoader workers
+        for workers in sorted({0, default_num_workers(1)}):
+            loader = DataLoader(TorchvisionResizedCrops(train_set), batch_size=batch, shuffle=True, drop_last=True,
+                                num_workers=workers, persistent_workers=workers > 0,
+                                pin_memory=device.type == "cuda")
+            rows.append({"recipe": "torchvision-resized-crop", "loader": "torchvision", "workers": workers,
+                         "precision": None, "channels_last": False, "compile": False, **common,
+                         **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
     if opts.profile:
         print(f"\n== torch.profiler: {opts.profile} training steps of the project recipe, by "
               f"{'GPU' if device.type == 'cuda' else 'CPU'} time\n{profile}")
@@ -275,6 +310,9 @@ def table(rows):
         if row["recipe"] == "project" and row["loader"] == "torchvision":
             lines.append(f"pipeline of project --loader torchvision --num-workers {row['workers']}: "
                          f"{row['images_per_sec']:,.1f} img/s ({row['images_per_sec'] / guide:.1f}x the guide's)")
+        if row["recipe"] == "torchvision-resized-crop":
+            lines.append(f"pipeline of torchvision's RandomResizedCrop, {row['workers']} DataLoader workers: "
+                         f"{row['images_per_sec']:,.1f} img/s")
     train = [r for r in rows if r["measure"] == "train"]
     lines.append("warm-up (not timed): " + ", ".join(f"{r['recipe']} {r['warmup_steps']} steps in "
                                                       f"{r['warmup_s']:.1f} s" for r in train))

@@ -2,6 +2,7 @@
 (CIFAR-100 and the others cannot always be downloaded; a compute node has no internet):
 
     python tools/demo_data.py --dataset folder my_images    # my_images/train/CLASS/*.png|jpg, my_images/test/...
+    python tools/demo_data.py --dataset photos my_photos    # photos of varied sizes in my_photos/train/ alone
     python tools/demo_data.py --dataset cifar100 demo       # demo/cifar-100-python/{train,test,meta}
 
 Each class is a colour plus noise, so a network learns it in a few epochs: a check that
@@ -149,13 +150,54 @@ def write_image_folder(root, classes=4, n_train=32, n_test=8, seed=0, sizes=((32
     return root
 
 
+# A folder of photos as users have them: only train/, JPEGs and PNGs of varied sizes (60x80 to
+# 500x333), some gray, one CMYK, upper-case .JPG endings, a class name with a space, and stray
+# files that are not images.
+PHOTO_SIZES = ((60, 80), (333, 500), (120, 90), (96, 128), (200, 150))  # (height, width)
+PHOTO_CLASSES = ("cat", "dog", "red panda")
+PHOTO_COLOURS = ((200, 60, 40), (40, 180, 70), (50, 70, 210))
+
+
+def photo(rng, label, height, width):
+    """uint8 (H, W, 3): the class's colour in a random ellipse on a noisy background."""
+    pixels = rng.integers(0, 120, (height, width, 3)).astype(np.float64)
+    rows, cols = np.mgrid[:height, :width]
+    cy, cx = rng.uniform(0.35, 0.65) * height, rng.uniform(0.35, 0.65) * width
+    inside = ((rows - cy) / (0.35 * height)) ** 2 + ((cols - cx) / (0.35 * width)) ** 2 <= 1
+    pixels[inside] = np.asarray(PHOTO_COLOURS[label]) + rng.normal(0, 20, (inside.sum(), 3))
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def write_photo_folder(root, per_class=20, seed=0, classes=PHOTO_CLASSES):
+    """root/train/CLASS/NAME for ``per_class`` images of each class; returns root."""
+    rng = np.random.default_rng(seed)
+    root = Path(root)
+    for label, name in enumerate(classes):
+        folder = root / "train" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            height, width = PHOTO_SIZES[i % len(PHOTO_SIZES)]
+            image = Image.fromarray(photo(rng, label, height, width))
+            if i % 7 == 3:
+                image = image.convert("L")  # a gray photo among colour ones
+            if i % 2:
+                image.save(folder / f"IMG_{i:04d}.JPG", quality=90)
+            else:
+                image.save(folder / f"img {i}.png")
+        (folder / "Thumbs.db").write_bytes(b"\0" * 16)
+    Image.fromarray(photo(rng, 0, 90, 120)).convert("CMYK").save(root / "train" / classes[0] / "print.jpg")
+    (root / "train" / "README.txt").write_text("photos from the field trip\n")
+    return root
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description="Write a small learnable copy of a data set into DIR (each class a "
                                                  "colour plus noise), to try the scripts without downloading: 512 "
                                                  "training and 128 test images of 10 classes in the data set's own "
                                                  "format, or for folder an image folder of 4 classes with PNG and "
                                                  "JPEG, RGB and gray images of two sizes.")
-    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100", help="which format")
+    parser.add_argument("--dataset", choices=(*DATASETS, "folder", "photos"), default="cifar100",
+                        help="which format (photos: an image folder of train/ alone, photos of varied sizes)")
     parser.add_argument("directory", metavar="DIR", type=Path,
                         help="where to write it (must not hold that data set already)")
     return parser
@@ -166,11 +208,16 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     root, dataset = args.directory, args.dataset
-    target = root / ("train" if dataset == "folder" else DATASETS[dataset].folder)
+    target = root / ("train" if dataset in ("folder", "photos") else DATASETS[dataset].folder)
     if target.exists():
         print(f"error: {target} exists already; give another folder", file=sys.stderr)
         return 2
-    if dataset == "folder":
+    if dataset == "photos":
+        write_photo_folder(root)
+        print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, JPEG and PNG, "
+              f"60x80 to 500x333 pixels) into {root}/train: train with --dataset folder --data-dir {root} "
+              "--val-fraction 0.2")
+    elif dataset == "folder":
         write_image_folder(root, classes=4, n_train=64, n_test=16)
         print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
               f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")

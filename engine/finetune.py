@@ -1,0 +1,78 @@
+"""--finetune: start from weights trained for something else, typically an ImageNet network
+for your own classes. Every tensor whose name and shape fit is loaded; the rest (the new
+classifier head) keeps its fresh initialization. Only the last layers may be new: weights
+that differ earlier belong to another network, and are refused in one line.
+--freeze-backbone then trains only the new layers.
+"""
+
+from typing import NamedTuple
+
+from engine.errors import UserError
+from engine.weights import read_weights
+
+
+class Finetuned(NamedTuple):
+    loaded: tuple   # names of the model's tensors loaded from the file, in state_dict order
+    new: tuple      # names of those initialized fresh: the last ones
+    ignored: tuple  # names of the file's tensors the model has no place for (an old head of another name)
+    note: str       # for the start-up block
+
+
+def finetune(model, path, freeze, model_name, num_classes):
+    """--finetune PATH [--freeze-backbone] on ``model``: the start-up block's line."""
+    tuned = load_fitting(model, path, model_name, num_classes)
+    if not freeze:
+        return tuned.note
+    return f"{tuned.note}; --freeze-backbone: only {', '.join(freeze_loaded(model, tuned, path))} train"
+
+
+def load_fitting(model, path, model_name, num_classes):
+    """Load every tensor of ``path`` (a state_dict or a checkpoint) that fits ``model`` by name
+    and shape; returns Finetuned. One line when nothing fits, or when a tensor that does not
+    fit comes before one that does (not just a new head)."""
+    saved = read_weights(path, "--finetune").state
+    own = model.state_dict()
+    fits = [name for name, tensor in own.items()
+            if name in saved and tuple(saved[name].shape) == tuple(tensor.shape)]
+    new = [name for name in own if name not in fits]
+    if not fits:
+        first = next(iter(own))
+        raise UserError(f"--finetune {path}: none of its {len(saved)} tensors fits {model_name} (its first, {first}, "
+                        f"is {_shape(saved.get(first))} there, {_shape(own[first])} here): weights of another --model?")
+    last_fit = max(list(own).index(name) for name in fits)
+    early = [name for name in new if list(own).index(name) < last_fit]
+    if early:
+        raise UserError(f"--finetune {path} does not fit {model_name} beyond its last layers: {early[0]} is "
+                        f"{_shape(saved.get(early[0]))} there, {_shape(own[early[0]])} here"
+                        + (f" (and {len(early) - 1} more)" if len(early) > 1 else "")
+                        + ": weights of another --model?")
+    model.load_state_dict({name: saved[name] for name in fits}, strict=False)
+    ignored = tuple(name for name in saved if name not in own)
+    return Finetuned(tuple(fits), tuple(new), ignored, _note(path, fits, new, saved, own, num_classes, ignored))
+
+
+def freeze_loaded(model, finetuned, path):
+    """--freeze-backbone: only the new parameters train. One line when there is none."""
+    trained = [name for name, param in model.named_parameters() if name in finetuned.new]
+    if not trained:
+        raise UserError(f"--freeze-backbone: every parameter of the model was loaded from --finetune {path}, none is "
+                        "new, so nothing would train; drop --freeze-backbone")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in finetuned.new)
+    return trained
+
+
+def _note(path, fits, new, saved, own, num_classes, ignored):
+    head = ""
+    for name in new:
+        if name in saved and saved[name].ndim and own[name].shape[0] == num_classes:
+            head = f" ({saved[name].shape[0]} -> {num_classes} classes)"
+            break
+    shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+    return (f"fine-tuning from {path}: {len(fits)} of {len(own)} tensors loaded"
+            + (f"; new: {shown}{head}" if new else "; none new")
+            + (f"; {len(ignored)} of the file's tensors unused" if ignored else ""))
+
+
+def _shape(tensor):
+    return "missing" if tensor is None else f"({', '.join(map(str, tensor.shape))})"

@@ -1,0 +1,39 @@
+"""--val-fraction: a validation set held out of the training images, for data that comes
+without a test split (an image folder of train/ alone, a FILE.py:NAME set). The split is
+stratified (each class gives the same fraction) and a pure function of the labels, the
+fraction and --seed: the same on every rank, and the same after a resume, which keeps both
+flags (a resume with others is refused).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+SPLIT_STREAM = 3  # the split's random stream: apart from the weights', shuffling's and augmentation's
+
+
+class Split(NamedTuple):
+    train: np.ndarray  # int64 indices into the training images, ascending
+    val: np.ndarray    # int64 indices of the held-out ones, ascending
+
+
+def stratified_split(labels, fraction, seed):
+    """Split(train, val) of images with ``labels`` (N,): round(fraction x n) images of each class
+    of n images go to validation, at least one and at most n - 1 (a class of one image stays in
+    training), chosen at random from (seed, class)."""
+    labels = np.asarray(labels, dtype=np.int64)
+    val = []
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        count = min(max(1, round(fraction * len(members))), len(members) - 1)
+        rng = np.random.default_rng([int(seed), SPLIT_STREAM, int(label)])
+        val.append(rng.permutation(members)[:count])
+    val = np.sort(np.concatenate(val)) if val else np.empty(0, dtype=np.int64)
+    return Split(np.setdiff1d(np.arange(len(labels)), val), val.astype(np.int64))
+
+
+def describe_split(split, fraction, seed, classes):
+    """The start-up block's line."""
+    return (f"Validation: {len(split.val)} of the {len(split.train) + len(split.val)} training images held out "
+            f"(--val-fraction {fraction:g} of each of the {classes} classes, chosen by --seed {seed}); training on "
+            f"the other {len(split.train)}")

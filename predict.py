@@ -1,0 +1,249 @@
+"""Classify images with trained weights: one CSV row per image (path, prediction, its
+probability, the top k). Everything comes from the weights file (the model, the classes, the
+image size and normalization), so no data set is needed, and images are prepared exactly as
+training prepared its test images: the predictions agree with the accuracy it reported.
+
+    python predict.py --weights weights.pt photos/                    # the CSV to stdout
+    python predict.py --weights weights.pt photos/ a.jpg --output preds.csv --top-k 5
+    python predict.py --weights ckpt/checkpoint_000012500.pt photos/ --output preds.csv   # a checkpoint
+    python predict.py --weights weights.pt --model my_net.py:Net photos/   # trained with --model my_net.py:Net
+    srun --account=nnXXXXk --gpus=1 --time=00:10:00 python predict.py --weights weights.pt photos/ --output preds.csv
+
+In NVIDIA's container, as singlegpu_job.sh runs python (CONTAINER_PATH there):
+
+    srun --account=nnXXXXk --gpus=1 --time=00:10:00 apptainer exec --nv \\
+        /cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif python predict.py --weights weights.pt photos/
+
+Folders are searched recursively for image files (by their ending; hidden files skipped).
+An unreadable image is named on stderr and skipped; --output never replaces an existing file.
+"""
+
+import argparse
+import csv
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.cli import run_cli
+from engine.data_formats import DatasetError
+from engine.device_loader import centre_crop, normalization_table, normalize
+from engine.errors import UserError
+from engine.files import check_writable
+from engine.flags import OneLineParser, positive_int
+from engine.image_folder import class_files, decode, image_extensions
+from engine.models import check_output, make_model
+from engine.plugins import load_plugin
+from engine.processes import available_cores
+from engine.weights import check_state_fits, read_weights
+
+REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without
+MAX_THREADS = 8  # decoding threads (Pillow releases the GIL)
+SHOWN_CLASSES = 5  # the most common predictions in the summary
+
+
+def build_parser():
+    parser = OneLineParser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", metavar="IMAGE_OR_FOLDER",
+                        help="image files, and folders searched recursively for image files")
+    parser.add_argument("--weights", required=True, metavar="FILE",
+                        help="a file of train.py --save-weights, or a checkpoint (CHECKPOINT_DIR/checkpoint_*.pt)")
+    parser.add_argument("--model", metavar="FILE.py:NAME|module:NAME",
+                        help="the network (default: the --model the weights were trained with, as recorded in them)")
+    parser.add_argument("--output", metavar="CSV", type=Path,
+                        help="write the CSV to this new file (refused if it exists; default: stdout)")
+    parser.add_argument("--top-k", type=positive_int, default=3,
+                        help="classes (with their probability) in the top_k column, capped at the number of "
+                        "classes (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=64,
+                        help="images per forward pass (default: %(default)s)")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.output is not None:
+        check_new_output(args.output)  # before any work
+    images, ignored = find_images(args.paths)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, name, meta = load_trained(args.weights, args.model, device)
+    classes = [shown(c) for c in meta["classes"]]
+    table = normalization_table(meta["mean"], meta["std"]).to(device)
+    counts, unreadable, start = Counter(), 0, time.perf_counter()
+    with csv_destination(args.output) as out, ThreadPoolExecutor(min(MAX_THREADS, available_cores())) as pool:
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["path", "prediction", "probability", "top_k"])
+        for batch, decoded in decoded_batches(pool, images, args.batch_size, meta):
+            good = [(path, pixels) for path, (pixels, _) in zip(batch, decoded) if pixels is not None]
+            for path, (_, why) in zip(batch, decoded):
+                if why:
+                    unreadable += 1
+                    print(f"unreadable, skipped: {shown(path)}: {why}", file=sys.stderr)
+            if good:
+                probs = classify(model, np.stack([pixels for _, pixels in good]), meta, table, device)
+                for (path, _), row in zip(good, probs):
+                    writer.writerow(csv_row(path, row, classes, args.top_k))
+                    counts[classes[int(row.argmax())]] += 1
+        if not counts:  # no CSV of a header alone
+            raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
+    summary = sys.stdout if args.output else sys.stderr
+    where = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
+    report(summary, counts, unreadable, ignored, where, time.perf_counter() - start, name, args.output)
+
+
+def shown(path):
+    """A path or name for the CSV and messages: file names that are not UTF-8 (Linux gives them
+    with surrogate escapes) shown with backslash escapes (caf\\xe9.png) instead of failing."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def check_new_output(path):
+    """--output must name a new file in a folder that can be written: nothing a user wrote is
+    ever replaced."""
+    if os.path.lexists(path):
+        raise UserError(f"--output {shown(path)} exists already; choose a new file name (nothing is overwritten)")
+    check_writable(path, "--output")
+
+
+def find_images(paths):
+    """(image files, number of other files ignored): files as given, folders searched
+    recursively (sorted, hidden ones skipped, images by their ending)."""
+    extensions, images, ignored = image_extensions(), [], 0
+    for given in paths:
+        path = Path(given)
+        if not os.path.exists(path):
+            raise UserError(f"{shown(given)}: no such file or folder")
+        if not path.is_dir():
+            images.append(path)
+            continue
+        try:
+            found, others = class_files(path, extensions)
+        except OSError as err:
+            raise UserError(f"cannot read {shown(err.filename or given)} ({err.strerror or err})") from None
+        images += found
+        ignored += len(others)
+    if not images:
+        raise UserError(f"no image files in {', '.join(map(shown, paths))} (image files end in "
+                        f"{', '.join(sorted(extensions)[:6])}, ...; {ignored} other file(s) ignored)")
+    return images, ignored
+
+
+def load_trained(path, model_ref, device):
+    """(model in eval mode on ``device``, its name, the weights' metadata)."""
+    saved = read_weights(path, "--weights")
+    meta = saved.metadata
+    missing = [key for key in REQUIRED if key not in meta]
+    if missing:
+        raise UserError(f"--weights {shown(path)} does not record {', '.join(missing)} (a plain state_dict, saved "
+                        "by other code?): predict.py needs weights saved by train.py --save-weights, or a checkpoint "
+                        "of train.py")
+    ref = model_ref or meta.get("model")
+    if not ref:
+        raise UserError(f"--weights {shown(path)} does not record its --model; pass --model FILE.py:NAME")
+    try:
+        factory = load_plugin(ref, "--model")
+    except UserError as err:
+        if model_ref:
+            raise
+        raise UserError(f"--weights {shown(path)} were trained with --model {ref}, which does not load here: "
+                        f"{str(err).removeprefix(f'--model {ref}: ')}; if it is a file, pass --model "
+                        f"path/to/{ref.replace(':', '.py:', 1)}") from None
+    model, name = make_model(factory, ref, num_classes=len(meta["classes"]), in_channels=meta["in_channels"],
+                             image_size=tuple(meta["image_size"]))
+    check_output(model, ref, (meta["in_channels"], *meta["image_size"]), len(meta["classes"]))  # lazy modules
+    check_state_fits(model, saved.state, f"--weights {shown(path)}", name)
+    model.load_state_dict(saved.state)
+    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    return model.to(device, memory_format=layout).eval(), name, meta
+
+
+def decoded_batches(pool, images, batch_size, meta):
+    """(paths, [read_image of each]) per batch of ``batch_size``; the next batch is decoded on
+    the pool's threads while the model classifies this one."""
+    batches = [images[i:i + batch_size] for i in range(0, len(images), batch_size)]
+    ahead = pool.map(lambda path: read_image(path, meta), batches[0])
+    for i, batch in enumerate(batches):
+        current = ahead
+        if i + 1 < len(batches):
+            ahead = pool.map(lambda path: read_image(path, meta), batches[i + 1])
+        yield batch, list(current)
+
+
+def read_image(path, meta):
+    """(uint8 (H, W, C) at the stored size, None), or (None, why it cannot be read)."""
+    size = tuple(meta.get("stored_size") or meta["image_size"])
+    try:
+        return decode(path, size, "L" if meta["in_channels"] == 1 else "RGB"), None
+    except DatasetError as err:
+        return None, str(err).removeprefix(f"{path}: ")
+
+
+@torch.no_grad()
+def classify(model, pixels, meta, table, device):
+    """Softmax probabilities float32 (B, classes) of uint8 images (B, H, W, C), prepared as
+    training prepared its test images: centre crop to the input size, then normalization."""
+    images = torch.from_numpy(pixels).to(device)
+    images = centre_crop(images, tuple(meta["image_size"]))
+    return torch.softmax(model(normalize(images, table)).float(), dim=1).cpu()
+
+
+def csv_row(path, probs, classes, k):
+    """path, prediction, its probability, 'cat 0.912; dog 0.071; bird 0.017'."""
+    top = torch.topk(probs, min(k, len(classes)))
+    pairs = list(zip(top.indices.tolist(), top.values.tolist()))
+    top_k = "; ".join(f"{classes[i]} {p:.3f}" for i, p in pairs)
+    return [shown(path), classes[pairs[0][0]], f"{pairs[0][1]:.6f}", top_k]
+
+
+@contextmanager
+def csv_destination(output):
+    """stdout, or a temporary file beside ``output`` that becomes it when complete (never
+    half-written, never replacing a file that appeared meanwhile)."""
+    if output is None:
+        try:
+            yield sys.stdout
+            sys.stdout.flush()
+        except BrokenPipeError:  # piped into head: no traceback, and none when Python flushes at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise UserError("stdout was closed before every row was written (piped into head?)") from None
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+    try:
+        with open(handle, "w", newline="", encoding="utf-8") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(tmp, output)  # fails if the file exists: no overwrite
+        except FileExistsError:
+            raise UserError(f"--output {shown(output)} was created by something else meanwhile; not replaced") from None
+        except OSError:  # a file system without hard links
+            os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def report(out, counts, unreadable, ignored, device, seconds, model_name, output):
+    """The summary: what was classified, how fast, what was skipped, what was predicted."""
+    total = sum(counts.values())
+    print(f"Classified {total} images with {model_name} on {device} in {seconds:.1f} s "
+          f"({total / max(seconds, 1e-9):.0f} images/s)", file=out)
+    print(f"Skipped {unreadable} unreadable image(s){' (listed on stderr)' if unreadable else ''}; "
+          f"ignored {ignored} file(s) that are not images", file=out)
+    common = ", ".join(f"{name} {n}" for name, n in counts.most_common(SHOWN_CLASSES))
+    more = f" and {len(counts) - SHOWN_CLASSES} more classes" if len(counts) > SHOWN_CLASSES else ""
+    print(f"Predicted: {common}{more}", file=out)
+    print(f"Predictions written to {shown(output) if output else 'stdout'}", file=out)
+
+
+if __name__ == "__main__":
+    run_cli(main)
