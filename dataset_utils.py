@@ -409,7 +409,7 @@ def main(argv=None):
         sizes = {split: len(read_split(data_dir, split, spec)[1]) for split in spec.split_sizes}
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except KeyboardInterrupt:  # a download or a decode in progress leaves no partial files behind
         print("Interrupted (Ctrl-C): no partial files were kept", file=sys.stderr)
         return 130

@@ -8,12 +8,15 @@ filled works here and the other way round:
     mnist          DIR/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
 
 Every reader returns (images uint8 (N, H, W, C), labels int64 (N,)) and turns a missing,
-truncated or corrupted file into one line naming the file. A download is checked (md5, by
+truncated or corrupted file into one line naming the file. CIFAR's pickles are read by a
+restricted unpickler, so a planted file runs no code (docs/what-runs-code.md). A download is checked (md5, by
 torchvision) and moved into place file by file, so an interrupted one never looks complete,
 files already present are never overwritten, and a failed one leaves nothing behind.
 """
 
+import codecs
 import gzip
+import hashlib
 import pickle
 import shutil
 import socket
@@ -85,6 +88,80 @@ DATASETS = {spec.name: spec for spec in (
 
 class DatasetError(UserError):
     """Data missing, not downloadable, truncated or corrupted."""
+
+
+class RefusedData(DatasetError):
+    """A data file that would run code when read, or an official file that is not what was
+    published: refused before anything in it is constructed. Exit status 1."""
+
+    exit_code = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR's pickles, read without running code: unpickling may call any function a file names,
+# so only what the official files (Python 2, numpy arrays) and tools/demo_data.py's contain is
+# allowed: containers, strings, numbers, and numpy's array reconstruction.
+
+_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 renamed numpy.core
+SAFE_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _MULTIARRAY._reconstruct,  # how numpy 1 (the official files) names it
+    ("numpy._core.multiarray", "_reconstruct"): _MULTIARRAY._reconstruct,  # numpy 2
+    ("numpy.core.multiarray", "scalar"): _MULTIARRAY.scalar,
+    ("numpy._core.multiarray", "scalar"): _MULTIARRAY.scalar,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): codecs.encode,  # bytes in a protocol-2 pickle written by Python 3
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that constructs nothing but SAFE_GLOBALS: any other global (posix.system,
+    builtins.eval, a class) is refused by name before it is looked up."""
+
+    def find_class(self, module, name):
+        try:
+            return SAFE_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}") from None
+
+
+def load_pickle(path):
+    """The object of a CIFAR pickle file, read with SafeUnpickler (latin-1: the official files
+    are Python 2 pickles, read as torchvision reads them). A refused global is one line naming
+    the file and the global; nothing of the file has run."""
+    with open(path, "rb") as f:
+        try:
+            return SafeUnpickler(f, encoding="latin1").load()
+        except pickle.UnpicklingError as err:
+            if str(err).startswith("refused global"):
+                raise RefusedData(f"{path} holds a pickle that would run code ({str(err)}), not CIFAR data: refused, "
+                                  "nothing in it was run; replace it with the official file") from None
+            raise
+
+
+def check_official(root, spec, split, name):
+    """A file as large as the official one (its images' pixels alone fill that much) must be the
+    official one: its md5 is compared with torchvision's record, as torchvision does."""
+    path = file_path(root, spec, name)
+    images = spec.split_sizes[split] // len(spec.files[split])
+    if path.stat().st_size < images * int(np.prod(spec.image_shape)):
+        return  # a small copy (tools/demo_data.py, the tests): no official md5 to compare
+    official = dict(_official_md5s(spec)).get(name)
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if official and digest.hexdigest() != official:
+        raise RefusedData(f"{path} has the official file's size but not its md5 ({digest.hexdigest()}, official "
+                          f"{official}): damaged or altered; {_refetch(root, spec)}")
+
+
+def _official_md5s(spec):
+    """(file name, md5) of the official archive's files, from torchvision's CIFAR class."""
+    import torchvision.datasets
+
+    source = getattr(torchvision.datasets, spec.source)
+    return [*source.train_list, *source.test_list, (source.meta["filename"], source.meta["md5"])]
 
 
 def default_data_dir() -> Path:
@@ -259,11 +336,13 @@ def _read_cifar(root, split, spec):
     for name in spec.files[split]:
         path = file_path(root, spec, name)
         try:
-            with open(path, "rb") as f:
-                entry = pickle.load(f, encoding="latin1")  # Python 2 pickles, as torchvision reads them
+            check_official(root, spec, split, name)
+            entry = load_pickle(path)
             data, labels = np.asarray(entry["data"]), np.asarray(entry[key], dtype=np.int64)
         except FileNotFoundError:
             raise DatasetError(f"{path} is missing; {_refetch(root, spec)}", same_on_every_rank=False) from None
+        except RefusedData:
+            raise
         except Exception as err:  # a damaged pickle can raise almost anything
             raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); "
                                f"{_refetch(root, spec)}", same_on_every_rank=False) from None
@@ -272,9 +351,28 @@ def _read_cifar(root, split, spec):
                                f"found {data.dtype} {data.shape} with {len(labels)} labels; {_refetch(root, spec)}",
                                same_on_every_rank=False)
         parts.append((data, labels))
+    if split == "train":
+        _check_meta(root, spec)
     data = np.concatenate([d for d, _ in parts])
     images = data.reshape(-1, channels, height, width).transpose(0, 2, 3, 1)  # planes -> (N, H, W, C)
     return np.ascontiguousarray(images), np.concatenate([labels for _, labels in parts])
+
+
+def _check_meta(root, spec):
+    """The class-name file (meta, batches.meta), read as safely as the data: a pickle planted
+    there runs nothing either, and one that is not a dict of names is one line."""
+    (name,) = spec.extra_files
+    path = file_path(root, spec, name)
+    try:
+        meta = load_pickle(path)
+    except RefusedData:
+        raise
+    except Exception as err:
+        raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); {_refetch(root, spec)}",
+                           same_on_every_rank=False) from None
+    if not (isinstance(meta, dict) and any(isinstance(v, list) and len(v) == spec.num_classes for v in meta.values())):
+        raise DatasetError(f"{path} is corrupted: not a dict with the names of the {spec.num_classes} classes; "
+                           f"{_refetch(root, spec)}", same_on_every_rank=False)
 
 
 def _read_idx(root, split, spec):

@@ -136,10 +136,11 @@ def test_download_unpacks_into_place_and_keeps_existing_files(tmp_path, monkeypa
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", fake_download)
     root = tmp_path / "datasets"
     (root / "cifar-100-python").mkdir(parents=True)
-    (root / "cifar-100-python" / "meta").write_bytes(b"already here")
+    ours = pickle.dumps({"fine_label_names": [f"ours_{i}" for i in range(100)]}, protocol=2)
+    (root / "cifar-100-python" / "meta").write_bytes(ours)
     data_formats.prepare(root, du.CIFAR100, download=True)
     assert calls == [torchvision.datasets.CIFAR100.url]
-    assert (root / "cifar-100-python" / "meta").read_bytes() == b"already here"
+    assert (root / "cifar-100-python" / "meta").read_bytes() == ours
     assert [len(data_formats.read_split(root, split, du.CIFAR100)[1]) for split in ("train", "test")] == [16, 8]
     assert sorted(p.name for p in root.iterdir()) == ["cifar-100-python"]  # no archive, no temporary folder
     data_formats.prepare(root, du.CIFAR100, download=True)
