@@ -106,14 +106,19 @@ def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop
                          padding, stored_size and tuple(stored_size))
 
 
-def per_process_batch(global_batch, world_size):
-    """Images per process per step; refuses to silently drop part of the global batch."""
+def per_process_batch(global_batch, world_size, accumulate=1):
+    """Images per process per step; refuses to silently drop part of the global batch, or to
+    split it into unequal micro-batches (--accumulate)."""
     if global_batch % world_size:
         lower, upper = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
         examples = f"{lower} or {upper}" if lower else str(upper)
         raise UserError(f"--batch-size {global_batch} does not split evenly over {world_size} processes; "
                         f"use a multiple of {world_size} (e.g. {examples})")
-    return global_batch // world_size
+    batch = global_batch // world_size
+    if batch % accumulate:
+        raise UserError(f"--accumulate {accumulate} does not split the {batch} images per process (--batch-size "
+                        f"{global_batch} over {world_size}) into equal micro-batches; use a divisor of {batch}")
+    return batch
 
 
 def synthetic_split(split, seed=0, spec=CIFAR100):

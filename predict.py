@@ -39,6 +39,7 @@ from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
 from engine.image_folder import class_files, decode, image_extensions
+from engine.memory import OutOfMemory, is_out_of_memory
 from engine.models import check_output, make_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores
@@ -87,15 +88,25 @@ def main(argv=None):
                     unreadable += 1
                     print(f"unreadable, skipped: {shown(path)}: {why}", file=sys.stderr)
             if good:
-                probs = classify(model, np.stack([pixels for _, pixels in good]), meta, table, device)
+                try:
+                    probs = classify(model, np.stack([pixels for _, pixels in good]), meta, table, device)
+                except Exception as err:
+                    if not is_out_of_memory(err):
+                        raise
+                    raise OutOfMemory(f"out of memory classifying {len(good)} images of {meta['image_size']} pixels "
+                                      f"on {where_of(device)}; use a smaller --batch-size (now {args.batch_size})"
+                                      ) from None
                 for (path, _), row in zip(good, probs):
                     writer.writerow(csv_row(path, row, classes, args.top_k))
                     counts[classes[int(row.argmax())]] += 1
         if not counts:  # no CSV of a header alone
             raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
     summary = sys.stdout if args.output else sys.stderr
-    where = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
-    report(summary, counts, unreadable, ignored, where, time.perf_counter() - start, name, args.output)
+    report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
+
+
+def where_of(device):
+    return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
 
 
 def shown(path):

@@ -15,6 +15,7 @@ from __future__ import annotations  # Run names Precision and friends in its ann
 import argparse
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
@@ -35,9 +36,10 @@ from engine.checkpoints import (Checkpointer, TrainState, check_resumable, conti
                                 new_run_id, restore)
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
-                        describe_run, epoch_line, eta_seconds, reconcile_metrics, summarize, timestamp)
+                        describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
 from engine.device_loader import choose_loader, device_memory
 from engine.finetune import finetune
+from engine.memory import is_out_of_memory, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -142,7 +144,7 @@ def run_epoch(run, state, rng_state=None):
     broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
     result = evaluate(run, run.task.test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr, phase)
+                          time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device))
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(result.accuracy)
@@ -159,17 +161,23 @@ def run_epoch(run, state, rng_state=None):
 
 
 def train_step(run, x, y):
-    """One optimizer step on images x (B, C, H, W) and labels y (B,): forward, loss, backward,
-    optimizer step, schedule. Returns the loss, a 0-dim tensor still on the device: nothing
-    here waits for the GPU."""
-    with run.precision.autocast(run.ctx.device):
-        loss = run.loss_fn(run.model(x), y)  # logits (B, classes) -> a scalar
+    """One optimizer step on images x (B, C, H, W) and labels y (B,): forward, loss, backward
+    for each of the --accumulate micro-batches (B / N images each, gradients summed), then
+    optimizer step, schedule. Returns the loss of the B images, a 0-dim tensor still on the
+    device: nothing here waits for the GPU."""
     run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+    parts, total, ddp = run.args.accumulate, 0.0, run.task.model  # run.model may be its compiled wrapper
+    for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
+        # DDP all-reduces gradients during the last micro-batch's backward only.
+        with ddp.no_sync() if i < parts - 1 and hasattr(ddp, "no_sync") else nullcontext():
+            with run.precision.autocast(run.ctx.device):
+                loss = run.loss_fn(run.model(xs), ys) / parts  # logits (B / N, classes) -> a scalar
+            run.scaler.scale(loss).backward()
+        total = total + loss.detach()
     run.scaler.step(run.optimizer)     # fp16: skipped when a gradient overflowed
     run.scaler.update()
     run.scheduler.step()
-    return loss.detach()
+    return total
 
 
 class StepTotals(NamedTuple):
@@ -220,7 +228,13 @@ def train_steps(run, batches, state):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
-        loss = train_step(run, x, y)
+        try:
+            loss = train_step(run, x, y)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise run_out_of_memory(run, state, f"step {step} of epoch {state.epoch} (training)",
+                                    step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.model, run.module, f"--model {run.args.model}")
         books.add(loss, y.size(0), step)
@@ -256,8 +270,13 @@ def evaluate(run, loader, label="Evaluation"):
     for batch, (x, y) in enumerate(islice(loader, batches), start=1):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
-        with precision.autocast(device):
-            logits = model(x)  # (B, classes)
+        try:
+            with precision.autocast(device):
+                logits = model(x)  # (B, classes)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise run_out_of_memory(run, None, f"batch {batch} of {label.lower()}", True) from None
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         count += y.size(0)
@@ -266,25 +285,6 @@ def evaluate(run, loader, label="Evaluation"):
     progress.close()
     totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
     return eval_summary(*totals.tolist())
-
-
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase):
-    """One line of --metrics-file. Times in seconds; throughput counts training images
-    actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
-    what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
-    whether the profiler recorded in it)."""
-    return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
-            "val_accuracy": result.accuracy, "val_samples": result.samples,
-            "epoch_time_s": train_time, "eval_time_s": eval_time,
-            "images_per_sec": images / train_time, "train_images": images, "lr": lr,
-            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
-            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
-            "precision": run.precision.name, "synthetic": run.args.synthetic,
-            "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
-            "optimizer": type(run.optimizer).__name__, "loss": type(run.loss_fn).__name__,
-            "augment": [op.__name__ for op in run.task.data.prep.ops], "lr_cycle": len(state.lr_cycles),
-            "device": run.device_name, "peak_memory_gib": peak_memory_gib(run.ctx.device), **phase,
-            "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +308,8 @@ def build_task(args, ctx):
     if loader == "torchvision":
         workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
     train_loader, test_loader = build_loaders(
-        train_set, test_set, per_process_batch(args.batch_size, ctx.world_size), loader=loader, num_workers=workers,
+        train_set, test_set, per_process_batch(args.batch_size, ctx.world_size, args.accumulate), loader=loader,
+        num_workers=workers,
         device=ctx.device, rank=ctx.rank, world_size=ctx.world_size, seed=args.seed,
         pin_memory=ctx.device.type == "cuda")
     model, name = build_model(args.model, data, args.seed, ctx.device, memory_format(args.channels_last, ctx.device),

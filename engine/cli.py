@@ -35,6 +35,8 @@ def run_cli(main):
         sys.exit(stop.exit_code)
     except UserError as err:
         prints = rank == 0 or not err.same_on_every_rank
+        if prints and rank and getattr(err, "rank0_first", False):
+            let_rank0_fail_first()  # rank 0 likely hit it too: then its line alone is seen (torchrun ends this one)
         if prints:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
         if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)

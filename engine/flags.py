@@ -154,10 +154,15 @@ def build_parser(description, add_recipe_arguments):
     task.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
 
-    speed = parser.add_argument_group("speed (no effect on the recipe)")
+    speed = parser.add_argument_group("speed and memory (no effect on the recipe)")
     speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="keep activations and weights in NHWC memory layout, which GPU tensor-core "
                             "convolutions use (default: on with CUDA, off on the CPU)")
+    speed.add_argument("--accumulate", metavar="N", type=positive_int, default=1,
+                       help="split each process's share of --batch-size into N micro-batches whose gradients are "
+                            "summed before one optimizer step: the same recipe with 1/N of the activation memory (the "
+                            "fix for running out of memory; BatchNorm then normalizes each micro-batch). A resume "
+                            "may change it")
     speed.add_argument("--compile", action="store_true",
                        help="torch.compile the training model (the first steps then take minutes; the first "
                             "epoch's throughput is reported separately)")

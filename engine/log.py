@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
@@ -153,8 +154,8 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                    "process")
     lines = [
         f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
-        f"Size: {args.batch_size} ({task.train_loader.batch_size} per process x {processes(ctx, ctx.world_size)}, "
-        f"{count(ctx.num_nodes, 'node', 'nodes')})",
+        f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "
+        f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, args.compile),
         f"Loader: {loader}; {task.loader_reason}",
         f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {steps} steps per epoch",
@@ -174,6 +175,13 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                         if args.checkpoint_interval else "after every epoch")
                      + ", on a stop request and at the end")
     return lines
+
+
+def per_process(batch, accumulate):
+    """'64 per process', or with --accumulate 4: '16 per micro-batch x 4 accumulated'."""
+    if accumulate == 1:
+        return f"{batch} per process"
+    return f"{batch // accumulate} per micro-batch x {accumulate} accumulated"
 
 
 def describe_resume(path, state, saved_world_size, world_size, weights=None):
@@ -251,14 +259,36 @@ def describe_weights(args, continuing=False, note=""):
     return f"random initialization (--seed {args.seed})"
 
 
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib):
+    """One line of --metrics-file. Times in seconds; throughput counts training images
+    actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
+    what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
+    whether the profiler recorded in it); ``peak_gib``: this GPU's peak memory (None on the CPU)."""
+    return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
+            "val_accuracy": result.accuracy, "val_samples": result.samples,
+            "epoch_time_s": train_time, "eval_time_s": eval_time,
+            "images_per_sec": images / train_time, "train_images": images, "lr": lr,
+            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
+            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
+            "precision": run.precision.name, "synthetic": run.args.synthetic,
+            "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
+            "optimizer": type(run.optimizer).__name__, "loss": type(run.loss_fn).__name__,
+            "augment": [op.__name__ for op in run.task.data.prep.ops], "lr_cycle": len(state.lr_cycles),
+            "device": run.device_name, "peak_memory_gib": peak_gib, **phase,
+            "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def epoch_line(record, epochs, elapsed_s, eta_s):
-    """The guide's epoch line, with a timestamp in front and the run's elapsed time and ETA
-    at the end (ETA: until --epochs; early stopping may end the run sooner)."""
+    """The guide's epoch line, with a timestamp in front, this GPU's peak memory (the headroom
+    left), and the run's elapsed time and ETA at the end (ETA: until --epochs; early stopping
+    may end the run sooner)."""
+    peak = record.get("peak_memory_gib")
     return (f"{timestamp()} Epoch {record['epoch']}/{epochs}: Time={record['epoch_time_s']:.3f}s, "
             f"Train Loss={record['train_loss']:.4f}, Val Loss={record['val_loss']:.4f}, "
             f"Val Accuracy={record['val_accuracy']:.4f}, Throughput={record['images_per_sec']:.1f} img/s, "
-            f"LR={record['lr']:.5g}, Eval={record['eval_time_s']:.1f}s | elapsed {duration(elapsed_s)}, "
-            f"ETA {duration(eta_s)}")
+            f"LR={record['lr']:.5g}, Eval={record['eval_time_s']:.1f}s"
+            + (f", Peak memory={peak:.1f} GiB" if peak is not None else "")
+            + f" | elapsed {duration(elapsed_s)}, ETA {duration(eta_s)}")
 
 
 def throughput(records):

@@ -1,0 +1,115 @@
+"""Out of memory and --accumulate: micro-batches give the weights of the whole batch (no
+BatchNorm, within rounding) on 1 and 2 processes, a resume may change N, and running out of
+memory anywhere is one line with what to change and the command that continues."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd, write_cifar10
+from tools.demo_data import write_image_folder
+from engine.memory import suggested_accumulate
+
+OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_cifar10(tmp_path_factory.mktemp("data"), n_train=80, n_test=20)
+
+
+def train_args(data, *extra):
+    return ("--dataset", "cifar10", "--data-dir", str(data), "--no-download", *OOM_MODEL, "--batch-size", "16",
+            "--epochs", "1", "--precision", "fp32", "--augment", "none", "--label-smoothing", "0", *extra)
+
+
+def test_accumulated_micro_batches_give_the_weights_of_the_whole_batch(data, tmp_path):
+    runs = {"whole": python_cmd("train.py", *train_args(data, "--save-weights", "whole.pt")),
+            "two micro-batches": python_cmd("train.py", *train_args(data, "--accumulate", "2", "--save-weights",
+                                                                     "micro.pt")),
+            "two processes, two micro-batches each": torchrun_cmd(2, "train_ddp.py", *train_args(
+                data, "--accumulate", "2", "--save-weights", "ddp.pt"))}
+    for what, command in runs.items():
+        result = run(command, cwd=tmp_path)
+        assert result.returncode == 0, f"{what}: {result.stderr}"
+    assert "Batch Size: 16 (4 per micro-batch x 2 accumulated x 2 CPU processes" in result.stdout
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    for name in ("micro.pt", "ddp.pt"):
+        other = torch.load(tmp_path / name, weights_only=True)
+        assert all(torch.allclose(whole[k], other[k], atol=1e-5) for k in whole), name
+
+
+def test_a_run_resumes_with_another_accumulate(data, tmp_path):
+    first = run(python_cmd("train.py", *train_args(data, "--checkpoint-dir", "ck")), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = run(python_cmd("train.py", *train_args(data, "--checkpoint-dir", "ck", "--resume", "--epochs", "2",
+                                                     "--accumulate", "4", "--metrics-file", "m.jsonl")),
+                 cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "Resuming from ck/checkpoint_" in second.stdout and "Epoch 2/2" in second.stdout
+
+
+def test_micro_batches_must_split_the_batch_evenly(data, tmp_path):
+    result = run(python_cmd("train.py", *train_args(data, "--accumulate", "3")), cwd=tmp_path)
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: --accumulate 3 does not split the 16 images per process (--batch-size 16 over 1) into equal "
+        "micro-batches; use a divisor of 16"]
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_out_of_memory_in_a_later_step_is_one_line_and_its_command_continues(data, tmp_path, kind):
+    args = train_args(data, "--checkpoint-dir", "ck", "--checkpoint-interval", "0", "--epochs", "3")
+    env = clean_env(OOM_AT="train:7", OOM_KIND=kind)  # 5 steps per epoch: step 2 of epoch 2
+    result = run(python_cmd("train.py", *args), cwd=tmp_path, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert re.fullmatch(
+        r"error: out of memory at step 2 of epoch 2 \(training\) on cpu \(\d+\.\d GiB, this process's peak \d+\.\d "
+        r"GiB\) with micro-batches of 16 images of 32x32; try, in this order: --accumulate 2 \(micro-batches of 8; "
+        r"the recipe is unchanged\); then a smaller --model\. The last checkpoint, "
+        r"ck/checkpoint_000000005\.pt, continues with: python train\.py .* --accumulate 2 --resume", line), line
+    command = line.split("continues with: ")[1].split()
+    resumed = run(python_cmd(*command[1:]), cwd=tmp_path)  # without OOM_AT: memory is back
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming from ck/checkpoint_000000005.pt" in resumed.stdout and "Epoch 3/3" in resumed.stdout
+
+
+def test_out_of_memory_in_the_first_step_and_in_evaluation(data, tmp_path):
+    first = run(python_cmd("train.py", *train_args(data)), cwd=tmp_path, env=clean_env(OOM_AT="train:1"))
+    assert first.returncode == 1
+    (line,) = error_lines(first.stderr)
+    assert "out of memory at step 1 of epoch 1 (training)" in line and "--accumulate 2" in line
+    assert line.endswith("Nothing was saved (no --checkpoint-dir)")
+    evaluation = run(python_cmd("train.py", *train_args(data)), cwd=tmp_path, env=clean_env(OOM_AT="eval:1"))
+    assert evaluation.returncode == 1
+    (line,) = error_lines(evaluation.stderr)
+    assert "out of memory at batch 1 of evaluation after epoch 1 on cpu" in line
+
+
+def test_out_of_memory_on_every_rank_is_one_line_for_the_job(data, tmp_path):
+    result = run(torchrun_cmd(2, "train_ddp.py", *train_args(data, "--checkpoint-dir", "ck")), cwd=tmp_path,
+                 env=clean_env(OOM_AT="train:2"))
+    assert result.returncode == 1
+    lines = error_lines(result.stdout + result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: out of memory at step 2 of epoch 1 (training)")
+
+
+def test_the_suggested_accumulate_is_estimated_from_the_peak():
+    gib = 2**30
+    assert suggested_accumulate(1, 256, peak=30 * gib, total=80 * gib, steps_done=True) == 2
+    assert suggested_accumulate(1, 256, peak=150 * gib, total=80 * gib, steps_done=True) == 4  # 2.2 -> a divisor
+    assert suggested_accumulate(2, 128, peak=0, total=80 * gib, steps_done=False) == 4  # nothing measured: double
+    assert suggested_accumulate(1, 3, peak=500 * gib, total=80 * gib, steps_done=True) == 3  # at most the batch
+
+
+def test_out_of_memory_in_predict_is_one_line(tmp_path):
+    write_image_folder(tmp_path / "images", classes=2, n_train=8, n_test=4, sizes=((16, 16),))
+    trained = run(python_cmd("train.py", "--dataset", "folder", "--data-dir", "images", "--cache-dir", "cache",
+                             *OOM_MODEL, "--batch-size", "8", "--epochs", "1", "--save-weights", "w.pt"), cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    result = run(python_cmd("predict.py", "--weights", "w.pt", *OOM_MODEL, "images/test", "--output", "p.csv"),
+                 cwd=tmp_path, env=clean_env(OOM_AT="eval:1"))
+    assert result.returncode == 1 and not (tmp_path / "p.csv").exists()
+    assert error_lines(result.stderr) == ["error: out of memory classifying 8 images of [16, 16] pixels on cpu; use a "
+                                          "smaller --batch-size (now 64)"]
