@@ -10,6 +10,7 @@ algbw and busbw per size (nccl-tests' definitions). Start it with torchrun:
         torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 \\
         --rdzv_id="$SLURM_JOB_ID" check_network.py --min-busbw 50     # 2 nodes, as multinode_job.sh runs it
     sbatch --account=nnXXXXk multinode_job.sh    # runs it before training (NETWORK_CHECK=0 skips it)
+    python check_network.py --interfaces          # GLOO_/NCCL_SOCKET_IFNAME against this node's interfaces
 
 Data: element i on rank r holds (r + 1) * ((i % 7) + 1), integers in float32 (the gradients'
 dtype), so the sum over W ranks is exactly ((i % 7) + 1) * W(W + 1) / 2 in any order of
@@ -52,6 +53,7 @@ from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_size
 from engine.cli import run_cli
 from engine.errors import RunAborted, UserError, first_line
 from engine.flags import OneLineParser, non_negative_int, positive_float, positive_int
+from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
 from engine.lost_ranks import process_group_scope
@@ -236,6 +238,9 @@ def build_parser():
     parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_TIMEOUT_MIN, metavar="MINUTES",
                         help="how long a rank waits for the others in a collective before every rank stops with "
                              f"exit status 5 (NCCL gets 1 minute more) (default: {DEFAULT_TIMEOUT_MIN:g})")
+    parser.add_argument("--interfaces", action="store_true",
+                        help="only check that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name interfaces of this node "
+                             "(one process, no torchrun): multinode_job.sh runs it on every node first")
     return parser
 
 
@@ -396,6 +401,13 @@ def run(args, ctx, log_path, environ_before, fault):
 
 def main():
     args = parse_args()
+    if args.interfaces:  # before torchrun: one line per node, no process group to fail in
+        uses_nccl = torch.cuda.is_available()
+        check_interfaces(os.environ, uses_nccl)
+        checked = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")[:1 + uses_nccl] if name in os.environ]
+        print(f"Interfaces of {socket.gethostname()}: "
+              + (", ".join(f"{name}={os.environ[name]}" for name in checked) + " found" if checked else "none named"))
+        return
     fault = parse_fault(os.environ.get(FAULT_VARIABLE))
     environ_before = dict(os.environ)  # what the user set, for the report
     log_dir = log_path = None

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.errors import RunAborted, UserError
+from engine.errors import RunAborted, UserError, first_line
+from engine.interfaces import DOCS, NetworkSetupError, check_interfaces
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
 from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, env_int,
                               group_active, launcher_pid)
@@ -132,10 +133,18 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
                  "TORCH_FR_DUMP_ON_TIMEOUT")
         if trace_dir and not any(name in os.environ for name in dumps):
             os.environ.update(flight_recorder_settings(trace_dir))  # read when NCCL's group is made
-    dist.init_process_group(**group_options(device, timeout))
-    # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
-    # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
-    control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+    # gloo and NCCL would fail in a traceback per rank on a node without the interfaces the job
+    # names (a cluster without Slingshot's hsn0): one line naming the node's interfaces instead.
+    check_interfaces(os.environ, uses_nccl=device.type == "cuda")
+    try:
+        dist.init_process_group(**group_options(device, timeout))
+        # Agreeing on a stop flag every step must not wait for the GPU: with NCCL, such flags
+        # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
+        control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+    except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError, gloo's and NCCL's own
+        raise NetworkSetupError(f"the process group did not start on rank {rank} ({first_line(err)}); check "
+                                f"MASTER_ADDR/MASTER_PORT (the rendezvous) and the interfaces, see {DOCS}",
+                                same_on_every_rank=False) from None
     return DistContext(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
                        local_world_size=local_world_size, process_group=True, control_group=control_group,
                        launcher_pid=launcher_pid())

@@ -16,7 +16,10 @@
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
 # PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths,
 # GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, every network setting in NETWORK_DEFAULTS
-# below, and for the network check (export them before sbatch):
+# below (on a cluster other than Olivia: docs/network.md, "On another cluster"), and:
+#   HOST_BINDS=1          1 (default): bind the host's libfabric, NCCL and aws-ofi-nccl (HOST_*_PATH) into
+#                         the container; 0: use the container's own NCCL (InfiniBand, Ethernet)
+# and for the network check (export them before sbatch):
 #   NETWORK_CHECK=1       1 (default): run check_network.py on every node before training; 0: skip it
 #   NETWORK_MIN_BUSBW=    GB/s the check's largest all-reduce must reach (--min-busbw); empty: no minimum
 #   NETWORK_CHECK_ARGS=   more check_network.py flags, e.g. "--max-size 1G --iters 50" (docs/network.md)
@@ -45,6 +48,10 @@
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
+# A job that cannot run here (a difference between this cluster and Olivia, a port in use):
+# exit 1, not requeued, since the same job would fail again.
+fail() { echo "error: $*" >&2; exit 1; }
+site_error() { fail "$*; see docs/network.md, \"On another cluster\""; }
 
 CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
@@ -62,6 +69,7 @@ HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/
 HOST_NCCL_PATH="${HOST_NCCL_PATH:-/cluster/work/support/nccl}"
 HOST_NVIDIA_HPC_LIB_PATH="${HOST_NVIDIA_HPC_LIB_PATH:-/opt/nvidia/hpc_sdk/Linux_aarch64/24.11/compilers/lib}"
 HOST_CXI_LIB_PATH="${HOST_CXI_LIB_PATH:-/usr/lib64}"  # holds libcxi.so.1
+HOST_BINDS="${HOST_BINDS:-1}"
 NETWORK_CHECK="${NETWORK_CHECK:-1}"
 NETWORK_MIN_BUSBW="${NETWORK_MIN_BUSBW:-}"
 NETWORK_CHECK_ARGS="${NETWORK_CHECK_ARGS:-}"
@@ -101,6 +109,8 @@ done
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
 [[ -z "$BASE_LR" || "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
+[[ "$HOST_BINDS" == 0 || "$HOST_BINDS" == 1 ]] ||
+    die "HOST_BINDS=$HOST_BINDS is neither 1 (bind the host's network libraries) nor 0 (the container's own)"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
     die "NETWORK_CHECK=$NETWORK_CHECK is neither 1 (check the network before training) nor 0 (skip the check)"
 [[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ $number ]] ||
@@ -111,6 +121,25 @@ flags_only='^[-A-Za-z0-9_.=+ ]*$'  # check_network.py checks the flags; no quote
 read -r -a network_check_args <<<"$NETWORK_CHECK_ARGS"
 [[ -z "$NETWORK_MIN_BUSBW" ]] || network_check_args+=(--min-busbw "$NETWORK_MIN_BUSBW")
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+# The host's network libraries (Olivia's paths by default), checked here on the first node:
+# apptainer would refuse a missing one once per task, in its own words.
+binds=()
+if [[ "$HOST_BINDS" == 1 ]]; then
+    for variable in HOST_LIBFABRIC_LIB_PATH HOST_LIBFABRIC_INCLUDE_PATH HOST_NCCL_PATH HOST_CXI_LIB_PATH \
+        HOST_NVIDIA_HPC_LIB_PATH; do
+        [[ -d "${!variable}" ]] || site_error "$variable=${!variable}: no such folder on $(hostname) (a host" \
+            "library bound into the container); set $variable to this cluster's path, or HOST_BINDS=0 to use the" \
+            "container's own NCCL"
+    done
+    compgen -G "$HOST_NCCL_PATH/lib/libnccl-net*.so*" >/dev/null || site_error "HOST_NCCL_PATH=$HOST_NCCL_PATH:" \
+        "no lib/libnccl-net*.so (the aws-ofi-nccl plugin NCCL needs for Slingshot) on $(hostname); set" \
+        "HOST_NCCL_PATH to the folder holding it, or HOST_BINDS=0 (NCCL then uses its own transports)"
+    binds=(--bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib"
+        --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include"
+        --bind "$HOST_NCCL_PATH:/opt/nccl"
+        --bind "$HOST_CXI_LIB_PATH:/usr/lib64"
+        --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib")
+fi
 for script in train_ddp.py check_network.py; do
     [[ -f "$PROJECT_DIR/$script" ]] ||
         die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
@@ -201,8 +230,11 @@ store_server='
 import signal, sys
 from datetime import timedelta
 import torch.distributed as dist
-store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False,
-                      timeout=timedelta(days=7))
+try:
+    store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(days=7))
+except (RuntimeError, OSError):  # the port is taken: the script says so in one line
+    sys.exit(1)
 open(sys.argv[3], "w").write("ready")
 signal.pause()  # until this script ends the job and stops it'
 apptainer exec "$CONTAINER_PATH" python3 -c "$store_server" "$RDZV_HOST" "$RDZV_PORT" "$store_ready" &
@@ -210,25 +242,25 @@ store_pid=$!
 for _ in $(seq 1200); do  # up to 120 s: the container starts and imports torch
     [[ -s "$store_ready" ]] && break
     kill -0 "$store_pid" 2>/dev/null ||
-        die "the rendezvous store did not start on port $RDZV_PORT of this node (taken? set RDZV_PORT)"
+        fail "the rendezvous store did not start on port $RDZV_PORT of $RDZV_HOST (in use by another job?); set" \
+            "RDZV_PORT to a free port (1024-65535) before sbatch"
     sleep 0.1
 done
 [[ -s "$store_ready" ]] || die "the rendezvous store did not start within 120 s"
 # What each node runs, up to the Python script: the container with the host's libfabric,
 # NCCL and aws-ofi-nccl bound in and found first, and torchrun as a client of the store.
 in_container=(
-    apptainer exec --nv
-        --bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib"
-        --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include"
-        --bind "$HOST_NCCL_PATH:/opt/nccl"
-        --bind "$HOST_CXI_LIB_PATH:/usr/lib64"
-        --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib"
-        "$CONTAINER_PATH"
+    apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH"
     bash -c "$container_task" container-task
     "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"
         --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv_conf=is_host=false
 )
 on_every_node=(srun --ntasks-per-node=1 --kill-on-bad-exit=1)
+
+# The interfaces GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name, on every node, before any
+# torchrun: on a node without them gloo and NCCL would fail in a traceback per rank.
+"${on_every_node[@]}" apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH" \
+    python3 "$PROJECT_DIR/check_network.py" --interfaces || exit 1
 
 requeue() {
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"

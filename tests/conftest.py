@@ -140,3 +140,16 @@ def read_metrics(path):
 def error_lines(text):
     """Our one-line errors: 'error: ...', 'train.py: error: ...' or '[rank 1] error: ...'."""
     return [line for line in text.splitlines() if re.match(r"^(\[rank \d+\] |[\w.]+: )?error: ", line)]
+
+
+def host_libraries(root):
+    """Stand-ins for the host folders multinode_job.sh binds into the container (HOST_*_PATH),
+    with the aws-ofi-nccl plugin in NCCL's: {variable: folder}."""
+    folders = {"HOST_LIBFABRIC_LIB_PATH": "libfabric/lib", "HOST_LIBFABRIC_INCLUDE_PATH": "libfabric/include",
+               "HOST_NCCL_PATH": "nccl", "HOST_CXI_LIB_PATH": "cxi", "HOST_NVIDIA_HPC_LIB_PATH": "hpc_sdk/lib"}
+    for folder in folders.values():
+        (Path(root) / "host" / folder).mkdir(parents=True, exist_ok=True)
+    (Path(root) / "host" / "nccl" / "lib").mkdir(exist_ok=True)
+    (Path(root) / "host" / "nccl" / "lib" / "libnccl-net.so").touch()
+    return {variable: str(Path(root) / "host" / folder) for variable, folder in folders.items()}
+

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics, run, start, wait_for
+from conftest import REPO, clean_env, host_libraries, read_metrics, run, start, wait_for
 
 STUBS = REPO / "tests" / "stubs"
 JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
@@ -42,7 +42,8 @@ def job_env(tmp_path, **extra):
     defaults = dict(PATH=f"{STUBS}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID, SLURM_SUBMIT_DIR=REPO,
                     CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4, GPU_LOG_INTERVAL=1,
                     STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids", TORCHRUN_PATH="torchrun",
-                    GLOO_SOCKET_IFNAME="lo")  # the "nodes" are processes on this machine: no hsn0
+                    GLOO_SOCKET_IFNAME="lo",  # the "nodes" are processes on this machine: no hsn0
+                    **host_libraries(tmp_path))
     return clean_env(**{**defaults, **extra})
 
 
@@ -154,7 +155,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     assert f"--rdzv_id={JOB_ID}-network {REPO}/check_network.py {SMALL_CHECK}\n" in log  # its own rendezvous
     # Every torchrun is a client of the store the script holds (see the script).
     assert "--rdzv_backend=c10d" in log and "--rdzv_conf=is_host=false" in log and "import torch.distributed" in log
-    assert "--bind /cluster/work/support/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
+    assert f"--bind {tmp_path}/host/nccl:/opt/nccl" in log  # the host's NCCL + aws-ofi-nccl
     seen = {line.split(" ", 1)[1] for line in log.splitlines() if line.startswith("container-env ")}
     hpe = {"FI_PROVIDER=cxi", "FI_CXI_RX_MATCH_MODE=hybrid", "FI_MR_CACHE_MONITOR=userfaultfd",
            "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_CXI_DEFAULT_CQ_SIZE=131072", "FI_CXI_RDZV_PROTO=alt_read",
@@ -190,7 +191,9 @@ def test_the_network_check_runs_before_training_unless_skipped(tmp_path, check):
                           f"{29500 + JOB_ID % 3000} --rdzv_conf=is_host=false --rdzv_id={JOB_ID}-network "
                           f"{REPO}/check_network.py --max-size 1G --iters 50 --min-busbw 50"] * 2
     else:
-        assert checks == [] and "check_network.py" not in (tmp_path / "stub.log").read_text()
+        log = (tmp_path / "stub.log").read_text()
+        assert checks == [] and f"--rdzv_id={JOB_ID}-network" not in log  # only the interfaces were checked
+        assert f"{REPO}/check_network.py --interfaces" in log
 
 
 def test_a_failed_network_check_stops_the_job_before_training(tmp_path):
@@ -294,3 +297,43 @@ def test_shell_scripts_are_shellcheck_clean():
                + [REPO / ".ci" / "run", REPO / "tests" / "slurm_cluster.sh"])
     result = run(["shellcheck", "--shell=bash", *scripts], cwd=REPO)
     assert result.returncode == 0, result.stdout
+
+
+def test_olivias_interface_on_a_node_without_it_is_one_line_before_any_torchrun(tmp_path):
+    env = two_node_env(tmp_path, TORCHRUN_PATH="echo")
+    del env["GLOO_SOCKET_IFNAME"]  # the script's default: Slingshot's hsn0, which this machine lacks
+    result = run_job("multinode_job.sh", tmp_path, env)
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    lines = {line for line in result.stderr.splitlines() if line.startswith("error: ")}
+    assert len(lines) == 1 and lines.pop().startswith("error: GLOO_SOCKET_IFNAME=hsn0: node ")
+    assert "--nnodes" not in result.stdout  # no torchrun started
+
+
+@pytest.mark.parametrize("case", ["folder", "plugin"])
+def test_a_missing_host_library_is_one_line_naming_the_variable(tmp_path, case):
+    env = two_node_env(tmp_path, TORCHRUN_PATH="echo")
+    if case == "folder":
+        env["HOST_CXI_LIB_PATH"] = str(tmp_path / "no-cxi")
+        expected = f"error: HOST_CXI_LIB_PATH={tmp_path / 'no-cxi'}: no such folder on "
+    else:
+        (tmp_path / "host" / "nccl" / "lib" / "libnccl-net.so").unlink()
+        expected = f"error: HOST_NCCL_PATH={tmp_path}/host/nccl: no lib/libnccl-net*.so (the aws-ofi-nccl plugin"
+    result = run_job("multinode_job.sh", tmp_path, env)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and result.stderr.startswith(expected)
+    assert "HOST_BINDS=0" in result.stderr and result.stderr.rstrip().endswith('"On another cluster"')
+    env.update(HOST_BINDS="0")  # the container's own NCCL: nothing of the host bound
+    result = run_job("multinode_job.sh", tmp_path, env, "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "--bind" not in (tmp_path / "stub.log").read_text()
+
+
+def test_a_rendezvous_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:  # another job's store, say
+        taken.bind(("localhost", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_job("multinode_job.sh", tmp_path, two_node_env(tmp_path, TORCHRUN_PATH="echo", RDZV_PORT=port))
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: the rendezvous store did not start on port {port} of localhost (in use by another job?); set "
+        "RDZV_PORT to a free port (1024-65535) before sbatch"]

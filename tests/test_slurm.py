@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, clean_env, read_metrics
+from conftest import REPO, TINY_MODEL, clean_env, host_libraries, read_metrics
 
 CLUSTER_SCRIPT = REPO / "tests" / "slurm_cluster.sh"
 STUBS = REPO / "tests" / "stubs"
@@ -125,7 +125,7 @@ def submit_env(cluster, tmp_path, **extra):
     return {**cluster.env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PROJECT_DIR": str(REPO),
             "CONTAINER_PATH": str(tmp_path / "pytorch.sif"), "PER_GPU_BATCH": "4", "GPU_LOG_INTERVAL": "1",
             "GLOO_SOCKET_IFNAME": "lo",  # both slurmd run here: no Slingshot interface
-            **{k: str(v) for k, v in extra.items()}}
+            **host_libraries(tmp_path), **{k: str(v) for k, v in extra.items()}}
 
 
 def sbatch(cluster, tmp_path, env, script, *args):

@@ -1,0 +1,37 @@
+"""GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME checked against the node's interfaces before the
+process group starts: the job scripts' Olivia defaults (hsn0) on a node without Slingshot
+are one line naming what the node has, not a traceback per rank."""
+
+from conftest import TINY_MODEL, clean_env, error_lines, run, torchrun_cmd, write_cifar10
+from engine.interfaces import interface_problems, nccl_selects, node_interfaces
+
+
+def test_nccl_socket_ifname_is_read_as_nccl_reads_it():
+    names = ["lo", "eth0", "eth1", "ib0", "hsn0", "hsn1"]
+    assert nccl_selects("hsn0,hsn1,hsn2,hsn3", names) == ["hsn0", "hsn1"]
+    assert nccl_selects("eth", names) == ["eth0", "eth1"]  # prefixes
+    assert nccl_selects("=eth", names) == []  # = : exact names only
+    assert nccl_selects("^lo,eth", names) == ["ib0", "hsn0", "hsn1"]  # ^ : all but these prefixes
+    assert nccl_selects("^=lo", names) == ["eth0", "eth1", "ib0", "hsn0", "hsn1"]
+
+
+def test_interfaces_the_node_lacks_are_named():
+    node = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"]}
+    olivia = {"GLOO_SOCKET_IFNAME": "hsn0", "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3"}
+    assert interface_problems(olivia, node, uses_nccl=True) == [("GLOO_SOCKET_IFNAME", "hsn0"),
+                                                                ("NCCL_SOCKET_IFNAME", "hsn0,hsn1,hsn2,hsn3")]
+    assert interface_problems(olivia, node, uses_nccl=False) == [("GLOO_SOCKET_IFNAME", "hsn0")]  # no NCCL on CPU
+    assert interface_problems({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^lo"}, node, True) == []
+    assert "lo" in node_interfaces()  # this machine's, read from the kernel
+
+
+def test_a_missing_gloo_interface_is_one_line_for_the_job(tmp_path):
+    data = write_cifar10(tmp_path / "data")
+    result = run(torchrun_cmd(2, "train_ddp.py", "--dataset", "cifar10", "--data-dir", data, "--no-download",
+                              "--epochs", "1", "--batch-size", "8", *TINY_MODEL), cwd=tmp_path,
+                 env=clean_env(GLOO_SOCKET_IFNAME="hsn0"))
+    assert result.returncode == 1
+    (line,) = error_lines(result.stdout + result.stderr)
+    assert line.startswith("error: GLOO_SOCKET_IFNAME=hsn0: node ")
+    assert "has no such interface (it has: lo 127.0.0.1" in line
+    assert line.endswith('before sbatch, see docs/network.md, "On another cluster"')
