@@ -52,7 +52,6 @@ from engine.plugins import plugin_key
 from engine.splits import describe_split, stratified_split
 from engine.user_data import read_user_data
 import recipe  # noqa: I001 (the user's file, after the engine's)
-from recipe import AUGMENTATIONS, RANDOM_PER_OP
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
 LOADERS = ("device", "torchvision")
@@ -76,11 +75,11 @@ class Preprocessing:
     @property
     def ops(self):
         """The augmentation's operations, in order (recipe.py)."""
-        return AUGMENTATIONS[self.augment]
+        return recipe.AUGMENTATIONS[self.augment]
 
     def randoms(self, size, seed, epoch):
         """Each image's random numbers for the augmentation in ``epoch``: (size, ops, RANDOM_PER_OP)."""
-        return augmentation_randoms(size, self.ops, seed, epoch, RANDOM_PER_OP)
+        return augmentation_randoms(size, self.ops, seed, epoch, recipe.RANDOM_PER_OP)
 
     def describe(self):
         """What happens to a training image, in words (the start-up block)."""

@@ -171,7 +171,8 @@ def train_step(run, x, y):
         # DDP all-reduces gradients during the last micro-batch's backward only.
         with ddp.no_sync() if i < parts - 1 and hasattr(ddp, "no_sync") else nullcontext():
             with run.precision.autocast(run.ctx.device):
-                loss = run.loss_fn(run.model(xs), ys) / parts  # logits (B / N, classes) -> a scalar
+                loss = run.loss_fn(run.model(xs), ys)  # logits (B / N, classes) -> a scalar
+                loss = loss / parts if parts > 1 else loss  # the mean over all B images (no kernel when N is 1)
             run.scaler.scale(loss).backward()
         total = total + loss.detach()
     run.scaler.step(run.optimizer)     # fp16: skipped when a gradient overflowed

@@ -39,8 +39,9 @@ def load_fitting(model, path, model_name, num_classes):
         first = next(iter(own))
         raise UserError(f"--finetune {path}: none of its {len(saved)} tensors fits {model_name} (its first, {first}, "
                         f"is {_shape(saved.get(first))} there, {_shape(own[first])} here): weights of another --model?")
-    last_fit = max(list(own).index(name) for name in fits)
-    early = [name for name in new if list(own).index(name) < last_fit]
+    position = {name: i for i, name in enumerate(own)}  # state_dict order: the head comes last
+    last_fit = max(position[name] for name in fits)
+    early = [name for name in new if position[name] < last_fit]
     if early:
         raise UserError(f"--finetune {path} does not fit {model_name} beyond its last layers: {early[0]} is "
                         f"{_shape(saved.get(early[0]))} there, {_shape(own[early[0]])} here"
