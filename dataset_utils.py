@@ -1,6 +1,6 @@
 """The data sets as batches of (images, labels): what each --dataset is, the samplers and the
 two loaders. How the files of the built-in data sets are fetched and read is in
-engine/data_formats.py, the image folder's cache in engine/image_folder.py, the training
+engine/data_formats.py, the image folder's cache in engine/image_cache.py, the training
 augmentations in recipe.py.
 
 Compute nodes often have no internet, so fetch the data ahead of time on a login node:
@@ -45,11 +45,12 @@ from engine.device_loader import (DeviceLoader, augmentation_randoms, float_stat
                                   normalize, normalize_float)
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, image_size
-from engine.image_folder import channel_stats, default_cache_dir, prepare_folder, read_folder_cache
+from engine.image_cache import default_cache_dir, prepare_folder, read_folder_cache
+from engine.image_folder import channel_stats
 from engine.processes import available_cores, from_rank0
 from engine.task import DataInfo, data_fingerprint
 from engine.plugins import plugin_key
-from engine.splits import describe_split, stratified_split
+from engine.splits import check_labels, describe_split, stratified_split
 from engine.user_data import read_user_data
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
@@ -309,6 +310,9 @@ def build_data(args, ctx):
         loaded = {}
         from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
         train, test, info = loaded["data"] if ctx.is_main else plugin_data(args)
+    for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
+        if images is not None:
+            check_labels(images.labels, len(info.classes), f"{info.title} {split}")
     if args.val_fraction:
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")

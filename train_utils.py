@@ -32,7 +32,7 @@ from dataset_utils import build_data, build_loaders, default_num_workers, per_pr
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
-from engine.checkpoints import (Checkpointer, TrainState, check_resumable, continues_run, load_agreed_checkpoint,
+from engine.checkpoints import (Checkpointer, TrainState, check_resumable, claimed_folder, load_agreed_checkpoint,
                                 new_run_id, restore)
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
@@ -51,7 +51,7 @@ from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, rng_snapshot
 from engine.stopping import StopRequests
 from engine.task import Task
-from engine.weights import check_state_fits, save_weights
+from engine.weights import check_state_fits, save_trained_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,23 +62,21 @@ def fit(task, args, ctx):
     after each epoch and checkpointing when due, stopping early at --target-accuracy.
     Returns the epochs' metrics records."""
     clock = RunClock()
-    # Before anything is printed: a new run in another run's folder is refused at once.
-    continuing = not args.eval_only and from_rank0(lambda: continues_run(args.checkpoint_dir, args.resume),
-                                                   ctx.control_group)
-    run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
-    if args.eval_only:
-        return [evaluate_once(run, task.test_loader)]
-    reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
-    with run.stop, run.monitor:
-        while state.epoch <= args.epochs and not reached():
-            run_epoch(run, state, rng_state)
-            rng_state = None
-            stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
-            if stop and state.epoch <= args.epochs and not reached():
-                path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
-                raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
-        if run.checkpointer.directory:
-            run.checkpointer.save(run, state)  # the finished run (no-op when just written)
+    # Before anything is printed: a folder another run holds, or a new run in another run's folder, is refused.
+    with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx) as continuing:
+        run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
+        if args.eval_only:
+            return [evaluate_once(run, task.test_loader)]
+        reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
+        with run.stop, run.monitor:
+            while state.epoch <= args.epochs and not reached():
+                run_epoch(run, state, rng_state)
+                rng_state = None
+                stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
+                if stop and state.epoch <= args.epochs and not reached():
+                    path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
+                    raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
+            final = run.checkpointer.save(run, state) if run.checkpointer.directory else None  # no-op when just written
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
     for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing):
@@ -88,8 +86,9 @@ def fit(task, args, ctx):
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
-    if args.save_weights and ctx.is_main:
-        save_weights(run.module, args.save_weights, {"model": task.model_key, **task.data.weights_metadata()})
+    if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
+        from_rank0(lambda: save_trained_weights(run.module, args.save_weights, {"model": task.model_key,
+                                                **task.data.weights_metadata()}, final), ctx.control_group)
         run.log.info(f"Model weights written to {args.save_weights}")
     return state.records
 
@@ -417,8 +416,10 @@ def resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
     log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
-    if log.metrics_path:
-        reconcile_metrics(log.metrics_path, state.run_id, state.records)
+    if args.metrics_file:  # rewritten by rank 0; a failure stops every rank
+        for warning in from_rank0(lambda: reconcile_metrics(log.metrics_path, state.run_id, state.records),
+                                  ctx.control_group):
+            log.info(warning)
     return state, rng_state, scheduler
 
 

@@ -15,7 +15,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     finetune.py      --finetune: the weights that fit, a new head, --freeze-backbone
     user_data.py     --dataset FILE.py:NAME read into memory
     data_formats.py  the built-in data sets' files: fetched, read, checked
-    image_folder.py  --dataset folder: decoded once into a cache
+    image_folder.py  --dataset folder: scanned and decoded
+    image_cache.py   the decoded images on disk: built once, space checked, verified on open
     splits.py        --val-fraction: a stratified validation split of the training images
     device_loader.py batches on the device; normalization, augmentation, centre crop; --loader auto
     seeds.py         every random stream from (seed, epoch, rank)
@@ -25,6 +26,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start
+    disk_space.py    a full disk in one line: the space needed and free
+    folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
     log.py           what is printed, and the metrics file
     monitor.py       GPU utilization and power, TensorBoard, the profiler

@@ -16,13 +16,15 @@ import itertools
 import os
 import time
 import uuid
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.errors import UserError
+from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
+from engine.folder_lock import FolderLock
 from engine.processes import any_rank, from_rank0, gather_objects
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
@@ -71,6 +73,20 @@ def continues_run(directory, resume):
                         f"{existing[0].name}); continue that run with --resume, or give this run another "
                         "--checkpoint-dir")
     return False
+
+
+@contextmanager
+def claimed_folder(directory, resume, ctx):
+    """``with claimed_folder(...) as continuing``: global rank 0 holds ``directory`` (or None)
+    for this run (engine/folder_lock.py: a second run on it is refused in one line), and every
+    rank learns whether the run in it continues (continues_run)."""
+    with ExitStack() as held:
+        def claim():
+            if directory:
+                held.enter_context(FolderLock(directory))
+            return continues_run(directory, resume)
+
+        yield from_rank0(claim, ctx.control_group)
 
 
 def read_checkpoint(path, device):
@@ -240,12 +256,15 @@ class Checkpointer:
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": {"model": run.task.model_key, **run.task.data.weights_metadata()},
-                             "world_size": run.ctx.world_size}, path)
-                for name in pruned:  # only this run's own files
-                    (self.directory / name).unlink(missing_ok=True)
-            except OSError as err:
-                raise UserError(f"cannot write checkpoint {path} ({err.strerror or err}); the previous "
-                                f"checkpoints are kept") from None
+                             "world_size": run.ctx.world_size}, path, "checkpoint")
+            except ResourceProblem as err:
+                state.checkpoints = [name for name in kept[:-1] if (self.directory / name).exists()]
+                newest = state.checkpoints[-1] if state.checkpoints else None
+                raise ResourceProblem(f"{err}; " + (f"the previous checkpoint {self.directory / newest} is kept: "
+                                                    "continue from it with --resume once there is space"
+                                                    if newest else "no checkpoint of this run is kept")) from None
+            for name in pruned:  # only this run's own files, once the new one is on disk
+                (self.directory / name).unlink(missing_ok=True)
 
         from_rank0(write, self.ctx.control_group)  # every rank waits until the file is on disk
         self.last_time, self.last_step = time.monotonic(), step

@@ -25,6 +25,9 @@ def run_cli(main):
     """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
     for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
     rank = rank_or_zero()
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is printed escaped, not a traceback
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         main()
     except TrainingStopped as stop:

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from engine.disk_space import size_text
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
@@ -137,13 +138,6 @@ def choose_loader(requested, data_bytes, memory_bytes):
     return ("device" if fits else "torchvision",
             f"auto: the data set ({size_text(data_bytes)}) {'fits' if fits else 'does not fit'} in "
             f"{DEVICE_DATA_FRACTION:.0%} of the device's {size_text(memory_bytes)}")
-
-
-def size_text(nbytes):
-    """Bytes for people: 620.3 MB, 2.41 GB, 80 GB."""
-    if nbytes < 1e9:
-        return f"{nbytes / 1e6:.1f} MB"
-    return f"{nbytes / 1e9:.{2 if nbytes < 1e10 else 0}f} GB"
 
 
 def device_memory(device):

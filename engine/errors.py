@@ -27,6 +27,14 @@ class RunAborted(UserError):
     exit_code = 3
 
 
+class ResourceProblem(UserError):
+    """The run cannot go on because of what surrounds it, not its command line: a full disk,
+    a checkpoint folder another run holds. One line naming the cause and what is kept, exit
+    status 1 (the job scripts do not requeue it: it would fail again until the cause is gone)."""
+
+    exit_code = 1
+
+
 class TrainingStopped(Exception):
     """Raised after the stop checkpoint is written; the entry point prints the message and
     exits with ``exit_code``."""

@@ -1,30 +1,51 @@
 """Files that are never half-written, and outputs checked before any work: a folder that
 cannot be written (someone else's project area, a read-only mount) is one line at start,
-not a traceback after hours of training.
+not a traceback after hours of training. A write that fails for want of space says how much
+it needed and how much was free.
 """
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 import torch
 
+from engine.disk_space import free_bytes, space_problem
 from engine.errors import UserError
 from engine.processes import from_rank0
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file."""
+def tensor_bytes(obj):
+    """The bytes of the tensors in a nested dict/list: about the size torch.save will write."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
+
+
+def atomic_save(obj, path, what="file"):
+    """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file, and
+    a full disk is a ResourceProblem naming ``what``, the space needed and the space free (the
+    older file of that name, if any, is untouched). A write that cannot fit is not started."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # the first write creates the folder
+    needed = tensor_bytes(obj)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the first write creates the folder
+        if needed > free_bytes(path.parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # disk full, Ctrl-C: leave no partial file behind
+    except BaseException as err:  # disk full, Ctrl-C: leave no partial file behind
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise space_problem(what, path, err, needed) from None
         raise
 
 

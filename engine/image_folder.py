@@ -1,4 +1,5 @@
-"""--dataset folder: your own images in torchvision's ImageFolder layout, decoded once.
+"""--dataset folder: your own images in torchvision's ImageFolder layout, scanned and decoded
+(engine/image_cache.py keeps the decoded images).
 
     DIR/train/CLASS/IMAGE     e.g. DIR/train/cat/0001.jpg, DIR/train/dog/a/b.png
     DIR/test/CLASS/IMAGE      (or DIR/val/CLASS/IMAGE; none with --val-fraction, which holds
@@ -9,57 +10,26 @@ Pillow reads counts, in any mode and size: the images become RGB, or stay gray w
 one is gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the
 most common among the training images, or --image-size), scaled to cover it and
 centre-cropped so nothing is stretched. Hidden files and files that are not images (by their
-ending) are ignored; an image that cannot be read is one line naming it.
-
-The decoded images are kept as uint8 arrays in .npy files under --cache-dir, one folder per
-image folder and one subfolder per version of its files and requested size:
-
-    CACHE/<name>-<hash of its path>/<auto or HxW>-<hash of file names, sizes and times>/
-        train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy (when
-        there is a test/), meta.json
-
-A cache is built in a temporary folder and renamed into place when complete, so an
-interrupted build is never used; it is rebuilt when any image file is added, removed or
-changed (a stat of each file, no decoding), and the older version at the same requested
-size is then deleted. The arrays are memory-mapped: the device loader copies them to the
-GPU, the torchvision loader's workers read them without loading everything.
+ending) are ignored; an image that cannot be read is one line naming it. Any file name the
+OS allows works, UTF-8 or not.
 """
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from engine.data_formats import DatasetError, default_data_dir
-from engine.processes import available_cores
+from engine.data_formats import DatasetError
 
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
-CACHE_FORMAT = 1
 PROGRESS_S = 30  # seconds between progress lines of a long decode
 STATS_VALUES = 2**24  # values per chunk when computing mean and std (16 MB of uint8, bounded memory)
-
-
-@dataclass(frozen=True)
-class FolderData:
-    """A decoded image folder: uint8 images (N, H, W, C) and int64 labels (N,) per split."""
-    train: tuple            # (images, labels)
-    test: tuple             # None when the folder has no test/ (or val/)
-    classes: tuple          # folder names, sorted: label i is classes[i]
-    mean: tuple             # per channel, of the training images scaled to 0..1
-    std: tuple
-    cache: Path             # the folder the arrays are read from
-    notes: tuple            # how the images were prepared, for the start-up block
 
 
 def image_extensions():
@@ -147,23 +117,6 @@ def _scan(root, needs_test):
     return tuple(classes), splits, ignored
 
 
-def folder_version(root, splits, image_size):
-    """The name of this version of the cache: the requested size (auto or HxW), then a hash
-    of every file's path (within ``root``, however --data-dir was spelled), size and
-    modification time. It changes when any image is added, removed or changed."""
-    digest = hashlib.sha256(f"{CACHE_FORMAT}".encode())
-    try:
-        for split, (files, labels) in splits.items():
-            for path, label in zip(files, labels):
-                info = path.stat()
-                name = path.relative_to(root)
-                digest.update(f"{split}\0{name}\0{label}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
-    except OSError as err:  # a file deleted since the scan, a broken link
-        raise DatasetError(f"cannot read {err.filename} ({err.strerror or err})") from None
-    size = "x".join(map(str, image_size)) if image_size else "auto"
-    return f"{size}-{digest.hexdigest()[:16]}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Decoding.
 
@@ -222,7 +175,7 @@ def decode_all(files, size, mode, out, workers, log=None):
     decodes and resizes, so threads use several cores without worker processes. A line at
     most every PROGRESS_S seconds says how far it is."""
     last = time.perf_counter()
-    for i, array in enumerate(_map(lambda p: decode(p, size, mode), files, workers)):
+    for i, array in enumerate(map_threads(lambda p: decode(p, size, mode), files, workers)):
         out[i] = array
         if log and time.perf_counter() - last >= PROGRESS_S:
             last = time.perf_counter()
@@ -257,70 +210,7 @@ def channel_stats(images, scale=255):
     return tuple(round(float(m), 4) for m in mean), tuple(round(float(s), 4) if s > 1e-4 else 1.0 for s in std)
 
 
-# ---------------------------------------------------------------------------------------------
-# The cache.
-
-def default_cache_dir():
-    """--cache-dir: datasets/cache/ beside the scripts, where the guide's data sets go too."""
-    return default_data_dir() / "cache"
-
-
-def cache_root(root, cache_dir):
-    """CACHE/<folder name>-<hash of its absolute path>: one per image folder."""
-    root = Path(root).expanduser().resolve()
-    return Path(cache_dir).expanduser() / f"{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
-
-
-def build_cache(target, splits, classes, image_size, ignored, log, workers):
-    """Decode every image into a temporary folder beside ``target``, then rename it to
-    ``target``. Its meta.json keeps the notes for the start-up block."""
-    total = sum(len(files) for files, _ in splits.values())
-    log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
-    start = time.perf_counter()
-    headers = {split: list(_map(header, files, workers)) for split, (files, _) in splits.items()}
-    train_sizes = [size for _, size in headers["train"]]
-    size = image_size or choose_size(train_sizes)
-    all_headers = [h for split_headers in headers.values() for h in split_headers]
-    gray = all(mode in GRAY_MODES for mode, _ in all_headers)
-    mode = "L" if gray else "RGB"
-    resized = sum(s != size for _, s in all_headers)
-    converted = sum(m != mode for m, _ in all_headers)
-    distinct = len(set(train_sizes))
-    how = ("as requested" if image_size else
-           f"the training images' {'only size' if distinct == 1 else f'most common of {distinct} sizes'}")
-    notes = [f"Images: {size[0]}x{size[1]} ({how}; {resized} resized: scaled to cover, centre-cropped), "
-             + ("gray (every image is gray)" if gray else f"RGB ({converted} converted from other modes)")]
-    if ignored:
-        notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))  # unique across nodes too
-    try:
-        for split, (files, labels) in splits.items():
-            out = np.lib.format.open_memmap(tmp / f"{split}_images.npy", mode="w+", dtype=np.uint8,
-                                            shape=(len(files), *size, 1 if gray else 3))
-            decode_all(files, size, mode, out, workers, log)
-            out.flush()
-            del out
-            np.save(tmp / f"{split}_labels.npy", labels)
-        mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
-        seconds = time.perf_counter() - start  # headers, decoding, statistics
-        meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
-                "notes": notes,
-                "image_size": list(size), "mode": mode, "build_s": seconds, "images": total}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(tmp, target)  # atomic: the cache appears complete or not at all
-        except OSError:
-            if not (target / "meta.json").is_file():  # not another process that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with {workers} "
-        f"threads) into {target}")
-
-
-def _map(function, items, workers):
+def map_threads(function, items, workers):
     """function(item) for each item, in order, on ``workers`` threads, with at most
     8 x workers items under way (Executor.map would queue a million futures at once). Ctrl-C
     or an error cancels what has not started."""
@@ -334,59 +224,3 @@ def _map(function, items, workers):
             yield pending.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def remove_stale(folder_cache, keep, log):
-    """Delete the older versions of this folder's cache at the same requested size (a cache
-    at another --image-size stays), and temporary folders of builds killed a day ago or
-    more. Each is renamed aside first, so a half-deleted cache is never taken for one."""
-    size = keep.split("-")[0]
-    for old in folder_cache.iterdir():
-        try:
-            outdated = old.name != keep and old.name.startswith(f"{size}-") and (old / "meta.json").is_file()
-            abandoned = old.name.startswith(".") and ".tmp" in old.name and time.time() - old.stat().st_mtime > 86400
-            if old.is_dir() and (outdated or abandoned):
-                aside = old.with_name(f".{old.name}.deleting{os.getpid()}")
-                os.replace(old, aside)
-                shutil.rmtree(aside, ignore_errors=True)
-                if outdated:
-                    log(f"Removed the outdated cache {old}")
-        except OSError:  # another process removed it first
-            continue
-
-
-def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None, needs_test=True):
-    """Make sure the cache of image folder ``root`` is current (build it if not): call on
-    global rank 0 while the other ranks wait. Returns the cache folder. A folder without
-    test/ (or val/) is refused when ``needs_test``."""
-    root = Path(root).expanduser()
-    classes, splits, ignored = scan(root, needs_test)
-    folder_cache = cache_root(root, cache_dir)
-    target = folder_cache / folder_version(root, splits, image_size)
-    if not (target / "meta.json").is_file():
-        try:
-            build_cache(target, splits, classes, image_size, ignored, log, workers or min(32, available_cores()))
-        except OSError as err:
-            raise DatasetError(f"cannot write the image cache in {folder_cache} ({err.strerror or err}); "
-                               "choose a writable --cache-dir") from None
-        remove_stale(folder_cache, target.name, log)
-    return target
-
-
-def read_folder_cache(target):
-    """FolderData from a cache folder that ``prepare_folder`` made: memory-mapped arrays
-    (copy-on-write, so torch can wrap them without a copy or a read-only warning); its test
-    split is None when the folder has no test/."""
-    meta_path = Path(target) / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-        splits = {split: (np.load(target / f"{split}_images.npy", mmap_mode="c"),
-                          np.load(target / f"{split}_labels.npy"))
-                  for split in meta.get("splits", SPLIT_FOLDERS)}
-    except (OSError, ValueError) as err:
-        raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
-                           "see the same --cache-dir, on a shared file system (if it is damaged, delete it to "
-                           "rebuild it)", same_on_every_rank=False) from None
-    notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
-    return FolderData(splits["train"], splits.get("test"), tuple(meta["classes"]), tuple(meta["mean"]),
-                      tuple(meta["std"]), Path(target), notes)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from engine.disk_space import space_problem
+
 TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
 
 
@@ -88,8 +90,9 @@ class RunLogger:
         self.pending.append(json.dumps(record) + "\n")
         try:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)  # created on first use
-            with open(self.metrics_path, "a") as f:
-                f.write("".join(self.pending))
+            with open(self.metrics_path, "a+b") as f:
+                torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+                f.write(("\n" if torn else "").encode() + "".join(self.pending).encode())  # a line of its own
         except OSError as err:
             self.info(f"WARNING: cannot append to --metrics-file {self.metrics_path} ({err.strerror or err}); "
                       f"{count(len(self.pending), 'line', 'lines')} kept in memory for the next epoch"
@@ -337,27 +340,44 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
 # The metrics file across resumes.
 
 def reconcile_metrics(path, run_id, records):
-    """On resume: make ``path`` hold each finished epoch of run ``run_id`` exactly once.
-    Lines of epochs the checkpoint does not have (they run again) are dropped, records the
-    file lost are appended; other runs' lines and unparsable lines are kept as they are."""
+    """On resume: make ``path`` hold each finished epoch of run ``run_id`` exactly once, and
+    return the warnings to print. Lines of epochs the checkpoint does not have (they run again)
+    are dropped, records the file lost are appended; other runs' lines and unparsable lines
+    are kept as they are, but for a half-written last line (the node died while writing it),
+    which is dropped: its epoch is written again from the checkpoint. A write that fails is a
+    ResourceProblem (nothing trained yet: exit 1, with the space needed when the disk is full)."""
     path = Path(path)
-    lines = path.read_text().splitlines() if path.exists() else []
+    text = path.read_text(errors="surrogateescape") if path.exists() else ""
+    lines, warnings = text.splitlines(), []
+    if text and not text.endswith("\n") and not _parses(lines[-1]):
+        warnings.append(f"WARNING: --metrics-file {path} ends in a half-written line ({lines[-1][:40]!r}...): "
+                        "dropped, its epoch is written again from the checkpoint")
+        lines = lines[:-1]
     done, seen, kept = {r["epoch"] for r in records}, set(), []
     for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            entry = None
+        entry = _parses(line)
         if isinstance(entry, dict) and entry.get("run_id") == run_id:
             if entry.get("epoch") not in done or entry.get("epoch") in seen:
                 continue
             seen.add(entry["epoch"])
         kept.append(line)
     kept += [json.dumps(r) for r in records if r["epoch"] not in seen]
-    if kept != lines:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    new = "".join(line + "\n" for line in kept)
+    if new != text:
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(new, errors="surrogateescape")
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise space_problem("--metrics-file", path, err, len(new)) from None
+    return warnings
 
 
+def _parses(line):
+    """The JSON value of ``line``, or None when it is not JSON."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None

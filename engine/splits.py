@@ -1,4 +1,6 @@
-"""--val-fraction: a validation set held out of the training images, for data that comes
+"""Labels: checked against the classes, for every kind of data set, and split.
+
+--val-fraction: a validation set held out of the training images, for data that comes
 without a test split (an image folder of train/ alone, a FILE.py:NAME set). The split is
 stratified (each class gives the same fraction) and a pure function of the labels, the
 fraction and --seed: the same on every rank, and the same after a resume, which keeps both
@@ -9,12 +11,25 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine.errors import UserError
+
 SPLIT_STREAM = 3  # the split's random stream: apart from the weights', shuffling's and augmentation's
 
 
 class Split(NamedTuple):
     train: np.ndarray  # int64 indices into the training images, ascending
     val: np.ndarray    # int64 indices of the held-out ones, ascending
+
+
+def check_labels(labels, num_classes, what):
+    """One line naming the first label outside 0..num_classes-1 of ``what`` (e.g. "CIFAR-100
+    training"): a damaged file or a data set's mistake, an IndexError deep in the loss otherwise."""
+    labels = np.asarray(labels)
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if len(bad):
+        more = f" ({len(bad)} such labels)" if len(bad) > 1 else ""
+        raise UserError(f"{what} image {bad[0]} has the label {labels[bad[0]]}, outside 0..{num_classes - 1} of its "
+                        f"{num_classes} classes{more}")
 
 
 def stratified_split(labels, fraction, seed):

@@ -58,7 +58,11 @@ class StopRequests:
     def __exit__(self, *exc_info):
         self._done.set()  # the thread ends after its current look (not joined: a hung stat must not hang us)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # Stopping after a signal: a repeat (Slurm signals every process of the step, and torchrun passes
+            # its own on) must not turn exit status 75 into 143 while the process tears down. A handler that
+            # does nothing, not SIG_IGN, which the processes started later would inherit.
+            repeat_ignored = self.received and sig != signal.SIGINT
+            signal.signal(sig, _repeat_ignored if repeat_ignored else handler)
 
     def _watch_stop_file(self):
         while not self._done.is_set():
@@ -114,3 +118,5 @@ class StopRequests:
         return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
 
 
+def _repeat_ignored(signum, frame):
+    """A stop signal after the stop: the process is already on its way out with its status."""

@@ -10,6 +10,7 @@ from PIL import Image
 
 from engine.errors import UserError
 from engine.plugins import call_user_code, load_plugin
+from engine.splits import check_labels
 
 def materialize(dataset, split, ref):
     """(images (N, H, W, C) uint8 or float32, labels int64 (N,)) of a map-style data set."""
@@ -86,8 +87,6 @@ def read_user_data(ref, data_dir):
     classes = tuple(map(str, classes)) if classes is not None else tuple(
         str(label) for label in range(int(np.concatenate([train_labels, test_labels]).max()) + 1))
     for labels, split in ((train_labels, "training"), (test_labels, "test")):
-        if len(labels) and (labels.min() < 0 or labels.max() >= len(classes)):
-            raise UserError(f"--dataset {ref}: {split} labels run from {labels.min()} to {labels.max()}, outside "
-                            f"0..{len(classes) - 1} of its {len(classes)} classes")
+        check_labels(labels, len(classes), f"--dataset {ref}: {split}")
     test = (test_images, test_labels) if result[1] is not None else None
     return UserData((train_images, train_labels), test, classes)

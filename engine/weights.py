@@ -4,12 +4,16 @@ size, normalization) in its metadata, so that an evaluation or a prediction maps
 the same labels and prepares images the same way. A checkpoint serves as a weights file too.
 """
 
+import os
 import pickle
+import tempfile
+import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from engine.errors import UserError
+from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
@@ -20,14 +24,46 @@ class SavedWeights(NamedTuple):
     metadata: dict  # what they were trained on (DataInfo.weights_metadata plus "model"), {} when unknown
 
 
-def save_weights(model, path, metadata=None):
+def save_weights(model, path, metadata=None, what="--save-weights"):
     """The model's state_dict, written atomically, with ``metadata`` (the data's classes,
     image size, normalization) in its ``_metadata``: torch.load returns it with the tensors,
     and load_state_dict ignores it, so the file loads strictly into the model as the guide's did."""
     state = model.state_dict()
     if metadata is not None:
         state._metadata[""] = {**state._metadata.get("", {}), WEIGHTS_METADATA: metadata}
-    atomic_save(state, path)
+    atomic_save(state, path, what)
+
+
+def save_trained_weights(model, path, metadata, checkpoint=None):
+    """--save-weights after training, which a full disk must not lose: when ``path`` cannot be
+    written, the line says where the model is instead: in the run's final ``checkpoint`` (a
+    weights file for --weights and predict.py), or else in a copy written to the first of
+    rescue_folders() that takes it. Returns the path written."""
+    try:
+        save_weights(model, path, metadata)
+        return Path(path)
+    except ResourceProblem as err:
+        if checkpoint:
+            raise ResourceProblem(f"{err}; the trained model is in the final checkpoint {checkpoint} (--weights and "
+                                  "predict.py read it as a weights file)") from None
+        name = Path(path).name
+        for folder in rescue_folders():
+            rescue = folder / f"{Path(name).stem}-rescued-{time.strftime('%Y%m%d-%H%M%S')}{Path(name).suffix or '.pt'}"
+            try:
+                save_weights(model, rescue, metadata, "the weights")
+            except ResourceProblem:
+                continue
+            raise ResourceProblem(f"{err}; the trained weights were written to {rescue} instead: move them where "
+                                  "they belong") from None
+        raise ResourceProblem(f"{err}; no folder of {', '.join(map(str, rescue_folders()))} could take them either, "
+                              "and without --checkpoint-dir the trained model is lost") from None
+
+
+def rescue_folders():
+    """Where weights go when their own path is full: $TMPDIR (Slurm's node-local scratch), the
+    system's temporary folder, the home folder, in that order, without repeats."""
+    folders = [os.environ.get("TMPDIR"), tempfile.gettempdir(), Path.home()]
+    return list(dict.fromkeys(Path(folder) for folder in folders if folder))
 
 
 def read_weights(path, flag="--weights"):

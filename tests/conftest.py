@@ -8,6 +8,7 @@ import json
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -122,7 +123,7 @@ def run_main(script, *args):
     """Run ``script``'s __main__ block in this process, as ``python script args`` would, for
     runs that end in an error (no interpreter start-up: seconds saved per test). Returns the
     exit status; use capsys for the output."""
-    saved = sys.argv
+    saved, handlers = sys.argv, {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     sys.argv = [str(REPO / script), *map(str, args)]
     try:
         runpy.run_path(str(REPO / script), run_name="__main__")
@@ -130,6 +131,8 @@ def run_main(script, *args):
         return exit_.code
     finally:
         sys.argv = saved
+        for sig, handler in handlers.items():  # a stopped run leaves its own, as a process that exits would
+            signal.signal(sig, handler)
     return 0
 
 

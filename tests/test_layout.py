@@ -93,6 +93,6 @@ def test_each_augmentation_is_defined_once_in_recipe_py():
 
 
 def test_data_and_caches_go_beside_the_scripts_not_into_the_engine():
-    from engine import data_formats, image_folder
+    from engine import data_formats, image_cache
     assert data_formats.default_data_dir() == REPO / "datasets"
-    assert image_folder.default_cache_dir() == REPO / "datasets" / "cache"
+    assert image_cache.default_cache_dir() == REPO / "datasets" / "cache"

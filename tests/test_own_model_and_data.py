@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import dataset_utils as du
-from engine import data_formats, device_loader, image_folder, stopping
+from engine import data_formats, device_loader, image_cache, image_folder, stopping
 from engine import weights as weights_file
 from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
@@ -140,9 +140,9 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
 def test_the_cache_is_built_once_and_rebuilt_when_an_image_changes(tmp_path):
     root = write_image_folder(tmp_path / "images", classes=3, n_train=8, n_test=4)
     said = []
-    first = image_folder.prepare_folder(root, tmp_path / "cache", log=said.append)
+    first = image_cache.prepare_folder(root, tmp_path / "cache", log=said.append)
     assert any(line.startswith("Decoding 36 images of 3 classes") for line in said)
-    data = image_folder.read_folder_cache(first)
+    data = image_cache.read_folder_cache(first)
     assert data.train[0].shape == (24, 32, 32, 3) and data.train[0].dtype == np.uint8
     assert data.classes == ("class_0", "class_1", "class_2") and data.train[1].tolist() == [0] * 8 + [1] * 8 + [2] * 8
     # Files in sorted order; a 32x32 RGB PNG is kept as it is.
@@ -152,19 +152,19 @@ def test_the_cache_is_built_once_and_rebuilt_when_an_image_changes(tmp_path):
     assert np.allclose(mean, data.train[0].reshape(-1, 3).mean(0) / 255, atol=1e-4) and data.mean == mean
 
     said.clear()
-    assert image_folder.prepare_folder(root, tmp_path / "cache", log=said.append) == first and not said
+    assert image_cache.prepare_folder(root, tmp_path / "cache", log=said.append) == first and not said
     Image.new("RGB", (32, 32), "red").save(root / "train" / "class_2" / "image_new.png")
-    second = image_folder.prepare_folder(root, tmp_path / "cache", log=said.append)
+    second = image_cache.prepare_folder(root, tmp_path / "cache", log=said.append)
     assert second != first and not first.exists() and f"Removed the outdated cache {first}" in said
-    assert image_folder.read_folder_cache(second).train[0].shape[0] == 25
+    assert image_cache.read_folder_cache(second).train[0].shape[0] == 25
     assert not list((tmp_path / "cache").glob("*/.*tmp*"))  # no half-built cache left
 
 
 def test_gray_folders_stay_gray_and_image_size_resizes(tmp_path):
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=1, stray=False)
-    data = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", log=lambda _: None))
+    data = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "c", log=lambda _: None))
     assert data.train[0].shape == (8, 32, 32, 1) and "gray (every image is gray)" in data.notes[0]
-    resized = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", (24, 20),
+    resized = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "c", (24, 20),
                                                                          log=lambda _: None))
     assert resized.train[0].shape == (8, 24, 20, 1) and "Images: 24x20 (as requested;" in resized.notes[0]
     assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == (32, 32)  # a tie: the smaller
@@ -342,7 +342,7 @@ BAD_DATA = {
                   "float32 (8, 8, 1): every image must have one size and type"),
     "labels": ("import torch\nclass S(list):\n    classes = ['a', 'b']\ndef make(data_dir):\n"
                "    return S([(torch.zeros(1, 8, 8), 0), (torch.zeros(1, 8, 8), 2)]), S([(torch.zeros(1, 8, 8), 0)])\n",
-               "error: --dataset my_data.py:make: training labels run from 0 to 2, outside 0..1 of its 2 classes"),
+               "error: --dataset my_data.py:make: training image 1 has the label 2, outside 0..1 of its 2 classes"),
     "raises": ("def make(data_dir):\n    return open(data_dir + '/nothing.csv')\n",
                "error: --dataset my_data.py:make raised FileNotFoundError: [Errno 2] No such file or directory"),
 }
@@ -401,7 +401,7 @@ def test_the_cache_can_be_built_ahead_and_other_sizes_are_kept(tmp_path, capsys)
                     "16x16", "--model", "model:WideResNet", "--epochs", "1", "--batch-size", "4", *FAST) == 0
     assert "Decoding" not in capsys.readouterr().out
     # The size chosen from the data is another cache; the one at 16x16 stays.
-    image_folder.prepare_folder(root, cache, log=lambda _: None)
+    image_cache.prepare_folder(root, cache, log=lambda _: None)
     assert built.exists() and len(list(cache.glob("images-*/auto-*"))) == 1
 
 
@@ -411,7 +411,7 @@ def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
         (root / split / "a").mkdir(parents=True)
         Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(root / split / "a" / "x.png")
     assert Image.open(root / "train" / "a" / "x.png").mode.startswith("I")
-    data = image_folder.read_folder_cache(image_folder.prepare_folder(root, tmp_path / "c", log=lambda _: None))
+    data = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "c", log=lambda _: None))
     assert data.train[0].shape == (1, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
 
 

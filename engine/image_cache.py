@@ -1,0 +1,290 @@
+"""The decoded images of an image folder (engine/image_folder.py), kept as uint8 arrays in .npy
+files under --cache-dir, one folder per image folder and one subfolder per version of its
+files and requested size:
+
+    CACHE/<name>-<hash of its path>/<auto or HxW>-<hash of file names, sizes and times>/
+        train_images.npy (N, H, W, C) uint8, train_labels.npy (N,) int64, test_*.npy (when
+        there is a test/), meta.json
+
+A cache is built in a temporary folder and renamed into place when complete, so an
+interrupted build is never used (and the next build removes its folder). The space it needs
+is checked and allocated before any image is decoded: a full disk is one line, never a "Bus
+error" from a memory-mapped page with nowhere to go. It is rebuilt when any image file is
+added, removed or changed (a stat of each file, no decoding), and the older version at the
+same requested size is then deleted.
+
+Its meta.json records, per split, the size of the images file, a hash of the labels and a
+hash of a sample of the images: a cache whose files no longer match (overwritten, truncated,
+meta.json lost) is rebuilt with a warning, never trained on. The check reads the labels and
+SAMPLED_IMAGES images: milliseconds, however large the cache.
+
+The arrays are memory-mapped: the device loader copies them to the GPU, the torchvision
+loader's workers read them without loading everything.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.data_formats import DatasetError, default_data_dir
+from engine.disk_space import NO_SPACE, free_bytes, size_text, space_problem
+from engine.errors import ResourceProblem
+from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, channel_stats, choose_size, decode_all, header,
+                                 map_threads, scan)
+from engine.processes import available_cores
+
+CACHE_FORMAT = 2  # 2: meta.json has the checks (split_checks)
+SAMPLED_IMAGES = 64  # images hashed per split, evenly spaced, the first and the last among them
+NO_PREALLOCATION = (errno.EINVAL, errno.EOPNOTSUPP)  # file systems without fallocate
+
+
+@dataclass(frozen=True)
+class FolderData:
+    """A decoded image folder: uint8 images (N, H, W, C) and int64 labels (N,) per split."""
+    train: tuple            # (images, labels)
+    test: tuple             # None when the folder has no test/ (or val/)
+    classes: tuple          # folder names, sorted: label i is classes[i]
+    mean: tuple             # per channel, of the training images scaled to 0..1
+    std: tuple
+    cache: Path             # the folder the arrays are read from
+    notes: tuple            # how the images were prepared, for the start-up block
+
+
+def folder_version(root, splits, image_size):
+    """The name of this version of the cache: the requested size (auto or HxW), then a hash
+    of every file's path (within ``root``, however --data-dir was spelled), size and
+    modification time. It changes when any image is added, removed or changed."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}".encode())
+    try:
+        for split, (files, labels) in splits.items():
+            for path, label in zip(files, labels):
+                info = path.stat()
+                name = path.relative_to(root)
+                digest.update(f"{split}\0{name}\0{label}\0{info.st_size}\0{info.st_mtime_ns}\n"
+                              .encode(errors="surrogateescape"))  # any name the OS allows
+    except OSError as err:  # a file deleted since the scan, a broken link
+        raise DatasetError(f"cannot read {err.filename} ({err.strerror or err})") from None
+    size = "x".join(map(str, image_size)) if image_size else "auto"
+    return f"{size}-{digest.hexdigest()[:16]}"
+
+
+def default_cache_dir():
+    """--cache-dir: datasets/cache/ beside the scripts, where the guide's data sets go too."""
+    return default_data_dir() / "cache"
+
+
+def cache_root(root, cache_dir):
+    """CACHE/<folder name>-<hash of its absolute path>: one per image folder."""
+    root = Path(root).expanduser().resolve()
+    return Path(cache_dir).expanduser() / f"{root.name}-{hashlib.sha256(os.fsencode(root)).hexdigest()[:8]}"
+
+
+def build_cache(target, splits, classes, image_size, ignored, log, workers):
+    """Decode every image into a temporary folder beside ``target``, then rename it to
+    ``target``. Its meta.json keeps the notes for the start-up block."""
+    total = sum(len(files) for files, _ in splits.values())
+    log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
+    start = time.perf_counter()
+    headers = {split: list(map_threads(header, files, workers)) for split, (files, _) in splits.items()}
+    train_sizes = [size for _, size in headers["train"]]
+    size = image_size or choose_size(train_sizes)
+    all_headers = [h for split_headers in headers.values() for h in split_headers]
+    gray = all(mode in GRAY_MODES for mode, _ in all_headers)
+    mode = "L" if gray else "RGB"
+    resized = sum(s != size for _, s in all_headers)
+    converted = sum(m != mode for m, _ in all_headers)
+    distinct = len(set(train_sizes))
+    how = ("as requested" if image_size else
+           f"the training images' {'only size' if distinct == 1 else f'most common of {distinct} sizes'}")
+    notes = [f"Images: {size[0]}x{size[1]} ({how}; {resized} resized: scaled to cover, centre-cropped), "
+             + ("gray (every image is gray)" if gray else f"RGB ({converted} converted from other modes)")]
+    if ignored:
+        notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
+    undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
+    if undecodable:
+        notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
+                     "read all the same")
+
+    shapes = {split: (len(files), *size, 1 if gray else 3) for split, (files, _) in splits.items()}
+    check_space(target.parent, sum(int(np.prod(shape)) + 9 * shape[0] for shape in shapes.values()), total)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-",
+                                dir=target.parent))  # unique across nodes too; removed if abandoned
+    try:
+        for split, (files, labels) in splits.items():
+            out = np.lib.format.open_memmap(tmp / f"{split}_images.npy", mode="w+", dtype=np.uint8,
+                                            shape=shapes[split])
+            reserve(tmp / f"{split}_images.npy", out.offset + out.nbytes)  # a full disk fails here, not in a SIGBUS
+            decode_all(files, size, mode, out, workers, log)
+            out.flush()
+            del out
+            np.save(tmp / f"{split}_labels.npy", labels)
+        mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
+        seconds = time.perf_counter() - start  # headers, decoding, statistics
+        meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
+                "notes": notes, "image_size": list(size), "mode": mode, "build_s": seconds, "images": total,
+                "checks": {split: split_checks(tmp, split) for split in splits}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, target)  # atomic: the cache appears complete or not at all
+        except OSError:
+            if not (target / "meta.json").is_file():  # not another process that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with {workers} "
+        f"threads) into {target}")
+
+
+def check_space(folder, needed, images):
+    """Fail before decoding when the cache of ``images`` images (``needed`` bytes) cannot fit."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise ResourceProblem(f"the image cache of {images} images needs {size_text(needed)} in {folder}, and "
+                              f"{size_text(free)} is free there: free some space, or choose another --cache-dir")
+
+
+def _utf8(path):
+    try:
+        str(path).encode()
+        return True
+    except UnicodeEncodeError:  # bytes of another encoding, kept by Python as surrogates
+        return False
+
+
+def remove_stale(folder_cache, keep, log):
+    """Delete the older versions of this folder's cache at the same requested size (a cache
+    at another --image-size stays) and the temporary folders of abandoned builds."""
+    size = keep.split("-")[0]
+    for old in folder_cache.iterdir():
+        if old.name != keep and old.name.startswith(f"{size}-") and (old / "meta.json").is_file():
+            if _delete(old):
+                log(f"Removed the outdated cache {old}")
+    remove_abandoned(folder_cache)
+
+
+def remove_abandoned(folder_cache):
+    """Delete the temporary folders of builds that died (killed, a full disk): those of a
+    process of this host that is gone, and any a day old. Called before a build, so that a
+    failed build's space is free for the next."""
+    host = socket.gethostname()
+    for old in folder_cache.glob(".*.tmp-*"):
+        try:
+            owner_host, pid = old.name.split(".tmp-", 1)[1].rsplit("-", 2)[:2]
+            gone = owner_host == host and not Path(f"/proc/{int(pid)}").exists()
+            if gone or time.time() - old.stat().st_mtime > 86400:
+                _delete(old)
+        except (OSError, ValueError):  # removed by another process first; a name of another version
+            continue
+
+
+def _delete(folder):
+    """Remove ``folder``, renamed aside first so that a half-deleted cache is never taken for one."""
+    aside = folder.with_name(f".{folder.name}.deleting{os.getpid()}")
+    try:
+        os.replace(folder, aside)
+    except OSError:  # another process removed it first
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def prepare_folder(root, cache_dir, image_size=None, log=print, workers=None, needs_test=True):
+    """Make sure the cache of image folder ``root`` is current (build it if not): call on
+    global rank 0 while the other ranks wait. Returns the cache folder. A folder without
+    test/ (or val/) is refused when ``needs_test``."""
+    root = Path(root).expanduser()
+    classes, splits, ignored = scan(root, needs_test)
+    folder_cache = cache_root(root, cache_dir)
+    target = folder_cache / folder_version(root, splits, image_size)
+    damage = why_damaged(target) if target.exists() else None
+    if damage:
+        log(f"WARNING: the image cache {target} is damaged ({damage}): rebuilding it")
+        _delete(target)
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            remove_abandoned(folder_cache)
+            build_cache(target, splits, classes, image_size, ignored, log, workers or min(32, available_cores()))
+        except OSError as err:
+            if err.errno in NO_SPACE:
+                raise space_problem("the image cache in", folder_cache, err) from None
+            raise DatasetError(f"cannot write the image cache in {folder_cache} ({err.strerror or err}); "
+                               "choose a writable --cache-dir") from None
+        remove_stale(folder_cache, target.name, log)
+    return target
+
+
+def read_folder_cache(target):
+    """FolderData from a cache folder that ``prepare_folder`` made: memory-mapped arrays
+    (copy-on-write, so torch can wrap them without a copy or a read-only warning); its test
+    split is None when the folder has no test/."""
+    meta_path = Path(target) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        splits = {split: (np.load(target / f"{split}_images.npy", mmap_mode="c"),
+                          np.load(target / f"{split}_labels.npy"))
+                  for split in meta.get("splits", SPLIT_FOLDERS)}
+    except (OSError, ValueError) as err:
+        raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
+                           "see the same --cache-dir, on a shared file system", same_on_every_rank=False) from None
+    notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
+    return FolderData(splits["train"], splits.get("test"), tuple(meta["classes"]), tuple(meta["mean"]),
+                      tuple(meta["std"]), Path(target), notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Is the cache what was built?
+
+def _sampled(images):
+    """Indices of the images whose pixels are hashed: evenly spaced over the split."""
+    return np.unique(np.linspace(0, len(images) - 1, min(SAMPLED_IMAGES, len(images))).astype(np.int64))
+
+
+def split_checks(folder, split):
+    """What meta.json records of ``split``'s files in the cache ``folder``."""
+    folder = Path(folder)
+    images = np.load(folder / f"{split}_images.npy", mmap_mode="r")
+    labels = np.load(folder / f"{split}_labels.npy")
+    pixels = hashlib.sha256()
+    for i in _sampled(images):
+        pixels.update(np.ascontiguousarray(images[i]).tobytes())
+    return {"images_bytes": os.path.getsize(folder / f"{split}_images.npy"), "shape": list(images.shape),
+            "labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest(), "pixels_sha256": pixels.hexdigest()}
+
+
+def why_damaged(folder):
+    """None when the cache ``folder`` matches its meta.json, else what does not (for a warning)."""
+    meta_path = Path(folder) / "meta.json"
+    if not meta_path.is_file():
+        return "no meta.json: a build that did not finish, or a file deleted"
+    try:
+        checks = json.loads(meta_path.read_text())["checks"]
+        for split, recorded in checks.items():
+            found = split_checks(folder, split)
+            differ = [key for key in recorded if recorded[key] != found.get(key)]
+            if differ:
+                return f"{split}: {', '.join(key.split('_')[0] for key in differ)} differ from meta.json"
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def reserve(path, nbytes):
+    """Allocate ``nbytes`` for the file ``path`` now: a disk that fills up during the decode is
+    then an OSError here, not a SIGBUS ("Bus error") from a page of the memory-mapped file
+    that has nowhere to go. File systems that cannot preallocate are left as they are."""
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+        except OSError as err:
+            if err.errno not in NO_PREALLOCATION:
+                raise

@@ -1,0 +1,329 @@
+"""A user's bad day (issue "Nothing lost, round 3"): full disks (real small tmpfs mounts),
+the same job submitted twice on one checkpoint folder, a metrics line cut by a dying node,
+damaged caches, file names that are not UTF-8, repeated stop signals. Each ends in one line
+and the documented exit status, keeps every finished epoch and the model, and the next run
+succeeds once the cause is gone."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, start, wait_for,
+                      write_image_folder)
+from engine import folder_lock, image_cache, splits, stopping
+from engine.errors import ResourceProblem, UserError
+from engine.folder_lock import FolderLock, lease_is_free
+from engine.log import reconcile_metrics
+
+RUN = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "4", "--checkpoint-interval", "0",
+       *FAST, *TINY_MODEL)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """make(kb): a tmpfs of ``kb`` KiB, the test machine's stand-in for a full project disk."""
+    mounts = []
+
+    def make(kb):
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kb}k", "tmpfs", folder],
+                          capture_output=True).returncode:
+            pytest.skip("needs mount (root) to make a small file system")
+        mounts.append(folder)
+        return folder
+
+    yield make
+    for folder in mounts:
+        subprocess.run(["umount", "-l", folder], check=True)
+
+
+def fill(folder, leave=0):
+    """Fill the file system of ``folder`` until ``leave`` bytes are free; returns the filler."""
+    filler = folder / "filler"
+    free = shutil.disk_usage(folder).free
+    with open(filler, "ab") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return filler
+
+
+def one_error(err):
+    [line] = error_lines(err)
+    assert "Traceback" not in err
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# Full disks.
+
+def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one_and_resumes(small_disk, tmp_path, capsys):
+    disk = small_disk(256)
+    ck, metrics = disk / "ck", tmp_path / "m.jsonl"
+    args = (*RUN, "--checkpoint-dir", ck, "--metrics-file", metrics)
+    assert run_main("train.py", *args, "--epochs", "1") == 0
+    first = sorted(p.name for p in ck.glob("checkpoint_*.pt"))
+    filler = fill(disk, leave=4096)  # room for the lock file, not for a checkpoint
+    capsys.readouterr()
+    assert run_main("train.py", *args, "--resume") == 1
+    out, err = capsys.readouterr()
+    line = one_error(err)
+    assert line.startswith(f"error: cannot write checkpoint {ck}/checkpoint_") and "No space left on device" in line
+    assert "free there" in line and f"the previous checkpoint {ck / first[-1]} is kept" in line
+    assert sorted(p.name for p in ck.glob("checkpoint_*.pt")) == first  # nothing half-written, nothing pruned
+    assert not [p for p in ck.iterdir() if ".tmp" in p.name]
+    filler.unlink()
+    assert run_main("train.py", *args, "--resume") == 0
+    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2]  # each finished epoch exactly once
+
+
+def test_no_claim_of_kept_checkpoints_when_there_are_none(small_disk, capsys):
+    disk = small_disk(64)
+    fill(disk, leave=4096)
+    assert run_main("train.py", *RUN, "--checkpoint-dir", disk / "ck") == 1
+    line = one_error(capsys.readouterr().err)
+    assert line.endswith("; no checkpoint of this run is kept") and "previous" not in line
+
+
+def test_save_weights_on_a_full_disk_is_rescued_elsewhere(small_disk, tmp_path, capsys, monkeypatch):
+    disk = small_disk(64)
+    fill(disk, leave=4096)
+    rescue = tmp_path / "scratch"
+    rescue.mkdir()
+    monkeypatch.setenv("TMPDIR", str(rescue))
+    assert run_main("train.py", *RUN, "--save-weights", disk / "w.pt") == 1
+    line = one_error(capsys.readouterr().err)
+    [saved] = rescue.glob("w-rescued-*.pt")
+    assert line.startswith(f"error: cannot write --save-weights {disk / 'w.pt'} (No space left on device: needs about ")
+    assert line.endswith(f"; the trained weights were written to {saved} instead: move them where they belong")
+    state = torch.load(saved, weights_only=True)
+    assert state["layers.6.weight"].shape == (100, 8)  # the trained model, loadable as any weights file
+    assert not list(disk.glob("*w.pt*"))
+
+
+def test_save_weights_on_a_full_disk_names_the_final_checkpoint(small_disk, tmp_path, capsys):
+    disk = small_disk(64)
+    fill(disk, leave=4096)
+    ck = tmp_path / "ck"
+    assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--save-weights", disk / "w.pt") == 1
+    line = one_error(capsys.readouterr().err)
+    [final] = sorted(ck.glob("checkpoint_*.pt"))[-1:]
+    assert line.endswith(f"; the trained model is in the final checkpoint {final} (--weights and predict.py read it "
+                         "as a weights file)")
+
+
+def test_resume_with_the_metrics_file_on_a_full_disk_is_one_line(small_disk, tmp_path, capsys):
+    disk = small_disk(64)
+    ck, metrics = tmp_path / "ck", disk / "m.jsonl"
+    assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", ck, "--metrics-file", metrics) == 0
+    metrics.write_text(metrics.read_text() + '{"epoch": 1, "run_id": "x", "cut')  # a half line to rewrite
+    filler = fill(disk)
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--metrics-file", metrics, "--resume") == 1
+    line = one_error(capsys.readouterr().err)
+    assert line.startswith(f"error: cannot write --metrics-file {metrics} (No space left on device: needs about ")
+    filler.unlink()
+    assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--metrics-file", metrics, "--resume") == 0
+    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2]
+
+
+def test_an_image_cache_that_cannot_fit_fails_before_decoding(small_disk, tmp_path, capsys):
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=16, n_test=4, stray=False)
+    disk = small_disk(32)
+    args = ("--dataset", "folder", "--data-dir", images, "--epochs", "1", "--batch-size", "8", *FAST, *TINY_MODEL)
+    assert run_main("train.py", *args, "--cache-dir", disk) == 1
+    out, err = capsys.readouterr()
+    line = one_error(err)
+    needed = 40 * 32 * 32 * 3 + 9 * 40  # uint8 pixels of 40 RGB images of 32x32, their labels and .npy headers
+    assert line.startswith(f"error: the image cache of 40 images needs {needed / 1e3:.1f} kB in {disk}/images-")
+    assert line.endswith("is free there: free some space, or choose another --cache-dir")
+    assert "Decoded" not in out
+    assert not [p for p in disk.rglob("*") if p.is_file()]  # nothing half-written
+    assert run_main("train.py", *args, "--cache-dir", tmp_path / "cache") == 0
+
+
+def test_a_disk_that_fills_during_the_decode_is_one_line_not_a_bus_error(small_disk, tmp_path):
+    """The space check passes, then the disk fills (another job writes): the preallocation
+    fails in one line where a memory-mapped write would die of SIGBUS."""
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=16, n_test=4, stray=False)
+    disk = small_disk(64)
+    code = ("import sys; from engine import image_cache; image_cache.check_space = lambda *a: None; "
+            "from engine.cli import run_cli; "
+            f"run_cli(lambda: image_cache.prepare_folder({str(images)!r}, {str(disk)!r}, log=lambda _: None))")
+    fill(disk, leave=8192)
+    result = run([sys.executable, "-c", code], cwd=python_cmd("train.py")[1].parent)
+    assert result.returncode == 1, result.stderr
+    line = one_error(result.stderr)
+    assert line.startswith(f"error: cannot write the image cache in {disk}/images-") and "No space left" in line
+    assert not list(disk.glob("*/.*tmp*"))  # the failed build's folder is gone
+
+
+def test_a_dead_builds_temporary_folder_is_removed_by_the_next_build(tmp_path):
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
+    root = image_cache.cache_root(images, tmp_path / "cache")
+    dead = root / f".auto-0123.tmp-{socket.gethostname()}-999999999-abc"
+    live = root / f".auto-0123.tmp-{socket.gethostname()}-{os.getpid()}-abc"  # a build under way
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+        (folder / "train_images.npy").write_bytes(b"\0" * 1000)
+    image_cache.prepare_folder(images, tmp_path / "cache", log=lambda _: None)
+    assert not dead.exists() and live.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged caches and labels.
+
+@pytest.mark.parametrize("damage", ["pixels", "labels", "meta.json", "truncated"])
+def test_a_damaged_image_cache_is_rebuilt_never_used(tmp_path, damage):
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
+    said = []
+    target = image_cache.prepare_folder(images, tmp_path / "cache", log=said.append)
+    good = image_cache.read_folder_cache(target)
+    pixels, labels = np.array(good.train[0]), np.array(good.train[1])
+    if damage == "pixels":
+        cached = np.load(target / "train_images.npy", mmap_mode="r+")
+        cached[0] = 255 - cached[0]
+        cached.flush()
+    elif damage == "labels":
+        np.save(target / "train_labels.npy", labels[::-1].copy())
+    elif damage == "meta.json":
+        (target / "meta.json").unlink()
+    else:
+        with open(target / "test_images.npy", "r+b") as f:
+            f.truncate(200)
+    said.clear()
+    assert image_cache.prepare_folder(images, tmp_path / "cache", log=said.append) == target
+    assert said[0].startswith(f"WARNING: the image cache {target} is damaged (") and said[0].endswith("rebuilding it")
+    rebuilt = image_cache.read_folder_cache(target)
+    assert np.array_equal(rebuilt.train[0], pixels) and np.array_equal(rebuilt.train[1], labels)
+    said.clear()
+    image_cache.prepare_folder(images, tmp_path / "cache", log=said.append)
+    assert not said  # sound now: used as it is
+
+
+def test_a_label_outside_the_classes_names_the_image():
+    splits.check_labels(np.array([0, 1, 2]), 3, "x")
+    with pytest.raises(UserError, match=r"^CIFAR-100 training image 2 has the label 100, outside 0\.\.99 of its "
+                                        r"100 classes \(2 such labels\)$"):
+        splits.check_labels(np.array([5, 0, 100, -1]), 100, "CIFAR-100 training")
+
+
+def test_a_file_name_that_is_not_utf8_trains(tmp_path):
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
+    first = sorted((images / "train" / "class_0").iterdir())[0]
+    odd = os.fsdecode(bytes(first.parent) + b"/caf\xe9" + first.suffix.encode())
+    os.rename(first, odd)
+    result = run(python_cmd("train.py", "--dataset", "folder", "--data-dir", images, "--cache-dir", tmp_path / "c",
+                            "--epochs", "1", "--batch-size", "4", *FAST, *TINY_MODEL), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: 1 file name(s) are not UTF-8, e.g. " in result.stdout and "caf\\udce9" in result.stdout
+    assert "Training complete" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per checkpoint folder.
+
+def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_path):
+    ck = tmp_path / "ck"
+    log = tmp_path / "first.log"
+    job = python_cmd("train.py", *RUN, "--epochs", "3", "--limit-batches", "30", "--checkpoint-dir", ck,
+                     "--resume=auto")  # what the job scripts run, twice
+    first = start(job, tmp_path, log)
+    wait_for(log, "Training", first)
+    second = run(job, cwd=tmp_path)
+    assert second.returncode == 1
+    line = one_error(second.stderr)
+    assert line.startswith(f"error: --checkpoint-dir {ck} is in use by another run (pid {first.pid} on "
+                           f"{socket.gethostname()}, since ")
+    assert "Training" not in second.stdout
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == stopping.EXIT_STOPPED
+    resumed = run(job, cwd=tmp_path)
+    assert resumed.returncode == 0 and "Resuming from" in resumed.stdout  # the kernel released the lock
+
+
+def test_a_lock_is_released_with_its_process_and_leaves_no_empty_folder(tmp_path):
+    ck = tmp_path / "new" / "ck"
+    with FolderLock(ck):
+        assert json.loads((ck / ".lock").read_text())["pid"] == os.getpid()
+        with pytest.raises(ResourceProblem, match="is in use by another run"):
+            FolderLock(ck).__enter__()  # another open file: flock conflicts within a process too
+    assert not ck.exists()  # nothing was written in it
+    with FolderLock(ck):
+        (ck / "checkpoint_000000001.pt").write_bytes(b"x")
+    assert [p.name for p in ck.iterdir()] == ["checkpoint_000000001.pt"]
+
+
+def test_without_flock_the_lock_file_is_a_lease(tmp_path, monkeypatch):
+    def no_flock(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", no_flock)
+    me = {"job": "77", "host": socket.gethostname(), "pid": os.getpid()}
+    assert not lease_is_free({**me, "job": "76", "pid": os.getppid()}, 10, me)  # a live process of another job
+    assert lease_is_free({**me, "pid": 999999999, "job": "76"}, 10, me)  # its process is gone
+    assert lease_is_free({**me, "host": "elsewhere"}, 10, me)  # a requeue of this very job
+    assert not lease_is_free({**me, "host": "elsewhere", "job": "76"}, 10, me)
+    assert lease_is_free({**me, "host": "elsewhere", "job": "76"}, folder_lock.LEASE_STALE_S + 1, me)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".lock").write_text(json.dumps({"job": "5", "host": "node9", "pid": 1, "since": "2026-11-25 10:00:00"}))
+    with pytest.raises(ResourceProblem, match=r"\(Slurm job 5, pid 1 on node9, since 2026-11-25 10:00:00\)"):
+        FolderLock(ck).__enter__()
+    old = os.stat(ck / ".lock").st_mtime - folder_lock.LEASE_STALE_S - 1
+    os.utime(ck / ".lock", (old, old))
+    with FolderLock(ck):  # a stale lease is taken over
+        assert json.loads((ck / ".lock").read_text())["pid"] == os.getpid()
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics, signals.
+
+def test_a_half_written_metrics_line_is_dropped_and_its_epoch_written_again(tmp_path):
+    path = tmp_path / "m.jsonl"
+    records = [{"run_id": "r", "epoch": 1}, {"run_id": "r", "epoch": 2}]
+    path.write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1])[:15])  # the node died mid-line
+    [warning] = reconcile_metrics(path, "r", records)
+    assert warning.startswith(f"WARNING: --metrics-file {path} ends in a half-written line")
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records
+    assert reconcile_metrics(path, "r", records) == []
+
+
+def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"epoch": 1, "run_id": "old"}\n{"epoch": 2, "ru')
+    assert run_main("train.py", *RUN, "--epochs", "1", "--metrics-file", path) == 0
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"epoch": 2, "ru' and json.loads(lines[2])["epoch"] == 1
+
+
+def test_a_repeated_stop_signal_cannot_turn_exit_75_into_143(tmp_path):
+    class Ctx:
+        is_main = True
+
+    stop = stopping.StopRequests(Ctx())
+    before = {sig: signal.getsignal(sig) for sig in stop.SIGNALS}
+    try:
+        with stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGTERM)  # a second one while tearing down: this test goes on
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signal.getsignal(signal.SIGINT) == before[signal.SIGINT]  # Ctrl-C still quits
+        # Not SIG_IGN, which a process started now would inherit: it must still die of SIGTERM.
+        child = subprocess.Popen(["sleep", "30"])
+        child.terminate()
+        assert child.wait(10) == -signal.SIGTERM
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    with stopping.StopRequests(Ctx()):
+        pass
+    assert {sig: signal.getsignal(sig) for sig in stop.SIGNALS} == before  # no stop: the handlers as they were
