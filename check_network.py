@@ -22,7 +22,12 @@ Timing: CUDA events around each all_reduce on GPUs, the clock around the blockin
 on CPUs. A size's time is the mean over its timed iterations, then the maximum over ranks:
 the slowest rank sets the pace of a collective, as it sets training's. algbw = bytes / time,
 busbw = algbw * 2(W - 1)/W (what each rank's link carries in a ring all-reduce, comparable
-across world sizes; n/a for one process), in GB/s = 1e9 bytes/s.
+across world sizes; n/a for one process), in GB/s = 1e9 bytes/s. The verdict also gives the
+largest size's busbw from the mean over ranks, which nccl-tests reports by default.
+
+Repeats: then --repeat all-reduces of 1 MiB (where NCCL 2.27.3 and later corrupt results now
+and then on GH200 + Slingshot with the OFI plugin, NVIDIA/nccl issue 2001) and of 25 MiB
+(DDP's gradient bucket), each checked: a fault that strikes one call in tens shows here.
 
 Network: on GPUs each rank writes NCCL's log (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET)
 into a temporary folder on local disk, unless NCCL_DEBUG_FILE is set (then that file is
@@ -48,7 +53,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from device_utils import device_name, network_report, setup_distributed
+from device_utils import device_name, nccl_report, network_report, setup_distributed
 from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
 from engine.cli import run_cli
 from engine.errors import RunAborted, UserError, first_line
@@ -57,11 +62,10 @@ from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
 from engine.lost_ranks import process_group_scope
+from engine.exact_sums import (DTYPE, check_result, max_world_size, mismatch_message, mismatches, pattern,
+                               sum_of_ranks)
 from engine.processes import any_rank, gather_objects
 
-DTYPE = torch.float32  # the gradients' dtype, what DDP all-reduces
-PERIOD = 7  # element i holds ((i % PERIOD) + 1) * (rank + 1)
-EXACT_LIMIT = 2**24  # float32 holds every integer up to this exactly
 DEFAULT_TIMEOUT_MIN = 5.0  # a check that takes seconds should not wait 10 minutes for a lost rank
 # The multi-node reference figures, all-reduce of 64 MB between two 4-GH200 nodes (CSCS Alps):
 SLINGSHOT_BUSBW_GBPS = 100  # aws-ofi-nccl over Slingshot: ~108 GB/s (1.1 ms)
@@ -96,77 +100,21 @@ class Fault(NamedTuple):
     iteration: int  # 1-based, warm-up iterations first
 
 
-class Mismatch(NamedTuple):
-    """One rank's wrong result in one iteration."""
-
-    rank: int
-    iteration: int  # 1-based, warm-up iterations first
-    wrong: int  # elements that differ from the expected sum
-    index: int  # the first of them
-    got: float
-    expected: float
-
-
 class SizeResult(NamedTuple):
     nbytes: int
     time_s: float  # mean over the timed iterations, maximum over ranks
     algbw: float  # GB/s
     busbw: float | None  # GB/s; None for one process
     wrong: int  # wrong elements over every rank and iteration
+    mean_busbw: float | None = None  # GB/s from the mean over ranks (nccl-tests' default); None for one process
+
+
+# The sizes --repeat all-reduces again and again: NCCL issue 2001's, and DDP's gradient bucket.
+REPEATED_SIZES = (2**20, 25 * 2**20)
 
 
 # ---------------------------------------------------------------------------------------------
 # Data and results: small pure functions.
-
-
-def sum_of_ranks(world_size: int) -> int:
-    """1 + 2 + ... + W: the factor of the expected sum."""
-    return world_size * (world_size + 1) // 2
-
-
-def max_world_size() -> int:
-    """The most ranks whose sums stay exact in float32 (every partial sum below 2**24)."""
-    world_size = 1
-    while PERIOD * sum_of_ranks(world_size + 1) < EXACT_LIMIT:
-        world_size += 1
-    return world_size
-
-
-def pattern(count: int, device) -> torch.Tensor:
-    """(i % 7) + 1 for i in 0..count-1, as float32."""
-    return (torch.arange(count, dtype=torch.int32, device=device) % PERIOD + 1).to(DTYPE)
-
-
-def check_result(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """[wrong elements, index of the first, its value, the expected value] as a float64 tensor
-    on the device: no wait for the device, so every iteration can be checked. All zero and
-    the expected value at index 0 when the result is right."""
-    wrong = got != expected
-    first = wrong.to(torch.uint8).argmax().view(1)  # the first wrong element (0 when none)
-    return torch.cat([wrong.sum().view(1).double(), first.double(), got.index_select(0, first).double(),
-                      expected.index_select(0, first).double()])
-
-
-def mismatches(rank: int, checks) -> list:
-    """The iterations in which this rank's result was wrong, from the rows of check_result."""
-    return [Mismatch(rank, iteration, int(row[0]), int(row[1]), float(row[2]), float(row[3]))
-            for iteration, row in enumerate(checks, start=1) if row[0] > 0]
-
-
-def mismatch_message(nbytes: int, count: int, iterations: int, found: list, hosts: list) -> str:
-    """One line for every rank's wrong results of one size (``found``: Mismatch of all ranks;
-    ``hosts``: each rank's host name): the iterations (1-based, warm-up first), the ranks and
-    their hosts, and the first wrong element."""
-    first = min(found, key=lambda m: (m.iteration, m.rank))
-    numbers = sorted({m.iteration for m in found})
-    which = f"iteration {numbers[0]}" if len(numbers) == 1 else f"iterations {rank_list(numbers)}"
-    ranks = sorted({m.rank for m in found})
-    on = sorted({hosts[rank] for rank in ranks})
-    where = f"host{'s' if len(on) > 1 else ''} {', '.join(on)}"
-    example = f"e.g. element {first.index}: got {first.got}, expected {first.expected}"
-    return (f"all-reduce of {human_size(nbytes)} gave wrong values in {which} of {iterations} on ranks "
-            f"{rank_list(ranks)} ({where}) ({first.wrong} of {count} elements on rank {first.rank} in iteration "
-            f"{first.iteration}, {example}): data is corrupted between ranks (see docs/network.md)")
 
 
 def parse_fault(text) -> Fault | None:
@@ -203,10 +151,17 @@ def table_row(result: SizeResult) -> str:
 
 def verdict(results: list, warmup: int, iters: int, min_busbw) -> str:
     last = results[-1]
-    busbw = "n/a (one process)" if last.busbw is None else f"{last.busbw:.2f} GB/s"
-    minimum = f" (--min-busbw {min_busbw:g})" if min_busbw is not None else ""
+    busbw = ("n/a (one process)" if last.busbw is None else
+             f"{last.busbw:.2f} GB/s (slowest rank; {last.mean_busbw:.2f} GB/s from the mean over ranks, as nccl-tests "
+             "reports it)")
+    minimum = f" (--min-busbw {min_busbw:g}, against the slowest rank's)" if min_busbw is not None else ""
     return (f"Network check passed: {count(len(results), 'size', 'sizes')} x ({warmup}+{iters}) all-reduces exact; "
             f"busbw at {human_size(last.nbytes)}: {busbw}{minimum}")
+
+
+def repeated_sizes(max_size: int) -> list:
+    """REPEATED_SIZES that fit in --max-size's buffers, or --max-size alone when none does."""
+    return [size for size in REPEATED_SIZES if size <= max_size] or [max_size]
 
 
 def check_busbw(result: SizeResult, min_busbw, network: str):
@@ -231,6 +186,9 @@ def build_parser():
                         help="timed iterations per size, each checked (default: 20)")
     parser.add_argument("--warmup-iters", type=non_negative_int, default=5, metavar="N",
                         help="untimed iterations per size before the timed ones, each checked too (default: 5)")
+    parser.add_argument("--repeat", type=non_negative_int, default=100, metavar="N",
+                        help="after the table, N more all-reduces of 1 MiB and of 25 MiB (those within --max-size), "
+                             "each checked: NCCL issue 2001's size and DDP's gradient bucket (default: 100; 0: none)")
     parser.add_argument("--min-busbw", type=positive_float, default=None, metavar="GBPS",
                         help="fail (exit status 4) when the busbw of the largest size is below this, in GB/s "
                              "(1e9 bytes/s); CSCS's Alps: ~108 between two 4-GH200 nodes over Slingshot, ~5.4 over "
@@ -352,7 +310,8 @@ def first_contact(ctx, log_path, timeout_s):
 
 def check_lost(lost, trace):
     """process_group_scope's error for a rank lost during the check."""
-    return CheckLost(f"the network check could not finish: {lost.message}", same_on_every_rank=not lost.printed_here)
+    return CheckLost(f"the network check could not finish: {lost.message}", same_on_every_rank=not lost.printed_here,
+                     silent=lost.spoke)
 
 
 def run(args, ctx, log_path, environ_before, fault):
@@ -381,6 +340,7 @@ def run(args, ctx, log_path, environ_before, fault):
                          "between ranks (see docs/network.md)")
     for line in describe_network(backend, logs, ctx.num_nodes, environ_before):
         say(line)
+    library = nccl_report() if backend == "nccl" else ""  # named with any wrong value: issue 2001 is NCCL's
     buffers = allocate(sizes[-1] // ELEMENT_BYTES, ctx)
     say(table_header(), flush=True)
     results = []
@@ -390,13 +350,32 @@ def run(args, ctx, log_path, environ_before, fault):
         gathered = gather_objects((mean_s, found), ctx.control_group)
         time_s = max(mean for mean, _ in gathered)  # the slowest rank sets the pace
         found = [m for _, rank_found in gathered for m in rank_found]
+        mean_time_s = sum(mean for mean, _ in gathered) / len(gathered)
         results.append(SizeResult(nbytes, time_s, *bandwidths(nbytes, time_s, ctx.world_size),
-                                  sum(m.wrong for m in found)))
+                                  sum(m.wrong for m in found), bandwidths(nbytes, mean_time_s, ctx.world_size)[1]))
         say(table_row(results[-1]), flush=True)
         if found:
-            raise RunAborted(mismatch_message(nbytes, elements, args.warmup_iters + args.iters, found, hosts))
+            raise RunAborted(mismatch_message(nbytes, elements, args.warmup_iters + args.iters, found, hosts,
+                                              library))
+    if args.repeat:
+        repeat(buffers, args, ctx, fault, hosts, library, say)
     check_busbw(results[-1], args.min_busbw, network_label(backend, logs))
     say(verdict(results, args.warmup_iters, args.iters, args.min_busbw), flush=True)
+
+
+def repeat(buffers, args, ctx, fault, hosts, library, say):
+    """--repeat checked all-reduces of each of repeated_sizes: a corruption that strikes one
+    call in tens (NCCL issue 2001) is one line with the iterations, ranks and the NCCL."""
+    sizes = repeated_sizes(args.max_size)
+    rounds = argparse.Namespace(warmup_iters=0, iters=args.repeat, collective_timeout=args.collective_timeout)
+    for nbytes in sizes:
+        elements = nbytes // ELEMENT_BYTES
+        _, found = all_reduce_size(buffers, elements, rounds, ctx, fault)
+        found = [m for rank_found in gather_objects(found, ctx.control_group) for m in rank_found]
+        if found:
+            raise RunAborted(mismatch_message(nbytes, elements, args.repeat, found, hosts, library))
+    say(f"Repeated: {args.repeat} more all-reduces of {' and '.join(map(human_size, sizes))}, every element "
+        "checked: exact", flush=True)
 
 
 def main():

@@ -92,13 +92,15 @@ def single_process_context() -> DistContext:
 def flight_recorder_settings(directory, version=None) -> dict:
     """The environment that makes NCCL's flight recorder (on by default since PyTorch 2.6: each
     rank's last 2000 collectives) dump on a collective timeout into ``directory`` as
-    nccl_trace_rank_N, read with ``torchfrtrace DIR/nccl_trace_rank_``. PyTorch 2.11 renamed the
-    variables (TORCH_NCCL_* -> TORCH_FR_*) and warns about the old names, which 2.7 needs."""
+    nccl_trace_rank_N, read with ``torchfrtrace DIR/nccl_trace_rank_``. PyTorch 2.11 renamed
+    the dump file's variable (TORCH_NCCL_DEBUG_INFO_TEMP_FILE -> TORCH_FR_DUMP_TEMP_FILE) and
+    warns about the old name, which 2.7 needs; the switch keeps its TORCH_NCCL_ name in every
+    version (2.14's libraries hold no TORCH_FR_DUMP_ON_TIMEOUT: tests/test_resilience.py
+    checks each name against the installed torch)."""
     version = torch.torch_version.TorchVersion(version or torch.__version__)
     prefix = str(Path(directory) / "nccl_trace_rank_")
-    if version >= "2.11":
-        return {"TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix}
-    return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    file_variable = "TORCH_FR_DUMP_TEMP_FILE" if version >= "2.11" else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+    return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", file_variable: prefix}
 
 
 NOT_UNDER_TORCHRUN = ("train_ddp.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
@@ -219,6 +221,15 @@ def check_replicas_in_sync(module: torch.nn.Module, where: str):
     local = parameter_checksums(module)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
+    # NaN never equals itself: a diverged model is named as such, not as corruption.
+    broken = [rank for rank, sums in enumerate(gathered) if not torch.isfinite(sums).all()]
+    if broken:
+        first = int((~torch.isfinite(gathered[broken[0]])).nonzero()[0]) // 2  # two sums per parameter tensor
+        name = [name for name, _ in module.named_parameters()][first]
+        raise RunAborted(f"NaN/Inf in the model parameters on rank(s) {broken} {where} (first in {name}): the "
+                         "training diverged (a learning rate too high for this batch, an overflow in fp16), not a "
+                         "network fault; stopping without writing a checkpoint (the last one is kept: lower "
+                         "--base-lr, or try --precision bf16, and continue with --resume)")
     differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
     if differing:
         raise RunAborted(f"model parameters on rank(s) {differing} differ from rank 0 {where}: the replicas "

@@ -369,7 +369,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
-    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx)
+    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     if continuing:
         state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
@@ -385,7 +385,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
-                               continuing))
+                               continuing, steps_left=args.epochs * steps - (state.epoch - 1) * steps - state.step,
+                               steps_per_epoch=steps))
     return run, state, rng_state
 
 

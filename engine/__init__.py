@@ -30,7 +30,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
     log.py           what is printed, and the metrics file
-    monitor.py       GPU utilization and power, TensorBoard, the profiler
+    monitor.py       GPU utilization and power, the profiler, and the Monitors the loop sees
+    tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run
     nccl_log.py      which network NCCL chose, from its own log (check_network.py)
     bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them
 """

@@ -213,14 +213,25 @@ def restore(checkpoint, module, optimizer, scheduler, scaler, ctx):
     return TrainState(**checkpoint["state"]), rng_state
 
 
+# After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait
+# (30 s by default) give the ranks 30 s before SIGKILL. A checkpoint that takes most of that
+# may be cut short after a signal (the previous one stays: the writes are atomic): a warning
+# says so, once.
+SIGNAL_GRACE_S = 30
+SLOW_CHECKPOINT_S = 20
+
+
 class Checkpointer:
     """Writes one run's checkpoints into its folder: global rank 0 writes, every rank waits
-    for the file (so none exits while it is written). Records how often and how long."""
+    for the file (so none exits while it is written). Records how often and how long, and
+    warns once through ``warn`` when one takes so long that a stop signal could cut it."""
 
-    def __init__(self, directory, interval_minutes, ctx):
+    def __init__(self, directory, interval_minutes, ctx, warn=print):
         self.directory = Path(directory) if directory else None
         self.interval_s = interval_minutes * 60
         self.ctx = ctx
+        self.warn = warn
+        self.warned = False
         self.last_time = time.monotonic()
         self.last_step = None  # optimizer step of the newest checkpoint written or loaded
         self.count, self.seconds = 0, 0.0
@@ -267,8 +278,15 @@ class Checkpointer:
                 (self.directory / name).unlink(missing_ok=True)
 
         from_rank0(write, self.ctx.control_group)  # every rank waits until the file is on disk
+        seconds = time.perf_counter() - start
         self.last_time, self.last_step = time.monotonic(), step
-        self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - start
+        self.count, self.seconds = self.count + 1, self.seconds + seconds
+        if seconds > SLOW_CHECKPOINT_S and not self.warned and self.ctx.is_main:
+            self.warned = True
+            self.warn(f"WARNING: checkpoint {path.name} took {seconds:.0f} s to write; after a stop signal "
+                      f"(scancel, Ctrl-C through torchrun) processes get {SIGNAL_GRACE_S} s before SIGKILL, so a "
+                      "stop checkpoint may be cut (the previous one is kept): stop with --stop-file, which the "
+                      "job scripts use, or give --checkpoint-dir a faster disk")
         return path
 
 

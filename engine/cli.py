@@ -37,7 +37,7 @@ def run_cli(main):
             let_rank0_fail_first()
         sys.exit(stop.exit_code)
     except UserError as err:
-        prints = rank == 0 or not err.same_on_every_rank
+        prints = not err.silent and (rank == 0 or not err.same_on_every_rank)
         if prints and rank and getattr(err, "rank0_first", False):
             let_rank0_fail_first()  # rank 0 likely hit it too: then its line alone is seen (torchrun ends this one)
         if prints:

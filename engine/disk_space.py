@@ -37,3 +37,9 @@ def space_problem(what, path, err, needed=None):
         why += (f": needs {'about ' + size_text(needed) if needed else 'more'}, "
                 f"{size_text(free_bytes(path))} free there")
     return ResourceProblem(f"cannot write {what} {path} ({why})")
+
+
+def space_warning(what, path, err, then):
+    """The warning for a diagnostic output (a TensorBoard event, a profiler trace) that could
+    not be written: training goes on without it, ``then`` says what happens instead."""
+    return f"WARNING: {space_problem(what, path, err)}; {then}"

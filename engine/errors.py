@@ -10,13 +10,17 @@ class UserError(Exception):
     ``same_on_every_rank``: every process hits the same error (a bad flag, say), so only
     global rank 0 prints it. Errors that may strike one node alone (a file missing on its
     disk) set it to False and are printed by every rank that hits them.
+
+    ``silent``: another process printed the line already (a rank that ended with an error of
+    its own, which its peers then lost): this one exits with its status and prints nothing.
     """
 
     exit_code = 2
 
-    def __init__(self, message, same_on_every_rank=True):
+    def __init__(self, message, same_on_every_rank=True, silent=False):
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+        self.silent = silent
 
 
 class RunAborted(UserError):

@@ -14,7 +14,7 @@ from engine.checkpoints import KEEP_CHECKPOINTS
 from engine.data_formats import DATASETS
 from engine.errors import UserError
 from engine.models import DEFAULT_MODEL
-from engine.monitor import tensorboard_missing
+from engine.tensorboard_log import tensorboard_missing
 from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, rank_or_zero
 from engine.stopping import EXIT_STOPPED
 

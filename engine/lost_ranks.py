@@ -1,10 +1,15 @@
 """When a rank is lost: a collective that timed out (a rank frozen by a stuck file system, a
 hung GPU, SIGSTOP) or lost its peer (a rank killed). Instead of a traceback on every rank,
 or a hang until the time limit, the ranks still alive check in through the rendezvous
-store and the lowest of them prints one line naming the others; on GPUs each first writes
-its NCCL flight recorder. train_ddp.py runs inside ``process_group_scope``.
+store and the lowest of them prints one line naming the others, with the host and PID
+each registered at start and, for a rank on its own node, how it ended (killed by SIGKILL,
+stopped, stuck in the kernel); on GPUs each first writes its NCCL flight recorder.
+train_ddp.py runs inside ``process_group_scope``.
 """
 
+import os
+import signal
+import socket
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,7 +22,9 @@ import torch.distributed as dist
 from engine.errors import RunAborted, first_line
 from engine.processes import DistContext, cleanup_distributed, group_active
 
-ROLL_CALL_S = 30.0  # after a failed collective: how long the ranks that are alive wait for each other
+# After a failed collective: how long the ranks that are alive wait for each other. Under
+# torchrun's 30 s grace: torchrun signals the ranks when one dies and kills them 30 s later.
+ROLL_CALL_S = 20.0
 
 
 def is_collective_failure(err: BaseException) -> bool:
@@ -29,22 +36,95 @@ def is_collective_failure(err: BaseException) -> bool:
         "gloo" in text or "NCCL" in text or "Connection closed by peer" in text or "Connection reset" in text))
 
 
+def _store():
+    return dist.distributed_c10d._get_default_store()  # private, but in PyTorch 2.7 to 2.15
+
+
+def register(ctx: DistContext):
+    """Publish where this rank runs ("HOST PID") in the rendezvous store, so that the ranks
+    still alive can name it if it is lost. One small write per rank at start."""
+    if ctx.world_size > 1:
+        _store().set(f"rank-at/{ctx.rank}", f"{socket.gethostname()} {os.getpid()}")
+
+
+class Whereabouts(NamedTuple):
+    host: str
+    pid: int
+
+
+def whereabouts(store, rank):
+    """Where ``rank`` registered (Whereabouts), or None when it never did."""
+    try:
+        if not store.check([f"rank-at/{rank}"]):
+            return None
+        host, pid = store.get(f"rank-at/{rank}").decode().split()
+        return Whereabouts(host, int(pid))
+    except Exception:  # an unreachable store, a garbled entry: the rank is named without them
+        return None
+
+
+def fate(at: Whereabouts, proc="/proc"):
+    """How the rank at ``at`` ended, seen from its own node: 'killed by SIGKILL', 'exited with
+    status 1', 'is stopped (SIGSTOP or a debugger)', 'is stuck in the kernel (state D: a file
+    system or driver call)', 'has exited' (its exit status already collected by torchrun), or
+    None: it runs elsewhere, or runs here and may yet answer. A dead rank's exit status is in
+    /proc/PID/stat (field 52) until torchrun collects it, a tenth of a second later."""
+    if at is None or at.host != socket.gethostname():
+        return None
+    try:
+        with open(f"{proc}/{at.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after "(command)", which may hold spaces
+    except (FileNotFoundError, ProcessLookupError):
+        return "has exited"
+    except OSError:
+        return None
+    state = fields[0]
+    if state in "ZX":
+        status = int(fields[49]) if len(fields) > 49 else None  # field 52 of the line: the wait(2) status
+        if status is None:
+            return "has exited"
+        if status & 0x7F:
+            return f"was killed by {signal.Signals(status & 0x7F).name}" + (
+                " (the kernel's out-of-memory killer sends it, and kill -9)" if status & 0x7F == signal.SIGKILL else "")
+        return f"exited with status {status >> 8}"
+    if state in "Tt":
+        return "is stopped (SIGSTOP or a debugger)"
+    if state == "D":
+        return "is stuck in the kernel (state D: a file system or driver call)"
+    return None
+
+
 def roll_call(ctx: DistContext, wait_s: float):
     """After a failed collective: the ranks that did not check in within ``wait_s`` seconds,
-    through the rendezvous store (which lives in torchrun, not in any rank). The ranks that
-    are alive hit the same failure at about the same time. None when the store is gone too."""
+    through the rendezvous store (which lives in torchrun, not in any rank), each with its
+    Whereabouts and fate. The ranks that are alive hit the same failure at about the same
+    time; the call returns at once when every missing rank is known dead. None when the store
+    is gone too."""
     try:
-        store = dist.distributed_c10d._get_default_store()  # private, but in PyTorch 2.7 to 2.15
+        store = _store()
         store.set_timeout(timedelta(seconds=wait_s))  # not the group's: an unreachable store fails fast
         store.set(f"roll-call/{ctx.rank}", "alive")
         deadline = time.monotonic() + wait_s
         while True:
             missing = [rank for rank in range(ctx.world_size) if not store.check([f"roll-call/{rank}"])]
-            if not missing or time.monotonic() >= deadline:
-                return missing
+            lost = [MissingRank(rank, whereabouts(store, rank)) for rank in missing]
+            lost = [rank._replace(fate=fate(rank.at)) for rank in lost]
+            dead = all(rank.fate and not rank.fate.startswith("is ") for rank in lost)
+            if not missing or dead or time.monotonic() >= deadline:
+                return lost
             time.sleep(0.2)
     except Exception:  # the store's host is gone: nobody can be asked
         return None
+
+
+class MissingRank(NamedTuple):
+    rank: int
+    at: Whereabouts = None  # where it registered, when it did
+    fate: str = None        # how it ended, when seen from its node (fate)
+
+    def describe(self):
+        where = f" (pid {self.at.pid} on {self.at.host})" if self.at else ""
+        return f"rank {self.rank}{where} {self.fate or 'stopped responding'}"
 
 
 class RanksLost(RunAborted):
@@ -75,7 +155,7 @@ def training_stopped(lost, trace):
     """train_ddp.py's RanksLost for the LostRanks ``lost``, with the flight recorder ``trace``."""
     traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
     return RanksLost(f"{lost.message}: stopping every rank; the checkpoints written so far are kept, continue "
-                     f"with --resume{traces}", same_on_every_rank=not lost.printed_here)
+                     f"with --resume{traces}", same_on_every_rank=not lost.printed_here, silent=lost.spoke)
 
 
 @contextmanager
@@ -89,11 +169,15 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
     given. Nothing else is written and the group is not destroyed: the checkpoints so far
     are the run's."""
     try:
+        register(ctx)
         yield
     except RuntimeError as err:
         if not group_active() or not is_collective_failure(err):
             cleanup_distributed()
             raise
+        # torchrun signals the ranks left when one dies: the roll call and its line come first.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, _after_the_loss)
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
         raise lost_error(who_is_lost(err, ctx, timeout_min), trace) from None
     except BaseException:
@@ -102,21 +186,40 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
     cleanup_distributed()
 
 
+def _after_the_loss(signum, frame):
+    """A stop signal during the roll call: the line naming the lost rank is on its way."""
+
+
 class LostRanks(NamedTuple):
-    message: str        # 'rank(s) [1] stopped responding (Timed out ...; --collective-timeout 0.1 min)'
+    message: str        # 'rank 1 (pid 3564 on node-1) was killed by SIGKILL (...; --collective-timeout 0.1 min)'
     printed_here: bool  # this rank prints it: the lowest rank still alive (every rank when unknown)
+    spoke: bool = False  # every lost rank exited by itself, with its own line: nobody prints this one
+
+
+def exited_by_itself(fate_seen):
+    """A rank that exited (a status, not a signal) printed why: an error of ours, or Python's."""
+    return fate_seen is not None and (fate_seen == "has exited" or fate_seen.startswith("exited with status"))
+
+
+NAMED_AT_MOST = 4  # the lost ranks named one by one; the others are counted
 
 
 def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
     """After the collective failure ``err``: a roll call (up to ROLL_CALL_S) and the line that
-    names the ranks that did not answer, with the first sentence of the error."""
-    missing = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
+    names the ranks that did not answer, where they ran and how they ended, with the first
+    sentence of the error."""
+    lost = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
     reason = first_line(err)
     reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
     reason = reason.split(". ", 1)[0].rstrip(".")[:200]  # the first sentence: gloo goes on with advice
-    who = (f"rank(s) {missing} stopped responding" if missing
-           else "every rank is alive but a collective failed" if missing == []
-           else "a collective failed and the rendezvous store cannot be reached")
-    alive = [rank for rank in range(ctx.world_size) if rank not in (missing or [])]
+    if lost:
+        who = "; ".join(rank.describe() for rank in lost[:NAMED_AT_MOST])
+        who += f"; and {len(lost) - NAMED_AT_MOST} more rank(s) stopped responding" if len(lost) > NAMED_AT_MOST else ""
+    else:
+        who = ("every rank is alive but a collective failed" if lost == []
+               else "a collective failed and the rendezvous store cannot be reached")
+    missing = [rank.rank for rank in lost or []]
+    alive = [rank for rank in range(ctx.world_size) if rank not in missing]
     return LostRanks(f"{who} ({reason}; --collective-timeout {timeout_min:g} min)",
-                     printed_here=missing is None or ctx.rank == alive[0])
+                     printed_here=lost is None or ctx.rank == alive[0],
+                     spoke=bool(lost) and all(exited_by_itself(rank.fate) for rank in lost))

@@ -1,6 +1,7 @@
 """What a run records about itself besides loss and accuracy, for a user asking where the time
 goes: GPU utilization and power per epoch (NVML, sampled in a thread), TensorBoard scalars
-(--tensorboard DIR), and a torch.profiler window of a few training steps (--profile-dir DIR).
+(--tensorboard DIR, engine/tensorboard_log.py), and a torch.profiler window of a few training
+steps (--profile-dir DIR).
 
 The loop (train_utils.py) sees one object, ``Monitors``: ``step()`` after each training step,
 ``gpu_window(start, end)`` once per epoch, ``record(record)`` with each epoch's metrics. Each
@@ -12,8 +13,6 @@ The optional packages (tensorboard, pynvml from nvidia-ml-py) are imported only 
 when used; the NGC PyTorch container has both.
 """
 
-import importlib.util
-import math
 import os
 import threading
 import time
@@ -24,47 +23,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from engine.disk_space import space_warning
 from engine.errors import first_line
 from engine.log import count
 from engine.processes import gather_objects, synchronize
+from engine.tensorboard_log import TensorBoardLog
 
 GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
-TENSORBOARD_PIP = "pip install tensorboard"
 NVML_PIP = "pip install nvidia-ml-py"
 TOP_OPERATORS = 15  # rows of the profiler's table in the log
-
-# Epoch record key -> TensorBoard tag. Grouped by the part before "/" (TensorBoard's cards).
-TENSORBOARD_TAGS = {
-    "train_loss": "loss/train",
-    "val_loss": "loss/validation",
-    "val_accuracy": "accuracy/validation",
-    "images_per_sec": "speed/images_per_s",
-    "epoch_time_s": "speed/training_s_per_epoch",
-    "eval_time_s": "speed/evaluation_s_per_epoch",
-    "lr": "recipe/learning_rate",
-    "peak_memory_gib": "gpu/peak_memory_gib",
-    "gpu_util_percent": "gpu/utilization_percent",
-    "gpu_power_w": "gpu/power_w",
-}
-
-
-def tensorboard_missing():
-    """One line for a user who asked for --tensorboard without a working package, else None.
-    The writer is imported here, at start, so that a broken install (protobuf, numpy) is this
-    line on every rank rather than a traceback on rank 0 after the data is loaded."""
-    try:
-        found = importlib.util.find_spec("tensorboard") is not None
-    except (ImportError, ValueError):  # blocked (sys.modules["tensorboard"] = None)
-        found = False
-    if not found:
-        return f"--tensorboard needs the tensorboard package, which is not installed: {TENSORBOARD_PIP}"
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except Exception as err:  # anything an install can break
-        return (f"--tensorboard: the tensorboard package does not load ({first_line(err)[:160]}); reinstall it: "
-                f"{TENSORBOARD_PIP}")
-    return None
-
 
 # ---------------------------------------------------------------------------------------------
 # GPU utilization and power, sampled in a thread.
@@ -94,8 +61,9 @@ def nvml_reader(device):
     try:
         pynvml.nvmlInit()
         handle = nvml_handle(pynvml, device)
-    except pynvml.NVMLError as err:
-        return None, f"not recorded: NVML does not answer ({err})"
+    except Exception as err:  # NVMLError, and whatever an old driver's library throws: monitoring never stops a run
+        why = str(err) if isinstance(err, pynvml.NVMLError) else f"{type(err).__name__}: {first_line(err)}"
+        return None, f"not recorded: NVML does not answer ({why})"
 
     def read():
         values = []
@@ -187,32 +155,6 @@ def gpu_fields(windows):
 
 
 # ---------------------------------------------------------------------------------------------
-# TensorBoard.
-
-class TensorBoardLog:
-    """Epoch scalars of one run in DIR/RUN_ID (so runs sharing DIR are curves of their own, and
-    a resumed run continues its own). ``first_epoch``: the epoch this process starts at; the
-    events an interrupted process wrote from there on (after its last checkpoint) are dropped
-    (purge_step), so each epoch shows once."""
-
-    def __init__(self, directory, run_id, first_epoch, resumed):
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-        self.path = Path(directory) / run_id
-        self.writer = SummaryWriter(str(self.path), purge_step=first_epoch if resumed else None)
-
-    def add(self, record):
-        for key, tag in TENSORBOARD_TAGS.items():
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(tag, value, record["epoch"])
-        self.writer.flush()  # an epoch takes minutes: show it now
-
-    def close(self):
-        self.writer.close()
-
-
-# ---------------------------------------------------------------------------------------------
 # The profiler window.
 
 class OperatorRow(NamedTuple):
@@ -277,15 +219,16 @@ def device_profiler(device):
 
 class ProfileWindow:
     """torch.profiler over ``steps`` training steps after the first ``skip`` (at least 1) of
-    this process (cuDNN autotuning, torch.compile and the loader's start-up are over by then).
+    this process (cuDNN autotuning, torch.compile and the loader's start-up are over by then;
+    when the skip ends an epoch, after the next epoch's first step).
     The window records training steps only: it ends with the epoch's training phase at the
     latest (then it has fewer steps). After that phase each rank writes
     DIR/RUN_epochE_stepS_rankR.pt.trace.json.gz (Perfetto, TensorBoard) and global rank 0
     prints the top operators, so writing them is not counted as training time."""
 
-    def __init__(self, directory, skip, steps, ctx, run_id, log):
+    def __init__(self, directory, skip, steps, ctx, run_id, log, steps_per_epoch=None):
         self.directory, self.ctx, self.run_id, self.log = Path(directory), ctx, run_id, log
-        self.skip, self.steps = skip, steps
+        self.skip, self.steps, self.steps_per_epoch = skip, steps, steps_per_epoch
         self.taken, self.recorded, self.where = 0, 0, None
         self.profiler = self.started = self.marker = self.wall_ms = None
         self.recording = False
@@ -309,7 +252,8 @@ class ProfileWindow:
                 self._stop()
             else:
                 self._mark_step()
-        elif self.taken == self.skip:
+        elif self.where is None and self.taken >= self.skip and step != self.steps_per_epoch:
+            # Once, and never after an epoch's last step: the next training step is a new epoch's.
             self.where = (epoch, step + 1)  # the next step is the first recorded
             synchronize(self.ctx.device)  # the window starts with an idle device
             self.profiler = device_profiler(self.ctx.device)
@@ -337,8 +281,14 @@ class ProfileWindow:
         name = f"{self.run_id}_epoch{epoch}_step{step}_rank{self.ctx.rank}.pt.trace.json.gz"
         path = unused_path(self.directory / name)
         tmp = path.with_name(f".tmp-{path.name}")  # ends in .gz: torch compresses it (a tenth of the size)
-        profiler.export_chrome_trace(str(tmp))
-        os.replace(tmp, path)
+        try:
+            profiler.export_chrome_trace(str(tmp))
+            os.replace(tmp, path)
+        except OSError as err:  # a full disk: the run goes on without this trace, and says so
+            tmp.unlink(missing_ok=True)
+            self.log.info(space_warning(f"the profiler trace of rank {self.ctx.rank}", path, err,
+                                        "training goes on without it"))
+            return True
         if self.ctx.is_main:
             cuda = self.ctx.device.type == "cuda"
             steps = max(self.recorded, 1)
@@ -351,6 +301,17 @@ class ProfileWindow:
                                        "GPU" if cuda else "CPU"):
                 self.log.info(line)
         return True
+
+
+def fitted_skip(skip, steps, steps_left):
+    """The --profile-skip this run can honour: ``skip`` when the window starts within the
+    ``steps_left`` training steps (None: unknown), else moved so that the window of ``steps``
+    ends with the run, never onto the first step; None when no step after the first is left."""
+    if steps_left is None or skip < steps_left:
+        return skip
+    if steps_left < 2:
+        return None
+    return max(1, steps_left - steps)
 
 
 def unused_path(path):
@@ -371,9 +332,12 @@ class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
     ``Monitors()`` is all off (tools/benchmark.py's timed steps)."""
 
-    def __init__(self, args=None, ctx=None, log=None, run_id=None, last_record=None, resumed=False):
+    def __init__(self, args=None, ctx=None, log=None, run_id=None, last_record=None, resumed=False, steps_left=None,
+                 steps_per_epoch=None):
         self.args, self.ctx, self.log = args, ctx, log
         self.run_id, self.last_record, self.resumed = run_id, last_record, resumed  # last_record: the checkpoint's
+        self.steps_left = steps_left  # training steps this process has to go (None: as many as asked)
+        self.steps_per_epoch = steps_per_epoch
         self.sampler = self.tensorboard = self.profile = None
         self.stack = ExitStack()
 
@@ -399,17 +363,32 @@ class Monitors:
             # A resume rewrites the checkpoint's last epoch: a process killed between its
             # checkpoint and its TensorBoard event would otherwise leave that epoch out.
             first_epoch = self.last_record["epoch"] if self.last_record else 1
-            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed)
+            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed, self.log.info)
             self.stack.callback(self.tensorboard.close)
             if self.last_record:
                 self.tensorboard.add(self.last_record)
             self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
         if args.profile_dir:
-            self.profile = ProfileWindow(args.profile_dir, args.profile_skip, args.profile_steps, ctx, self.run_id,
-                                         self.log)
+            skip = fitted_skip(args.profile_skip, args.profile_steps, self.steps_left)
+            to_go = count(self.steps_left or 0, "training step", "training steps")
+            if skip is None:
+                self.log.info(f"Profiler: no trace: this run has {to_go} to go, and the first is never profiled "
+                              "(it autotunes and compiles)")
+                return
+            self.profile = ProfileWindow(args.profile_dir, skip, args.profile_steps, ctx, self.run_id, self.log,
+                                         self.steps_per_epoch)
             self.stack.callback(self.profile.end_of_training_phase)  # a stop or an error: what was recorded
-            self.log.info(f"Profiler: {args.profile_steps} training steps after the first {args.profile_skip} of "
-                          f"this process, traces in {args.profile_dir}")
+            self.stack.callback(self._no_trace_said)
+            moved = (f" (--profile-skip {args.profile_skip} moved to {skip}: this run has {to_go} to go)"
+                     if skip != args.profile_skip else "")
+            self.log.info(f"Profiler: {args.profile_steps} training steps after the first {skip} of this process"
+                          f"{moved}, traces in {args.profile_dir}")
+
+    def _no_trace_said(self):
+        if self.profile.where is None:  # stopped (a signal, an error, early stopping) before the window
+            taken = count(self.profile.taken, "training step", "training steps")
+            self.log.info(f"Profiler: no trace written: the run ended after {taken} of this process, before the "
+                          f"window's first (after {self.profile.skip})")
 
     def __exit__(self, *exc):
         self.stack.close()

@@ -37,8 +37,19 @@ def configure_precision(requested, device):
     if cuda:
         # PyTorch lets cuDNN use TF32 for convolutions by default, so the guide's "fp32" was
         # partly TF32. Here fp32 means fp32; every other mode allows TF32 for fp32 leftovers.
-        torch.backends.cuda.matmul.allow_tf32 = requested != "fp32"
-        torch.backends.cudnn.allow_tf32 = requested != "fp32"
+        set_tf32(matmuls=requested != "fp32", convolutions=requested != "fp32")
     return Precision(requested, AUTOCAST_DTYPES.get(requested))
+
+
+def set_tf32(matmuls, convolutions):
+    """Allow TF32 for fp32 matmuls and cuDNN convolutions, or not. PyTorch 2.9 added
+    ``fp32_precision`` and refuses to read the older ``allow_tf32`` once both were used (as
+    torch.compile does), so the newer is used where it exists; 2.7 has only ``allow_tf32``."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if matmuls else "ieee"
+        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = "tf32" if convolutions else "ieee"
+    else:
+        matmul.allow_tf32, cudnn.allow_tf32 = matmuls, convolutions
 
 

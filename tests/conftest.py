@@ -46,9 +46,19 @@ def clean_env(**extra):
 
 
 def run(cmd, cwd, env=None, timeout=300):
-    """Run a command; returns the CompletedProcess with text stdout/stderr."""
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    """Run a command; returns the CompletedProcess with text stdout/stderr. Past ``timeout``
+    seconds it is killed with every process below it (torchrun starts its ranks in sessions
+    of their own: killing torchrun alone would leave them holding the CPU or a GPU), and the
+    test fails with subprocess.TimeoutExpired."""
+    cmd = [str(c) for c in cmd]
+    with subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process)
+            raise
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 _BACKGROUND = []  # processes of ``start``, killed when their test ends

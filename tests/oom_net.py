@@ -1,7 +1,8 @@
 """A small network without BatchNorm or dropout (so micro-batches change nothing but rounding)
 that can run out of memory on purpose: OOM_AT=train:N or eval:N raises at its N-th training or
-evaluation forward in this process; OOM_KIND=cuda raises torch.OutOfMemoryError as CUDA's
-allocator does, cpu the CPU allocator's RuntimeError (--model tests/oom_net.py:Net)."""
+evaluation forward in this process (OOM_RANK=R: in global rank R's alone); OOM_KIND=cuda raises
+torch.OutOfMemoryError as CUDA's allocator does, cpu the CPU allocator's RuntimeError
+(--model tests/oom_net.py:Net)."""
 
 import os
 
@@ -19,7 +20,8 @@ class Net(nn.Module):
     def forward(self, x):
         phase = "train" if self.training else "eval"
         self.calls[phase] += bool(x.abs().sum() > 0)  # not the two zero images that probe the model at start
-        if os.environ.get("OOM_AT") == f"{phase}:{self.calls[phase]}":
+        this_rank = os.environ.get("OOM_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
+        if os.environ.get("OOM_AT") == f"{phase}:{self.calls[phase]}" and this_rank:
             if os.environ.get("OOM_KIND") == "cpu":
                 raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
                                    "memory: you tried to allocate 2684354560 bytes. Error code 12")

@@ -3,8 +3,11 @@ agrees with the rows it wrote."""
 
 import json
 import math
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 
 from engine import monitor
 from tools import gpu_report
-from conftest import error_lines, run_main
+from conftest import REPO, error_lines, run_main
 
 REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "precision", "loader"}
 
@@ -28,7 +31,7 @@ def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, cap
     assert all(REQUIRED <= row.keys() for row in rows)
     found = {(row["recipe"], row["measure"], row["loader"]): row for row in rows}
     for measure in ("pipeline", "train"):
-        guide, project = found[("guide", measure, "torchvision")], found[("project", measure, "device")]
+        guide, project = found[("guide", measure, "guide DataLoader")], found[("project", measure, "device")]
         assert guide["workers"] == 0 and guide["precision"] == project["precision"] == "fp32"  # on the CPU
         assert guide["batch_size"] == project["batch_size"] == 32
         for row in (guide, project):
@@ -36,10 +39,100 @@ def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, cap
             assert 0 < row["images_per_sec"] < math.inf
         ratio = project["images_per_sec"] / guide["images_per_sec"]
         assert any(line.startswith(measure) and line.endswith(f"{ratio:.1f}x") for line in out.splitlines())
-    project_torchvision = [row for row in rows if row["recipe"] == "project" and row["loader"] == "torchvision"]
+    project_torchvision = [row for row in rows if row["recipe"] == "project --loader torchvision"]
     assert 0 in {row["workers"] for row in project_torchvision}  # the guide's setting, for comparison
     assert {row["warmup_steps"] for row in rows if row["measure"] == "train"} == {1}
     assert f"Rows written to {rows_path}" in out
+
+
+def _tiny_opts(tmp_path, *extra):
+    """benchmark.py --quick's options with a tiny network (TINY_NET): the orchestration, not figures."""
+    from tools import benchmark
+    (tmp_path / "tiny_net.py").write_text(TINY_NET)
+    return benchmark.build_parser().parse_args(["--quick", "--data-dir", str(tmp_path / "no"), "--model",
+                                                f"{tmp_path / 'tiny_net.py'}:Net", *extra])
+
+
+def test_a_part_that_fails_loses_only_its_own_rows(tmp_path, monkeypatch, capsys):
+    """An out-of-memory in the project's steps: its rows are 'failed', the guide's and the
+    loaders' are measured, and the failure is named under the table."""
+    import torch
+
+    from tools import benchmark
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(benchmark, "time_training_steps", out_of_memory)
+    failures = []
+    rows = benchmark.benchmark(_tiny_opts(tmp_path), failures)
+    out = "\n".join(benchmark.table(rows, failures))
+    assert re.search(r"^train +[\d,.]+ +failed +-$", out, re.MULTILINE)  # the guide's loop measured
+    assert re.search(r"^pipeline +[\d,.]+ +[\d,.]+ +[\d.]+x$", out, re.MULTILINE)
+    assert "pipeline of project --loader torchvision --num-workers 0: " in out
+    assert "FAILED: the project recipe: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in out
+
+
+def test_the_guide_column_runs_the_guides_own_loop(tmp_path, monkeypatch):
+    """Plain SGD with the learning rate alone, cuDNN autotuning off while it runs (and back on
+    after), zero_grad after the forward pass, no loss read back per batch."""
+    import torch
+
+    from device_utils import single_process_context
+    from tools import benchmark
+    made, seen, reads = [], [], []
+
+    class RecordedSGD(torch.optim.SGD):
+        def __init__(self, params, **kwargs):
+            made.append(kwargs)
+            super().__init__(params, **kwargs)
+
+        def step(self, closure=None):
+            seen.append(torch.backends.cudnn.benchmark)
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "SGD", RecordedSGD)
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: (self.grad_fn and reads.append(self)) or item(self))
+    torch.backends.cudnn.benchmark = True
+    opts = _tiny_opts(tmp_path)
+    ctx = single_process_context()
+    args = benchmark.recipe_args("guide", opts, 8, ctx.device, False)
+    task = benchmark.build_task(args, ctx)
+    batches = benchmark.endless(benchmark.guide_loader(task.train_loader.dataset, 8, ctx.device))
+    timing = benchmark.guide_training_steps(task, args, ctx, batches, 1, 2)
+    assert made == [{"lr": args.base_lr}] and seen == [False] * 3 and reads == []
+    assert torch.backends.cudnn.benchmark is True and timing.images_per_sec > 0
+
+
+def test_the_report_takes_the_defaults_rows_whichever_loader_they_chose(tmp_path, monkeypatch, capsys):
+    """When --loader auto picks the DataLoader (data larger than the device's share), the
+    project's rows are the torchvision loader's: the report must not look for the device's."""
+    from tools import benchmark
+    monkeypatch.setitem(benchmark.RECIPES, "project", ["--loader", "torchvision", "--num-workers", "0"])
+    failures = []
+    rows = benchmark.benchmark(_tiny_opts(tmp_path), failures)
+    assert failures == [] and {r["loader"] for r in rows if r["recipe"] == "project"} == {"torchvision"}
+    figures = gpu_report.Figures(versions=gpu_report.versions(), rows=rows)
+    block = gpu_report.markdown(figures, "python tools/benchmark.py --report r.md")
+    assert re.search(r"^\| train \| [\d,]+ \| [\d,]+ \| - \|$", block, re.MULTILINE)
+    assert all("failed" not in line for line in benchmark.table(rows))
+
+
+def test_peak_memory_is_counted_after_the_warm_up():
+    """cuDNN's autotuning workspaces of the first steps are not the steady state."""
+    events = []
+
+    def steps(timed_window):
+        events.append("warm-up")
+        with timed_window():
+            events.append("timed steps")
+    original = gpu_report.reset_peak_memory, gpu_report.peak_memory_gib
+    try:
+        gpu_report.reset_peak_memory = lambda device: events.append("reset")
+        gpu_report.peak_memory_gib = lambda device: events.append("read") or 3.5
+        assert gpu_report.steady_peak_memory(steps, "cuda") == 3.5
+    finally:
+        gpu_report.reset_peak_memory, gpu_report.peak_memory_gib = original
+    assert events == ["warm-up", "reset", "timed steps", "read"]
 
 
 def test_an_unwritable_json_path_fails_before_measuring(tmp_path, capsys):
@@ -255,3 +348,55 @@ def test_report_runs_every_part_and_names_the_one_that_failed(tmp_path, monkeypa
     [(left_s, log)] = tier_calls
     assert 0 < left_s < gpu_report.BUDGET_S and log == tmp_path / "report.gpu_tier.log"
     assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): stub" in block
+
+
+def test_a_command_past_its_timeout_is_killed_with_every_process_below_it(tmp_path):
+    """conftest.run, which the torchrun tests use: a rank in a session of its own (as torchrun
+    starts them) must not outlive its timed-out test on a GPU."""
+    from conftest import run
+
+    pid_file = tmp_path / "grandchild"
+    child = ("import os, subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run([sys.executable, "-c", child], cwd=tmp_path, timeout=5)
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered asynchronously; the grandchild is reaped by init
+        if not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {grandchild} outlived its timed-out test")
+
+
+def test_the_gpu_tier_runs_cheap_tests_first_and_the_cold_compiles_last():
+    """--report gives the tier what is left of its budget: a cold --compile first would leave
+    no time for the twenty cheap tests. No test before the compiles may wait longer than a
+    few steps need."""
+    import ast
+
+    tree = ast.parse((REPO / gpu_report.GPU_TIER).read_text())
+    tests = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    compiles = [i for i, test in enumerate(tests) if "compile" in test.name]
+    assert len(tests) > 15 and compiles == [len(tests) - 2, len(tests) - 1]
+    for test in tests[:compiles[0]]:
+        timeouts = [kw.value for node in ast.walk(test) if isinstance(node, ast.Call) for kw in node.keywords
+                    if kw.arg == "timeout"]
+        assert all(isinstance(t, ast.Constant) and t.value <= 120 for t in timeouts), test.name
+
+
+@pytest.mark.parametrize("mode, blocked", [("Exclusive_Process", True), ("Default", False), (None, False)])
+def test_a_gpu_in_exclusive_mode_is_named_instead_of_a_tier_of_failures(tmp_path, monkeypatch, mode, blocked):
+    """On a GPU that takes one process (clusters set Exclusive_Process), the report's own
+    process holds it: the tier's processes could not start, so the block says why and how."""
+    stub = tmp_path / "nvidia-smi"
+    stub.write_text(f"#!/bin/sh\necho '{mode or ''}'\n" if mode else "#!/bin/sh\nexit 9\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert gpu_report.compute_mode() == mode
+    why = gpu_report.tier_blocked(gpu_report.compute_mode())
+    assert (why is not None) == blocked
+    if blocked:
+        assert why.startswith("not run: GPU 0 is in Exclusive_Process compute mode, where only one process may use it")
+        assert "`python -m pytest -q tests/test_gpu.py`" in why

@@ -87,7 +87,7 @@ def test_each_augmentation_is_defined_once_in_recipe_py():
         text = path.read_text()
         defined = {op for op in ops if re.search(rf"^def {op}\(", text, re.M)}
         assert defined == (ops if name == "recipe" else set()), (name, defined)
-        if name != "tools.benchmark":  # the guide's own transforms: the baseline it measures against
+        if name != "tools.baselines":  # the guide's own transforms: the baseline it measures against
             used = {node.attr for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute)}
             assert not used & {"RandomCrop", "RandomHorizontalFlip", "RandomResizedCrop", "hflip"}, name
 

@@ -95,6 +95,16 @@ def test_out_of_memory_on_every_rank_is_one_line_for_the_job(data, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: out of memory at step 2 of epoch 1 (training)")
 
 
+def test_an_error_on_one_rank_is_its_line_alone(data, tmp_path):
+    """Rank 1 alone runs out of memory and exits with its line; rank 0, which loses it in the
+    gradient all-reduce, sees on this node that rank 1 exited by itself and adds nothing."""
+    result = run(torchrun_cmd(2, "train_ddp.py", *train_args(data, "--checkpoint-dir", "ck")), cwd=tmp_path,
+                 env=clean_env(OOM_AT="train:2", OOM_RANK="1"))
+    assert result.returncode == 1
+    lines = error_lines(result.stdout + result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] error: out of memory at step 2 of epoch 1 (training)")
+
+
 def test_the_suggested_accumulate_is_estimated_from_the_peak():
     gib = 2**30
     assert suggested_accumulate(1, 256, peak=30 * gib, total=80 * gib, steps_done=True) == 2

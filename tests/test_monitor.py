@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from device_utils import single_process_context
-from engine import monitor
+from engine import monitor, tensorboard_log
 from train_utils import parse_args
 from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
 
@@ -102,6 +102,24 @@ def test_nvml_finds_the_gpu_by_its_uuid(monkeypatch, uuid, known, expected):
         assert monitor.nvml_handle(pynvml, torch.device("cuda", 0)) == expected
 
 
+class _OldDriverNvml(_FakeNvml):
+    """An NVML whose library lacks a symbol this pynvml calls: not an NVMLError."""
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        raise AttributeError("/usr/lib64/libnvidia-ml.so.1: undefined symbol: nvmlDeviceGetHandleByUUID")
+
+
+def test_an_nvml_that_fails_in_any_way_leaves_the_run_without_samples(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="5c1e-b"))
+    monkeypatch.setattr(monitor, "import_pynvml", lambda: _OldDriverNvml(["GPU-5c1e-b"]))
+    read, why_not = monitor.nvml_reader(torch.device("cuda", 0))
+    assert read is None
+    assert why_not == ("not recorded: NVML does not answer (AttributeError: /usr/lib64/libnvidia-ml.so.1: undefined "
+                       "symbol: nvmlDeviceGetHandleByUUID)")
+
+
 # ---------------------------------------------------------------------------------------------
 # TensorBoard.
 
@@ -138,7 +156,7 @@ def test_a_resume_writes_the_checkpoints_last_epoch_again(tmp_path):
     resumed run writes epoch 2 from the checkpoint's records, once."""
     pytest.importorskip("tensorboard", reason="pip install -r requirements-dev.txt")
     records = [{"epoch": e, "train_loss": 5.0 - e, "val_accuracy": 0.1 * e} for e in (1, 2)]
-    first = monitor.TensorBoardLog(tmp_path / "tb", "run", 1, resumed=False)
+    first = tensorboard_log.TensorBoardLog(tmp_path / "tb", "run", 1, resumed=False)
     first.add(records[0])  # killed before epoch 2's event
     first.close()
     args = parse_args("t", ["--synthetic", "--tensorboard", str(tmp_path / "tb")])
@@ -242,6 +260,30 @@ def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
     assert table[0].split()[:2] == ["operator", "calls"] and "aten::convolution_backward" in "\n".join(table)
     assert any(line.startswith("Per step: ") and "communication" in line for line in table)  # DDP's all-reduces
     assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
+
+
+@pytest.mark.parametrize("skip, steps, steps_left, expected", [
+    (10, 5, 100, 10), (10, 5, 8, 3), (10, 5, 4, 1), (2, 5, None, 2), (10, 5, 1, None), (1, 5, 2, 1)])
+def test_the_profile_window_is_moved_into_the_run(skip, steps, steps_left, expected):
+    assert monitor.fitted_skip(skip, steps, steps_left) == expected
+
+
+def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tmp_path, capsys):
+    """A quick 4-step trial with the default --profile-skip 10: the window is moved into the
+    run, and the start-up line says so; a run with one step says why there is no trace."""
+    data = write_cifar100(tmp_path / "data", n_train=32, n_test=8)  # TINY: 2 steps of 4 per epoch
+    assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "2", "--profile-dir", tmp_path / "prof",
+                    "--profile-steps", "2") == 0
+    out = capsys.readouterr().out
+    assert ("Profiler: 2 training steps after the first 2 of this process (--profile-skip 10 moved to 2: this run "
+            f"has 4 training steps to go), traces in {tmp_path / 'prof'}") in out
+    (trace,) = (tmp_path / "prof").iterdir()
+    assert trace.name.endswith("_epoch2_step2_rank0.pt.trace.json.gz")  # not across the end of epoch 1
+    assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "1", "--limit-batches", "1", "--profile-dir",
+                    tmp_path / "prof1") == 0
+    assert ("Profiler: no trace: this run has 1 training step to go, and the first is never profiled (it autotunes "
+            "and compiles)") in capsys.readouterr().out
+    assert not (tmp_path / "prof1").exists()
 
 
 def test_a_window_cut_short_by_the_end_of_the_epoch_is_written(tmp_path, capsys):

@@ -22,6 +22,7 @@ from engine import folder_lock, image_cache, splits, stopping
 from engine.errors import ResourceProblem, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.log import reconcile_metrics
+from tools import gpu_report, report
 
 RUN = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "4", "--checkpoint-interval", "0",
        *FAST, *TINY_MODEL)
@@ -132,6 +133,49 @@ def test_resume_with_the_metrics_file_on_a_full_disk_is_one_line(small_disk, tmp
     filler.unlink()
     assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--metrics-file", metrics, "--resume") == 0
     assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2]
+
+
+@pytest.mark.parametrize("output", ["--tensorboard", "--profile-dir"])
+def test_diagnostics_on_a_full_disk_are_a_warning_and_training_goes_on(small_disk, tmp_path, capsys, output):
+    """TensorBoard events and profiler traces show how a run goes; a disk that cannot take them
+    is one warning with the space free, and the run, its metrics and its weights go on."""
+    pytest.importorskip("tensorboard") if output == "--tensorboard" else None
+    disk = small_disk(64)
+    fill(disk, leave=2048)  # the start-up probe fits, an epoch's events or a trace do not
+    metrics = tmp_path / "m.jsonl"
+    extra = ("--profile-skip", "1", "--profile-steps", "1") if output == "--profile-dir" else ()
+    assert run_main("train.py", *RUN, output, disk / "out", *extra, "--metrics-file", metrics,
+                    "--save-weights", tmp_path / "w.pt") == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Exception in thread" not in err  # nor from tensorboard's writer thread
+    [warning] = [line for line in out.splitlines() if line.startswith("WARNING: cannot write")]
+    assert "(No space left on device: needs more, " in warning and " kB free there); " in warning
+    assert str(disk / "out") in warning
+    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2] and (tmp_path / "w.pt").exists()
+    assert not [p for p in (disk / "out").rglob("*") if p.name.startswith(".tmp-")]  # no half-written trace
+
+
+def test_reports_on_a_full_disk_are_one_line_and_lose_nothing(small_disk, tmp_path, capsys):
+    """tools/report.py --plot and benchmark.py --report's block (gpu_report.write): one line
+    with the space free, exit status 1; the report file keeps its earlier blocks whole, and
+    the new block is printed instead, so a GPU's minutes of measuring are not lost."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "m.jsonl"
+    assert run_main("train.py", *RUN, "--metrics-file", metrics) == 0
+    disk = small_disk(64)
+    report_md = disk / "r.md"
+    gpu_report.write(report_md, "# first block\n")
+    fill(disk, leave=0)
+    capsys.readouterr()
+    assert report.main([str(metrics), "--plot", str(disk / "runs.png")]) == 1
+    line = one_error(capsys.readouterr().err)
+    assert line.startswith(f"report.py: error: cannot write --plot {disk / 'runs.png'} (No space left on device: ")
+    assert not [p for p in disk.iterdir() if p.suffix == ".png"]
+    block = "| figure | value |\n" * 2000
+    with pytest.raises(ResourceProblem, match=r"^cannot write --report .*r\.md \(No space left on device: needs "
+                                              r"about 38\.0 kB, 0\.0 kB free there\)$"):
+        gpu_report.write(report_md, block)
+    assert report_md.read_text() == "# first block\n" and block in capsys.readouterr().out
 
 
 def test_an_image_cache_that_cannot_fit_fails_before_decoding(small_disk, tmp_path, capsys):

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import device_utils
 import recipe
 import train_utils as tu
-from engine import checkpoints, files, flags, seeds, stopping
+from engine import checkpoints, files, flags, lost_ranks, seeds, stopping
 from engine import log as run_log
 from engine import weights as weights_file
 from conftest import (FAST, REPO, TINY_MODEL, descendants, error_lines, python_cmd, read_metrics, run, run_main, spawn,
@@ -244,7 +245,10 @@ def _replica_worker(rank, store, results, perturb):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     if perturb and rank == 1:
         with torch.no_grad():
-            model[1].weight[0, 3] += 1e-7  # one value, barely changed
+            if perturb == "nan":
+                model[1].bias[1] = float("nan")  # diverged on this rank (every rank, after its all-reduce)
+            else:
+                model[1].weight[0, 3] += 1e-7  # one value, barely changed
     try:
         check_replicas_in_sync(model, "after step 7 of epoch 2")
         outcome = "in sync"
@@ -254,12 +258,17 @@ def _replica_worker(rank, store, results, perturb):
     cleanup_distributed()  # as train_ddp.py ends (PyTorch 2.7's gloo could hang in a plain destroy)
 
 
-@pytest.mark.parametrize("perturb", [False, True])
+@pytest.mark.parametrize("perturb", [False, True, "nan"])
 def test_replica_check_catches_a_perturbed_rank(tmp_path, perturb):
     spawn(_replica_worker, args=(tmp_path / "store", tmp_path, perturb))
     outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
     if not perturb:
         assert outcomes == ["in sync", "in sync"]
+    elif perturb == "nan":  # a diverged model, not a network fault
+        for outcome in outcomes:
+            assert outcome.startswith("NaN/Inf in the model parameters on rank(s) [1] after step 7 of epoch 2 (first "
+                                      "in 1.bias): the training diverged")
+            assert "NCCL" not in outcome
     else:
         for outcome in outcomes:  # every rank stops, with the same message
             assert outcome.startswith("model parameters on rank(s) [1] differ from rank 0 after step 7 of epoch 2")
@@ -363,6 +372,24 @@ def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_pa
     assert torch.load(paths[2], weights_only=True)["state"]["checkpoints"] == state.checkpoints
     assert checkpointer.save(run, state) == paths[2] and checkpointer.count == 3  # the same step: not again
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_checkpoint_too_slow_for_a_signals_grace_is_a_warning_once(tmp_path, monkeypatch):
+    """torchrun and Slurm give 30 s after a signal: a checkpoint that takes most of that is
+    named once, with the way out (--stop-file)."""
+    run, state, warnings = _TinyRun(tmp_path), checkpoints.TrainState(run_id="r"), []
+    checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, warnings.append)
+    run.optimizer.step(), run.scheduler.step()
+    checkpointer.save(run, state)
+    assert warnings == []  # a tiny model writes in milliseconds
+    monkeypatch.setattr(checkpoints, "SLOW_CHECKPOINT_S", -1.0)  # as if every write took longer than that
+    for _ in range(2):
+        run.optimizer.step(), run.scheduler.step()
+        checkpointer.save(run, state)
+    [warning] = warnings
+    assert re.fullmatch(r"WARNING: checkpoint checkpoint_000000002\.pt took \d+ s to write; after a stop signal "
+                        r"\(scancel, Ctrl-C through torchrun\) processes get 30 s before SIGKILL, .* stop with "
+                        r"--stop-file, which the job scripts use, or give --checkpoint-dir a faster disk", warning)
 
 
 def test_checkpoints_are_due_every_interval_at_most(tmp_path, monkeypatch):
@@ -558,8 +585,10 @@ def test_ranks_whose_torchrun_is_killed_stop_with_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("how", ["frozen", "killed"])
 def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, how):
-    """SIGSTOP (a frozen node, a stuck file system) or SIGKILL of rank 1 mid-run: the other rank
-    stops within --collective-timeout plus a margin, naming rank 1, and the checkpoints stay."""
+    """SIGSTOP (a frozen node, a stuck file system) or SIGKILL (the out-of-memory killer) of
+    rank 1 mid-run: rank 0 stops within --collective-timeout plus a margin with one line
+    naming rank 1, its host and PID and how it ended, before torchrun's report; the
+    checkpoints stay."""
     args = (*RUN[:1], "--epochs", "200", *RUN[3:], "--checkpoint-dir", tmp_path / "ckpt", "--collective-timeout",
             "0.1")
     process = start(torchrun_cmd(2, "train_ddp.py", *args), tmp_path, tmp_path / "log")
@@ -568,23 +597,46 @@ def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, h
     try:
         os.kill(rank1, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
         stopped = time.monotonic()
-        process.wait(timeout=6 + 30 + 60)  # the timeout, the roll call, torchrun's grace for rank 1, a margin
+        process.wait(timeout=6 + 20 + 60)  # the timeout, the roll call, torchrun's grace for rank 1, a margin
         elapsed = time.monotonic() - stopped
     finally:
         if not _gone(rank1):
             os.kill(rank1, signal.SIGKILL)
     assert process.returncode != 0
     log = (tmp_path / "log").read_text()
+    [line] = error_lines(log)
+    who = f"error: rank 1 (pid {rank1} on {socket.gethostname()}) "
     if how == "frozen":  # rank 0 timed out in the stop agreement and asked who is still there
-        [line] = error_lines(log)
-        assert line.startswith("error: rank(s) [1] stopped responding (Timed out waiting 6000ms for ")
-        assert line.endswith("; --collective-timeout 0.1 min): stopping every rank; the checkpoints written so far "
-                             "are kept, continue with --resume")
-    else:  # torchrun sees the death and stops rank 0 itself
-        assert elapsed < 60
+        assert line.startswith(who + "is stopped (SIGSTOP or a debugger) (Timed out waiting 6000ms for ")
+    else:  # rank 0 lost the connection at once, and saw rank 1's end before torchrun collected it
+        assert line.startswith(who + "was killed by SIGKILL (the kernel's out-of-memory killer sends it, and kill "
+                                     "-9) (")
+        assert elapsed < 30
+    assert line.endswith("; --collective-timeout 0.1 min): stopping every rank; the checkpoints written so far "
+                         "are kept, continue with --resume")
+    assert log.index(line) < log.index("ChildFailedError")  # before torchrun's report
     assert f'File "{REPO}' not in log  # no traceback through this project's code (torchrun prints its own)
     kept = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))
     assert kept and all(torch.load(path, weights_only=True)["format"] == checkpoints.CHECKPOINT_FORMAT for path in kept)
+
+
+@pytest.mark.parametrize("stat, expected", [
+    ("Z 1 1 1" + " 0" * 45 + " 9", "was killed by SIGKILL (the kernel's out-of-memory killer sends it, and kill -9)"),
+    ("Z 1 1 1" + " 0" * 45 + " 256", "exited with status 1"),
+    ("T 1 1 1" + " 0" * 46, "is stopped (SIGSTOP or a debugger)"),
+    ("D 1 1 1" + " 0" * 46, "is stuck in the kernel (state D: a file system or driver call)"),
+    ("S 1 1 1" + " 0" * 46, None),
+    (None, "has exited"),
+])
+def test_the_fate_of_a_lost_rank_on_this_node_is_read_from_proc(tmp_path, stat, expected):
+    """/proc/PID/stat as the kernel writes it (a command name with spaces and parentheses,
+    the wait status in field 52); a rank on another host has no fate seen from here."""
+    if stat is not None:
+        (tmp_path / "77").mkdir()
+        (tmp_path / "77" / "stat").write_text(f"77 (python (a b)) {stat}\n")
+    here = lost_ranks.Whereabouts(socket.gethostname(), 77)
+    assert lost_ranks.fate(here, proc=tmp_path) == expected
+    assert lost_ranks.fate(here._replace(host="elsewhere"), proc=tmp_path) is None
 
 
 def test_a_finished_run_is_extended_by_a_larger_epochs_and_never_shortened(tmp_path, capsys):
@@ -614,5 +666,40 @@ def test_nccl_flight_recorder_dumps_go_to_the_checkpoint_folder_under_the_names_
     old = device_utils.flight_recorder_settings("ck", "2.7.1")
     new = device_utils.flight_recorder_settings("ck", "2.15.0")
     assert old == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "ck/nccl_trace_rank_"}
-    assert new == {"TORCH_FR_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "ck/nccl_trace_rank_"}
+    assert new == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "ck/nccl_trace_rank_"}
     assert device_utils.flight_recorder_settings("ck", "2.8.0a0+5228986c39") == old  # NGC 25.06's prerelease
+
+
+def _library_strings(folder, pattern="*.so*"):
+    """Whether each name is a string in the shared libraries of ``folder``: what a C++ getenv
+    or getCvar reads. mmap: the libraries are hundreds of megabytes."""
+    import mmap
+
+    def holds(name):
+        for path in Path(folder).glob(pattern):
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(name.encode() + b"\0") >= 0:
+                    return True
+        return False
+    return holds
+
+
+def test_every_variable_the_project_sets_is_read_by_the_installed_libraries():
+    """A renamed variable is silently ignored: each TORCH_* name the project sets (the flight
+    recorder's for this torch, the job scripts' and the docs' error handling) must be in this
+    torch's libraries, and each NCCL_* name in the NCCL it ships, where there is one."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    if not list(torch_lib.glob("libtorch_cuda*.so")):
+        pytest.skip("a CPU-only torch build holds no NCCL code")
+    torch_reads = _library_strings(torch_lib)
+    names = {*device_utils.flight_recorder_settings("ck"), "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME"}
+    names |= {name for script in REPO.glob("*_job.sh") for name in re.findall(r"\bexport (TORCH_\w+)=",
+                                                                              script.read_text())}
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in names and len(names) >= 3
+    assert [name for name in sorted(names) if not torch_reads(name)] == []
+    assert not torch_reads("TORCH_NO_SUCH_VARIABLE")  # the check itself can fail
+    nccl = [path.parent for path in Path(torch.__file__).parent.parent.glob("nvidia/nccl*/lib/libnccl.so*")]
+    if nccl:
+        nccl_reads = _library_strings(nccl[0], "libnccl.so*")
+        settings = [name for name in device_utils.MULTINODE_SETTINGS if name.startswith("NCCL_")]
+        assert len(settings) >= 4 and [name for name in settings if not nccl_reads(name)] == []

@@ -383,11 +383,41 @@ def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
     assert {ls.schedule_factor(s, extended, constant) for s in range(20, 150)} == {1.0}  # only back to the top
 
 
-def test_auto_precision_takes_only_native_bf16(monkeypatch):
+@pytest.fixture
+def tf32_restored():
+    """The TF32 switches as they were, through the API that set_tf32 uses (PyTorch 2.9 and
+    later refuse to read allow_tf32 once fp32_precision was set)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    new_api = hasattr(matmul, "fp32_precision")
+    saved = ((matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision) if new_api
+             else (matmul.allow_tf32, cudnn.allow_tf32))
+    yield
+    if new_api:
+        matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = saved
+    else:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def tf32_now():
+    """(matmuls, convolutions) allowed TF32, read through whichever API this torch has."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32", cudnn.conv.fp32_precision == "tf32"
+    return matmul.allow_tf32, cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("requested, tf32", [("fp32", (False, False)), ("tf32", (True, True))])
+def test_tf32_switches_follow_precision_and_survive_torch_compiles_api(monkeypatch, tf32_restored, requested, tf32):
+    gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "ieee"  # as torch.compile's code may have left it
+    assert precision.configure_precision(requested, gpu).name == requested
+    assert tf32_now() == tf32
+
+
+def test_auto_precision_takes_only_native_bf16(monkeypatch, tf32_restored):
     """A GPU that only emulates bf16 (before Ampere) trains in fp32 under --precision auto and
     refuses --precision bf16; PyTorch counts emulation as support unless asked not to."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
     gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert precision.configure_precision("auto", gpu).name == "fp32"

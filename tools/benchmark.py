@@ -13,17 +13,18 @@ one device (a GPU when there is one, else the CPU):
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python tools/benchmark.py --json bench.json  # on Olivia
 
 Recipes:
-    guide    the guide's part 1: its DataLoader (PIL transforms in the main process,
-             num_workers=0), plain SGD, NCHW; fp32 on the CPU and --precision tf32 on CUDA
-             (PyTorch's defaults gave the guide TF32 convolutions).
-    project  train.py's defaults: device loader, bf16 autocast where the GPU supports it,
-             channels_last and fused SGD on CUDA.
+    guide    the guide's part 1 as it wrote it: its DataLoader (PIL transforms in the main
+             process, num_workers=0, pinned memory on CUDA) and its own training loop
+             (guide_training_steps: plain SGD with the learning rate alone, fp32 with
+             PyTorch's default TF32 convolutions, cuDNN without autotuning, NCHW).
+    project  train.py's defaults through train.py's own loop: device loader, bf16 autocast
+             where the GPU supports it, channels_last, fused SGD and cuDNN autotuning on CUDA.
 Measures:
     pipeline  images per second the input pipeline alone delivers, on the device, ready for
               the model; also the main process's CPU time per image.
-    train     images per second of whole training steps (forward, backward, optimizer)
-              through train.py's own loop (train_utils.time_training_steps), timed after warm-up
-              steps, with the device synchronized before each clock reading.
+    train     images per second of whole training steps (loading, forward, backward,
+              optimizer) through each recipe's loop, timed after warm-up steps, with the
+              device synchronized before each clock reading.
 
 Data: the --dataset (default CIFAR-100) from --data-dir when it is there, otherwise synthetic
 images of the same size (throughput does not depend on pixel values); an image folder or a
@@ -32,35 +33,37 @@ FILE.py:NAME data set from --data-dir.
 
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import nullcontext
-from typing import NamedTuple
 from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import count, islice
 from pathlib import Path
 
 import torch
-import torchvision.transforms as transforms
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset_utils import build_loaders, default_num_workers, set_loader_epoch, to_pil  # noqa: E402
+from dataset_utils import build_loaders, default_num_workers, set_loader_epoch  # noqa: E402
 from device_utils import device_name, memory_format, single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
 from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
+from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.files import check_writable  # noqa: E402
 from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
                           positive_int)
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.monitor import device_profiler, top_operators, unused_path  # noqa: E402
+from engine.precision import configure_precision  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
-from recipe import RESIZED_CROP_RATIO, RESIZED_CROP_SCALE  # noqa: E402
 from tools import gpu_report  # noqa: E402
+from tools.baselines import (GUIDE_PRECISION, StepTiming, TorchvisionResizedCrops, guide_loader,  # noqa: E402
+                             guide_training_steps)
 from train_utils import build_task, parse_args, prepare_run, train_steps  # noqa: E402
 
 # train.py flags of each recipe; both get --batch-size from the command line.
@@ -70,12 +73,6 @@ RECIPES = {
               "--warmup-epochs", "0", "--label-smoothing", "0"],
     "project": [],
 }
-
-
-class StepTiming(NamedTuple):
-    images_per_sec: float  # of the timed steps, over all ranks
-    warmup_s: float        # wall time of the untimed warm-up steps (cuDNN autotuning, compilation)
-    precision: str         # as resolved for this device
 
 
 def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_context=nullcontext):
@@ -139,8 +136,6 @@ def recipe_args(recipe, opts, batch, device, real, extra=()):
     flags = [*RECIPES[recipe], "--batch-size", str(batch), "--dataset", opts.dataset, "--model", opts.model,
              *(["--image-size", "x".join(map(str, opts.image_size))] if opts.image_size else []),
              *(["--val-fraction", str(opts.val_fraction)] if opts.val_fraction else []), *extra]
-    if recipe == "guide" and device.type == "cuda":
-        flags += ["--precision", "tf32"]  # PyTorch's defaults gave the guide TF32 convolutions
     print(f"\n== {recipe} recipe: train.py {' '.join(flags)}", flush=True)
     return parse_args("benchmark", [*flags, "--data-dir", opts.data_dir, "--no-download",
                                     *([] if real else ["--synthetic"])])
@@ -167,52 +162,6 @@ def endless(loader):
         yield from loader
 
 
-class GuideImages(Dataset):
-    """The guide's training set as its dataset_utils.py builds it: PIL images through
-    RandomCrop(size, padding), RandomHorizontalFlip, ToTensor and Normalize, one image at a
-    time in the loading process. The baseline measured against, kept as the guide wrote it;
-    the project's own augmentation is recipe.py's."""
-
-    def __init__(self, train_set):
-        prep = train_set.prep
-        self.images, self.labels = train_set.images, train_set.labels
-        self.transform = transforms.Compose([transforms.RandomCrop(prep.image_shape[:2], padding=prep.padding),
-                                             transforms.RandomHorizontalFlip(), transforms.ToTensor(),
-                                             transforms.Normalize(prep.mean, prep.std)])
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.transform(to_pil(self.images[index])), int(self.labels[index])
-
-
-class TorchvisionResizedCrops(Dataset):
-    """resized-crop as torchvision's references write it: PIL images through
-    RandomResizedCrop(size, scale, ratio), RandomHorizontalFlip, ToTensor and Normalize, one
-    image at a time in DataLoader workers. What the device loader's batched resized-crop
-    (recipe.py) is measured against."""
-
-    def __init__(self, train_set):
-        prep = train_set.prep
-        self.images, self.labels = train_set.images, train_set.labels
-        self.transform = transforms.Compose([
-            transforms.RandomResizedCrop(prep.image_shape[:2], scale=RESIZED_CROP_SCALE, ratio=RESIZED_CROP_RATIO),
-            transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(prep.mean, prep.std)])
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.transform(to_pil(self.images[index])), int(self.labels[index])
-
-
-def guide_loader(train_set, batch_size, device):
-    """The guide's training DataLoader, as written in its dataset_utils.py."""
-    return DataLoader(GuideImages(train_set), batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0,
-                      pin_memory=device.type == "cuda")
-
-
 def pipeline_row(loader, device, layout, batches):
     """The pipeline measures of ``loader`` delivering ``batches`` batches to ``device``."""
     rate, cpu_us = measure_pipeline(loader, device, layout, batches)
@@ -234,7 +183,12 @@ def measure_pipeline(loader, device, layout, batches):
     return images / wall, 1e6 * cpu / images
 
 
-def benchmark(opts):
+def benchmark(opts, failures=None):
+    """The rows of every measure: the guide's recipe and loop, the project's defaults, then the
+    project's --loader torchvision (and torchvision's RandomResizedCrop for resized-crop). Each
+    part is measured alone: one that fails is named in ``failures`` (a list; its traceback is
+    printed) and the others still measure."""
+    failures = [] if failures is None else failures
     ctx = single_process_context()
     device = ctx.device
     batch, warmup_steps, steps, pipeline_batches = settings(opts, device)
@@ -243,44 +197,56 @@ def benchmark(opts):
     common = {"device": device_name(device), "batch_size": batch, "dataset": opts.dataset,
               "data": (spec.title if spec else opts.data_dir) if real else "synthetic", "model": opts.model,
               "torch": torch.__version__, "date": datetime.now(timezone.utc).date().isoformat()}
-    rows = []
-    for recipe in RECIPES:
+    rows, data = [], []
+
+    def measure_recipe(recipe):
         args = recipe_args(recipe, opts, batch, device, real, ["--compile"] if opts.compile and recipe == "project"
                            else [])
         task = build_task(args, ctx)
+        data[:] = [task.train_loader.dataset, task.test_loader.dataset]
         if recipe == "guide":
             task = replace(task, train_loader=guide_loader(task.train_loader.dataset, batch, device))
         layout = memory_format(args.channels_last, device)
-        pipeline = pipeline_row(task.train_loader, device, layout, pipeline_batches)
-        timing = time_training_steps(task, args, ctx, endless(task.train_loader), warmup_steps, steps)
-        described = {"recipe": recipe, "loader": task.loader, "workers": task.train_loader.num_workers,
-                     "precision": timing.precision, "channels_last": layout == torch.channels_last,
+        guide = recipe == "guide"
+        described = {"recipe": recipe, "loader": "guide DataLoader" if guide else task.loader,
+                     "workers": task.train_loader.num_workers, "channels_last": layout == torch.channels_last,
+                     "precision": GUIDE_PRECISION[device.type] if guide else configure_precision(args.precision,
+                                                                                                   device).name,
                      "compile": args.compile, **common}
-        rows += [{**described, **pipeline},
-                 {**described, "measure": "train", "images_per_sec": timing.images_per_sec, "steps": steps,
-                  "warmup_steps": warmup_steps, "warmup_s": timing.warmup_s}]
+        rows.append({**described, **pipeline_row(task.train_loader, device, layout, pipeline_batches)})
+        time_steps = guide_training_steps if guide else time_training_steps
+        timing = time_steps(task, args, ctx, endless(task.train_loader), warmup_steps, steps)
+        rows.append({**described, "measure": "train", "images_per_sec": timing.images_per_sec, "steps": steps,
+                     "warmup_steps": warmup_steps, "warmup_s": timing.warmup_s})
         if opts.profile and recipe == "project":
-            profile = profile_steps(args, ctx, opts.profile)
+            print(f"\n== torch.profiler: {opts.profile} training steps of the project recipe, by "
+                  f"{'GPU' if device.type == 'cuda' else 'CPU'} time\n{profile_steps(args, ctx, opts.profile)}")
+
+    for recipe in RECIPES:
+        gpu_report.attempt(failures, f"the {recipe} recipe", lambda recipe=recipe: measure_recipe(recipe))
+    if not data:
+        return rows
+    train_set, test_set = data
     # This project's --loader torchvision: with the guide's 0 workers (the cost per image) and
     # with train.py's default worker count.
-    train_set, test_set = task.train_loader.dataset, task.test_loader.dataset
     for workers in sorted({0, default_num_workers(1)}):
-        loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
-                                  pin_memory=device.type == "cuda")
-        rows.append({"recipe": "project", "loader": "torchvision", "workers": workers, "precision": None,
-                     "channels_last": False, "compile": False, **common,
-                     **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
-    if train_set.prep.augment == "resized-crop":  # against torchvision's RandomResizedCrop in DataLoader workers
-        for workers in sorted({0, default_num_workers(1)}):
-            loader = DataLoader(TorchvisionResizedCrops(train_set), batch_size=batch, shuffle=True, drop_last=True,
-                                num_workers=workers, persistent_workers=workers > 0,
-                                pin_memory=device.type == "cuda")
-            rows.append({"recipe": "torchvision-resized-crop", "loader": "torchvision", "workers": workers,
+        def torchvision_loader(workers=workers):
+            loader, _ = build_loaders(train_set, test_set, batch, loader="torchvision", num_workers=workers,
+                                      pin_memory=device.type == "cuda")
+            rows.append({"recipe": "project --loader torchvision", "loader": "torchvision", "workers": workers,
                          "precision": None, "channels_last": False, "compile": False, **common,
                          **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
-    if opts.profile:
-        print(f"\n== torch.profiler: {opts.profile} training steps of the project recipe, by "
-              f"{'GPU' if device.type == 'cuda' else 'CPU'} time\n{profile}")
+        gpu_report.attempt(failures, f"--loader torchvision with {workers} workers", torchvision_loader)
+    if train_set.prep.augment == "resized-crop":  # against torchvision's RandomResizedCrop in DataLoader workers
+        for workers in sorted({0, default_num_workers(1)}):
+            def resized_crops(workers=workers):
+                loader = DataLoader(TorchvisionResizedCrops(train_set), batch_size=batch, shuffle=True,
+                                    drop_last=True, num_workers=workers, persistent_workers=workers > 0,
+                                    pin_memory=device.type == "cuda")
+                rows.append({"recipe": "torchvision-resized-crop", "loader": "torchvision", "workers": workers,
+                             "precision": None, "channels_last": False, "compile": False, **common,
+                             **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
+            gpu_report.attempt(failures, f"torchvision's RandomResizedCrop with {workers} workers", resized_crops)
     return rows
 
 
@@ -295,28 +261,35 @@ def profile_steps(args, ctx, steps):
                                          else "cpu_time_total", row_limit=20)
 
 
-def table(rows):
-    """Lines of the table: each measure of the guide against the project's default."""
-    pick = {(r["recipe"], r["measure"], r["loader"]): r for r in rows}
+def table(rows, failures=()):
+    """Lines of the table: each measure of the guide against the project's defaults, and the
+    parts that failed."""
     lines = [f"\nDevice: {rows[0]['device']}, torch {rows[0]['torch']}, batch {rows[0]['batch_size']}, "
-             f"{rows[0]['data']} data",
+             f"{rows[0]['data']} data" if rows else "\nNo figures",
              f"{'measure':<10}{'guide img/s':>14}{'project img/s':>16}{'ratio':>9}"]
     for measure in ("pipeline", "train"):
-        guide, project = pick[("guide", measure, "torchvision")], pick[("project", measure, "device")]
-        lines.append(f"{measure:<10}{guide['images_per_sec']:>14,.1f}{project['images_per_sec']:>16,.1f}"
-                     f"{project['images_per_sec'] / guide['images_per_sec']:>8.1f}x")
-    guide = pick[("guide", "pipeline", "torchvision")]["images_per_sec"]
+        guide, project = gpu_report.rate(rows, "guide", measure), gpu_report.rate(rows, "project", measure)
+        ratio = f"{project / guide:>8.1f}x" if guide and project else f"{'-':>9}"
+        lines.append(f"{measure:<10}{figure(guide):>14}{figure(project):>16}{ratio}")
+    guide = gpu_report.rate(rows, "guide", "pipeline")
     for row in rows:
-        if row["recipe"] == "project" and row["loader"] == "torchvision":
+        if row["recipe"] == "project --loader torchvision":
             lines.append(f"pipeline of project --loader torchvision --num-workers {row['workers']}: "
-                         f"{row['images_per_sec']:,.1f} img/s ({row['images_per_sec'] / guide:.1f}x the guide's)")
+                         f"{row['images_per_sec']:,.1f} img/s"
+                         + (f" ({row['images_per_sec'] / guide:.1f}x the guide's)" if guide else ""))
         if row["recipe"] == "torchvision-resized-crop":
             lines.append(f"pipeline of torchvision's RandomResizedCrop, {row['workers']} DataLoader workers: "
                          f"{row['images_per_sec']:,.1f} img/s")
     train = [r for r in rows if r["measure"] == "train"]
-    lines.append("warm-up (not timed): " + ", ".join(f"{r['recipe']} {r['warmup_steps']} steps in "
-                                                      f"{r['warmup_s']:.1f} s" for r in train))
+    if train:
+        lines.append("warm-up (not timed): " + ", ".join(f"{r['recipe']} {r['warmup_steps']} steps in "
+                                                          f"{r['warmup_s']:.1f} s" for r in train))
+    lines += [f"FAILED: {failure}" for failure in failures]
     return lines
+
+
+def figure(images_per_sec):
+    return "failed" if images_per_sec is None else f"{images_per_sec:,.1f}"
 
 
 def report(opts):
@@ -330,15 +303,16 @@ def report(opts):
 
     def attempt(part, measure):
         print(f"\n== report: {part}", flush=True)
-        return gpu_report.attempt(figures, part, measure)
+        return gpu_report.attempt(figures.failures, part, measure)
 
     def project_steps(extra, batch_size, warmup, timed, timed_context=nullcontext):
         args = recipe_args("project", opts, batch_size, ctx.device, real, extra)
         task = build_task(args, ctx)
         return time_training_steps(task, args, ctx, endless(task.train_loader), warmup, timed, timed_context)
 
-    figures.rows = attempt("the guide against the defaults", lambda: benchmark(opts)) or []
-    for line in table(figures.rows) if figures.rows else []:
+    print("\n== report: the guide against the defaults", flush=True)
+    figures.rows = benchmark(opts, figures.failures)
+    for line in table(figures.rows):
         print(line)
     compiled = attempt("the defaults with --compile", lambda: project_steps(["--compile"], batch, warmup_steps, steps))
     if compiled:
@@ -346,8 +320,8 @@ def report(opts):
     figures.split = attempt("a profile of the defaults' steps", lambda: profile_split(
         ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch))
     for size in (256, 1024):
-        figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.peak_memory(
-            lambda: project_steps([], size, 2, 3), ctx.device))
+        figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.steady_peak_memory(
+            lambda window: project_steps([], size, 2, 3, window), ctx.device))
     command = f"python tools/benchmark.py --report {opts.report}"
     figures.seconds = time.monotonic() - start
     print(f"\n== the figures so far (should the GPU tier overrun):\n{gpu_report.markdown(figures, command)}",
@@ -355,8 +329,9 @@ def report(opts):
     # The tier stops at the budget, then has TIER_GRACE_S to tear down, and the block is written.
     left_s = gpu_report.BUDGET_S - gpu_report.TIER_GRACE_S - (time.monotonic() - start)
     tier_log = unused_path(Path(opts.report).with_suffix(".gpu_tier.log"))
-    figures.tier = (attempt("the GPU tier", lambda: gpu_tier(ctx, left_s, tier_log))
-                    if left_s >= gpu_report.MIN_TIER_S
+    blocked = gpu_report.tier_blocked(gpu_report.compute_mode())
+    figures.tier = (blocked or attempt("the GPU tier", lambda: gpu_tier(ctx, left_s, tier_log, figures.failures))
+                    if blocked or left_s >= gpu_report.MIN_TIER_S
                     else f"not run (no time left): run `python -m pytest -q {gpu_report.GPU_TIER}` next")
     if tier_log.exists():
         figures.tier = f"{figures.tier or 'failed (see Failed below)'} (its output: {tier_log})"
@@ -367,10 +342,12 @@ def report(opts):
     print(f"Appended to {opts.report}: copy it into BENCHMARKS.md")
 
 
-def gpu_tier(ctx, timeout_s, log):
-    """gpu_report.run_gpu_tier, with the GPU memory this process cached given back first."""
+def gpu_tier(ctx, timeout_s, log, failures):
+    """gpu_report.run_gpu_tier, with the GPU memory this process cached given back first (when
+    it can be: after a sticky CUDA error it cannot, and the tier, a process of its own, still
+    runs)."""
     if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()  # raises after a sticky CUDA error: that part then fails alone
+        gpu_report.attempt(failures, "giving back the cached GPU memory before the tier", torch.cuda.empty_cache)
     return gpu_report.run_gpu_tier(timeout_s, log)
 
 
@@ -394,13 +371,20 @@ def main():
         return report(opts)
     if opts.json:
         check_writable(opts.json, "--json")  # before minutes of measuring, not after
-    rows = benchmark(opts)
-    for line in table(rows):
+    failures = []
+    rows = benchmark(opts, failures)
+    for line in table(rows, failures):
         print(line)
     if opts.json:
-        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)  # check_writable allows a new folder
-        with open(opts.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        text = json.dumps(rows, indent=1)
+        tmp = Path(opts.json).with_name(f".{Path(opts.json).name}.tmp{os.getpid()}")
+        try:  # whole or not at all: the table above has every figure either way
+            tmp.parent.mkdir(parents=True, exist_ok=True)  # check_writable allows a new folder
+            tmp.write_text(text)
+            os.replace(tmp, opts.json)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise space_problem("--json", opts.json, err, needed=len(text)) from None
         print(f"Rows written to {opts.json}")
 
 

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,6 +34,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
+from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import first_line  # noqa: E402
 from engine.monitor import is_communication  # noqa: E402
 
@@ -94,15 +96,15 @@ class Figures:
     seconds: float = 0.0
 
 
-def attempt(figures, part, measure):
-    """``measure()``, or None with its failure added to ``figures.failures`` (and its traceback
-    printed): these paths run on a GPU for the first time here, and a defect in one part must
-    not cost the figures of the others."""
+def attempt(failures, part, measure):
+    """``measure()``, or None with its failure added to the list ``failures`` (and its
+    traceback printed): these paths run on a GPU for the first time here, and a defect in one
+    part (an out-of-memory, a compiler error) must not cost the figures of the others."""
     try:
         return measure()
     except Exception as err:  # noqa: BLE001 - any defect: recorded in the block, shown in full above it
         traceback.print_exc()
-        figures.failures.append(f"{part}: {type(err).__name__}{': ' + first_line(err) if str(err).strip() else ''}")
+        failures.append(f"{part}: {type(err).__name__}{': ' + first_line(err) if str(err).strip() else ''}")
         return None
 
 
@@ -130,15 +132,42 @@ def driver_version():
         return None
 
 
-def rate(rows, recipe, measure, loader):
-    found = [r for r in rows if (r["recipe"], r["measure"], r["loader"]) == (recipe, measure, loader)]
+EXCLUSIVE_MODES = ("Exclusive_Process", "Exclusive_Thread", "Prohibited")
+
+
+def compute_mode():
+    """GPU 0's compute mode as nvidia-smi names it (Default, Exclusive_Process, ...), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader", "--id=0"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    mode = out.stdout.strip() if out.returncode == 0 else ""
+    return mode or None
+
+
+def tier_blocked(mode):
+    """Why the GPU tier cannot run beside this process on a GPU in ``mode``, or None. In an
+    exclusive mode one process holds the GPU: the report's own, so every process the tier
+    starts (train.py, torchrun's ranks) would fail to create its CUDA context."""
+    if mode not in EXCLUSIVE_MODES:
+        return None
+    return (f"not run: GPU 0 is in {mode} compute mode, where only one process may use it, and this report holds "
+            f"it; run the tier alone after the report: `python -m pytest -q {GPU_TIER}` (its multi-process tests "
+            "need the Default mode: `nvidia-smi -c DEFAULT` as root, or ask for a GPU in that mode)")
+
+
+def rate(rows, recipe, measure):
+    """images/s of ``recipe``'s (guide, project) ``measure`` (pipeline, train), None when it
+    failed or was not run. The project's row is its defaults' loader, whichever that is."""
+    found = [r for r in rows if (r["recipe"], r["measure"]) == (recipe, measure)]
     return found[0]["images_per_sec"] if found else None
 
 
 def recommendation(figures):
     """What the figures say about the defaults, one line each."""
     lines = []
-    eager = rate(figures.rows, "project", "train", "device")
+    eager = rate(figures.rows, "project", "train")
     if eager and figures.compiled:
         gain = figures.compiled["images_per_sec"] / eager
         compiled, warmup = figures.compiled["images_per_sec"], figures.compiled["warmup_s"]
@@ -168,6 +197,10 @@ def recommendation(figures):
     return lines
 
 
+def per_s(images_per_sec):
+    return "failed" if images_per_sec is None else f"{images_per_sec:,.0f}"
+
+
 def markdown(figures, command):
     """The block for BENCHMARKS.md."""
     v = figures.versions
@@ -177,13 +210,13 @@ def markdown(figures, command):
              "", f"`{command}` ({figures.seconds / 60:.1f} min in all; batch {figures.rows[0]['batch_size']}, "
                  f"{figures.rows[0]['data']} data)" if figures.rows else f"`{command}`", ""]
     if figures.rows:
-        lines += ["| measure | guide img/s | defaults img/s | defaults + --compile img/s |", "|---|---|---|---|"]
+        lines += ["| measure | guide img/s (its own loop) | defaults img/s | defaults + --compile img/s |",
+                  "|---|---|---|---|"]
         for measure in ("pipeline", "train"):
-            guide, project = rate(figures.rows, "guide", measure, "torchvision"), rate(figures.rows, "project",
-                                                                                        measure, "device")
+            guide, project = rate(figures.rows, "guide", measure), rate(figures.rows, "project", measure)
             compiled = (f"{figures.compiled['images_per_sec']:,.0f} (compiling: {figures.compiled['warmup_s']:.0f} s)"
                         if measure == "train" and figures.compiled else "-")
-            lines.append(f"| {measure} | {guide:,.0f} | {project:,.0f} | {compiled} |")
+            lines.append(f"| {measure} | {per_s(guide)} | {per_s(project)} | {compiled} |")
         lines.append("")
     if figures.split:
         lines.append("Profile of the defaults' training steps (share of wall time): " + ", ".join(
@@ -296,15 +329,33 @@ def descendants(pid):
     return found
 
 
-def peak_memory(measure, device):
-    """Peak GPU memory in GiB of the training steps ``measure()`` runs."""
-    reset_peak_memory(device)
-    measure()
-    return peak_memory_gib(device)
+def steady_peak_memory(steps, device):
+    """Peak GPU memory in GiB of the timed training steps that ``steps(timed_context)`` runs
+    inside ``timed_context()``, counted from after their warm-up: the first steps' cuDNN
+    autotuning workspaces are not what training holds."""
+    peaks = []
+
+    @contextmanager
+    def timed_window():
+        reset_peak_memory(device)
+        yield
+        peaks.append(peak_memory_gib(device))
+    steps(timed_window)
+    return peaks[-1]
 
 
 def write(path, text):
-    """Append the block: a report never replaces an earlier one in the same file."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(text)
+    """Append the block: a report never replaces an earlier one in the same file. A disk that
+    cannot take it leaves the file as it was and prints the block, so the GPU's minutes are
+    not lost, before the one line (ResourceProblem)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    before = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as err:
+        if path.exists():
+            os.truncate(path, before)
+        print(text, flush=True)
+        raise space_problem("--report", path, err, needed=len(text.encode())) from None

@@ -36,6 +36,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.disk_space import space_problem  # noqa: E402
+from engine.errors import ResourceProblem  # noqa: E402
 from engine.log import throughput  # noqa: E402
 
 FIGURE_INCHES, FIGURE_DPI = (12, 8), 100  # the PNG is 1200 x 800 pixels
@@ -314,6 +316,8 @@ def plot(runs, logs, path):
     try:
         fig.savefig(tmp, dpi=FIGURE_DPI)
         os.replace(tmp, path)
+    except OSError as err:  # a full disk: one line, and the tables above are printed already
+        raise space_problem("--plot", path, err) from None
     finally:
         tmp.unlink(missing_ok=True)
         plt.close(fig)
@@ -354,9 +358,9 @@ def main(argv=None):
             print("report.py: no picture written: matplotlib is not installed; get it with "
                   "pip install matplotlib (or pip install -r requirements-dev.txt)", file=sys.stderr)
             return 0
-        except OSError as err:
-            print(f"report.py: error: --plot {args.plot}: {err.strerror or err}", file=sys.stderr)
-            return 2
+        except ResourceProblem as err:  # a full disk, a folder without permission
+            print(f"report.py: error: {err}", file=sys.stderr)
+            return err.exit_code
         print(f"\nPicture written to {args.plot}")
     return 0
 
