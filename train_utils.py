@@ -385,8 +385,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
-                               continuing, steps_left=args.epochs * steps - (state.epoch - 1) * steps - state.step,
-                               steps_per_epoch=steps))
+                               continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps))
     return run, state, rng_state
 
 

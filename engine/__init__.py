@@ -33,5 +33,6 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     monitor.py       GPU utilization and power, the profiler, and the Monitors the loop sees
     tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run
     nccl_log.py      which network NCCL chose, from its own log (check_network.py)
+    exact_sums.py    check_network.py's data: sums exact in any order, a wrong one in one line
     bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them
 """

@@ -83,15 +83,24 @@ def fate(at: Whereabouts, proc="/proc"):
         status = int(fields[49]) if len(fields) > 49 else None  # field 52 of the line: the wait(2) status
         if status is None:
             return "has exited"
-        if status & 0x7F:
-            return f"was killed by {signal.Signals(status & 0x7F).name}" + (
-                " (the kernel's out-of-memory killer sends it, and kill -9)" if status & 0x7F == signal.SIGKILL else "")
+        number = status & 0x7F
+        if number:
+            why = " (the kernel's out-of-memory killer sends it, and kill -9)" if number == signal.SIGKILL else ""
+            return f"was killed by {signal_name(number)}{why}"
         return f"exited with status {status >> 8}"
     if state in "Tt":
         return "is stopped (SIGSTOP or a debugger)"
     if state == "D":
         return "is stuck in the kernel (state D: a file system or driver call)"
     return None
+
+
+def signal_name(number):
+    """SIGKILL for 9; 'signal 40' for one without a name (a real-time signal)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def roll_call(ctx: DistContext, wait_s: float):

@@ -34,6 +34,12 @@ FAST = ("--num-workers", "0")
 TINY_MODEL = ("--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "oldest_torch: guards what differs between PyTorch versions (gloo, "
+                            "torchrun, DDP, the process group's store, TF32 switches, library variables); .ci/run "
+                            "runs these again under the oldest PyTorch users run (2.7.1)")
+
+
 @pytest.fixture
 def cifar_dir(tmp_path):
     return write_cifar100(tmp_path / "data")

@@ -240,6 +240,7 @@ def table(stdout):
     return [TABLE_ROW.match(line).groups() for line in stdout.splitlines() if TABLE_ROW.match(line)]
 
 
+@pytest.mark.oldest_torch
 def test_two_processes_print_the_table_and_pass(tmp_path):
     result = run(torchrun_cmd(2, "check_network.py", *SMALL), cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -316,6 +317,7 @@ def test_a_slow_network_fails_min_busbw_with_one_line(tmp_path):
     assert re.search(r"exitcode\s*:\s*4\b", result.stderr) and "Network check passed" not in result.stdout
 
 
+@pytest.mark.oldest_torch
 def test_a_frozen_rank_ends_the_check_with_one_line_naming_it(tmp_path):
     """SIGSTOP of rank 1 (a node that hangs) while the all-reduces run: rank 0 gives up after
     --collective-timeout (3 s) and names rank 1, exit status 5, instead of waiting 5 minutes."""

@@ -8,6 +8,8 @@ import dataset_utils as du
 from conftest import FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
 from model import WideResNet
 
+pytestmark = pytest.mark.oldest_torch  # every test here runs again on PyTorch 2.7.1 (.ci/run)
+
 
 def _labels_half_predicted(weights_path, data_dir, n_test):
     """Test labels that the model gets right exactly where index % 3 != 0, so the expected

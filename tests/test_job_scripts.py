@@ -135,6 +135,7 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
 
 
+@pytest.mark.oldest_torch
 def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
     nodes = ("localhost", "127.0.0.1")  # two names for this machine, so the two "nodes" really meet
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=2, SLURM_JOB_NODELIST="x1000c0s0b0n[0-1]",

@@ -24,6 +24,7 @@ def train_args(data, *extra):
             "--epochs", "1", "--precision", "fp32", "--augment", "none", "--label-smoothing", "0", *extra)
 
 
+@pytest.mark.oldest_torch
 def test_accumulated_micro_batches_give_the_weights_of_the_whole_batch(data, tmp_path):
     runs = {"whole": python_cmd("train.py", *train_args(data, "--save-weights", "whole.pt")),
             "two micro-batches": python_cmd("train.py", *train_args(data, "--accumulate", "2", "--save-weights",
@@ -87,6 +88,7 @@ def test_out_of_memory_in_the_first_step_and_in_evaluation(data, tmp_path):
     assert "out of memory at batch 1 of evaluation after epoch 1 on cpu" in line
 
 
+@pytest.mark.oldest_torch
 def test_out_of_memory_on_every_rank_is_one_line_for_the_job(data, tmp_path):
     result = run(torchrun_cmd(2, "train_ddp.py", *train_args(data, "--checkpoint-dir", "ck")), cwd=tmp_path,
                  env=clean_env(OOM_AT="train:2"))
@@ -95,6 +97,7 @@ def test_out_of_memory_on_every_rank_is_one_line_for_the_job(data, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: out of memory at step 2 of epoch 1 (training)")
 
 
+@pytest.mark.oldest_torch
 def test_an_error_on_one_rank_is_its_line_alone(data, tmp_path):
     """Rank 1 alone runs out of memory and exits with its line; rank 0, which loses it in the
     gradient all-reduce, sees on this node that rank 1 exited by itself and adds nothing."""

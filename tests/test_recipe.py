@@ -54,9 +54,11 @@ def ddp(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ddp.py", *args]
 
 
+# Under DDP AdamW only: the signal to one rank, the agreement and the bitwise resume are the same
+# machinery for every optimizer (SGD under DDP: test_resilience.py), and SGD's own state is sgd-1's.
 @pytest.mark.parametrize("optimizer, launcher", [("sgd", single), ("adamw", single), ("rmsprop", single),
-                                                 ("sgd", ddp), ("adamw", ddp)],
-                         ids=["sgd-1", "adamw-1", "rmsprop-1", "sgd-2", "adamw-2"])
+                                                 ("adamw", ddp)],
+                         ids=["sgd-1", "adamw-1", "rmsprop-1", "adamw-2"])
 def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, tmp_path, optimizer, launcher):
     names = {"sgd": "SGD", "adamw": "AdamW", "rmsprop": "RMSprop"}
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"

@@ -406,6 +406,7 @@ def tf32_now():
     return matmul.allow_tf32, cudnn.allow_tf32
 
 
+@pytest.mark.oldest_torch
 @pytest.mark.parametrize("requested, tf32", [("fp32", (False, False)), ("tf32", (True, True))])
 def test_tf32_switches_follow_precision_and_survive_torch_compiles_api(monkeypatch, tf32_restored, requested, tf32):
     gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
@@ -415,6 +416,7 @@ def test_tf32_switches_follow_precision_and_survive_torch_compiles_api(monkeypat
     assert tf32_now() == tf32
 
 
+@pytest.mark.oldest_torch
 def test_auto_precision_takes_only_native_bf16(monkeypatch, tf32_restored):
     """A GPU that only emulates bf16 (before Ampere) trains in fp32 under --precision auto and
     refuses --precision bf16; PyTorch counts emulation as support unless asked not to."""
