@@ -373,7 +373,8 @@ def repeat(buffers, args, ctx, fault, hosts, library, say):
         _, found = all_reduce_size(buffers, elements, rounds, ctx, fault)
         found = [m for rank_found in gather_objects(found, ctx.control_group) for m in rank_found]
         if found:
-            raise RunAborted(mismatch_message(nbytes, elements, args.repeat, found, hosts, library))
+            raise RunAborted(mismatch_message(nbytes, elements, args.repeat, found, hosts, library,
+                                              what="repeated all-reduce"))
     say(f"Repeated: {args.repeat} more all-reduces of {' and '.join(map(human_size, sizes))}, every element "
         "checked: exact", flush=True)
 

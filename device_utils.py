@@ -221,18 +221,21 @@ def check_replicas_in_sync(module: torch.nn.Module, where: str):
     local = parameter_checksums(module)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    # NaN never equals itself: a diverged model is named as such, not as corruption.
+    # NaN never equals itself: a model diverged on every rank (DDP gives each the same update)
+    # is named as such, not as corruption. NaN/Inf on some ranks only is corruption, below.
     broken = [rank for rank, sums in enumerate(gathered) if not torch.isfinite(sums).all()]
-    if broken:
+    if broken and len(broken) == len(gathered):
         first = int((~torch.isfinite(gathered[broken[0]])).nonzero()[0]) // 2  # two sums per parameter tensor
         name = [name for name, _ in module.named_parameters()][first]
-        raise RunAborted(f"NaN/Inf in the model parameters on rank(s) {broken} {where} (first in {name}): the "
+        raise RunAborted(f"NaN/Inf in the model parameters on every rank {where} (first in {name}): the "
                          "training diverged (a learning rate too high for this batch, an overflow in fp16), not a "
                          "network fault; stopping without writing a checkpoint (the last one is kept: lower "
                          "--base-lr, or try --precision bf16, and continue with --resume)")
-    differing = [rank for rank, sums in enumerate(gathered) if not torch.equal(sums, gathered[0])]
+    differing = [rank for rank, sums in enumerate(gathered)
+                 if not torch.allclose(sums, gathered[0], rtol=0, atol=0, equal_nan=True)]  # bitwise, NaN too
     if differing:
-        raise RunAborted(f"model parameters on rank(s) {differing} differ from rank 0 {where}: the replicas "
+        nonfinite = f" (NaN/Inf on rank(s) {broken} only)" if broken else ""
+        raise RunAborted(f"model parameters on rank(s) {differing} differ from rank 0 {where}{nonfinite}: the replicas "
                          "are out of sync (silent data corruption in communication; check NCCL_PROTO=^LL128 and "
                          "the network settings); stopping without writing a checkpoint")
 

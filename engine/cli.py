@@ -4,11 +4,12 @@ sure rank 0's line is the one the user sees.
 """
 
 import os
+import signal
 import sys
 import time
 
 from engine.errors import TrainingStopped, UserError
-from engine.processes import rank_or_zero
+from engine.processes import rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 
@@ -17,7 +18,9 @@ def let_rank0_fail_first():
     """On a rank that prints nothing for an error or a stop that rank 0 prints: wait (at most
     RANK0_FIRST_S) for torchrun to end this process. torchrun stops every rank as soon as one
     fails; were that this rank, rank 0 could be stopped before its line, and the user would
-    see only torchrun's report."""
+    see only torchrun's report. torchrun's SIGTERM must end the wait: the training loop left
+    it ignored, so that it cannot cut a line on the way out (engine/stopping.py)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(RANK0_FIRST_S)
 
 
@@ -35,22 +38,31 @@ def run_cli(main):
             print(stop, flush=True)
         elif stop.exit_code:
             let_rank0_fail_first()
-        sys.exit(stop.exit_code)
+        leave(stop.exit_code)
     except UserError as err:
         prints = not err.silent and (rank == 0 or not err.same_on_every_rank)
         if prints and rank and getattr(err, "rank0_first", False):
             let_rank0_fail_first()  # rank 0 likely hit it too: then its line alone is seen (torchrun ends this one)
         if prints:
             print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
-        if getattr(err, "exit_at_once", False):  # a lost rank: no clean-up that could hang (device_utils.RanksLost)
-            sys.stdout.flush()
-            os._exit(err.exit_code)
-        if not prints:
+        if not prints and not getattr(err, "exit_at_once", False):
             let_rank0_fail_first()
-        sys.exit(err.exit_code)
+        leave(err.exit_code)
     except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
         if rank == 0:
             print(f"Interrupted ({str(err) or 'Ctrl-C'})", file=sys.stderr)
-        sys.exit(130)
+        leave(130)
+    leave(0)
 
 
+def leave(code):
+    """Exit with status ``code``. One of several processes (torchrun's ranks) leaves with
+    os._exit once its output is flushed: its process group is gone by then (or hung: a lost
+    rank), its files are closed, and what is left are C++ threads that PyTorch's and gloo's
+    destructors may join or abandon ("terminate called without an active exception"), which
+    turned finished runs into SIGABRT and torchrun's traceback now and then."""
+    if world_size_or_one() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -59,7 +59,8 @@ def mismatches(rank: int, checks) -> list:
             for iteration, row in enumerate(checks, start=1) if row[0] > 0]
 
 
-def mismatch_message(nbytes: int, count: int, iterations: int, found: list, hosts: list, library="") -> str:
+def mismatch_message(nbytes: int, count: int, iterations: int, found: list, hosts: list, library="",
+                     what="all-reduce") -> str:
     """One line for every rank's wrong results of one size (``found``: Mismatch of all ranks;
     ``hosts``: each rank's host name): the iterations (1-based, warm-up first), the ranks and
     their hosts, the first wrong element, and ``library`` (the NCCL that ran, on GPUs)."""
@@ -70,7 +71,7 @@ def mismatch_message(nbytes: int, count: int, iterations: int, found: list, host
     on = sorted({hosts[rank] for rank in ranks})
     where = f"host{'s' if len(on) > 1 else ''} {', '.join(on)}"
     example = f"e.g. element {first.index}: got {first.got}, expected {first.expected}"
-    return (f"all-reduce of {human_size(nbytes)} gave wrong values in {which} of {iterations} on ranks "
+    return (f"{what} of {human_size(nbytes)} gave wrong values in {which} of {iterations} on ranks "
             f"{rank_list(ranks)} ({where}) ({first.wrong} of {count} elements on rank {first.rank} in iteration "
             f"{first.iteration}, {example}): data is corrupted between ranks{f' ({library})' if library else ''} "
             "(see docs/network.md)")

@@ -103,37 +103,68 @@ def signal_name(number):
         return f"signal {number}"
 
 
+# The roll call looks every 10 ms for this long, then every 0.2 s: a dead rank's exit status is
+# in /proc only until torchrun collects it (it looks every 0.1 s).
+FAST_POLL_S = 1.0
+
+
 def roll_call(ctx: DistContext, wait_s: float):
     """After a failed collective: the ranks that did not check in within ``wait_s`` seconds,
     through the rendezvous store (which lives in torchrun, not in any rank), each with its
-    Whereabouts and fate. The ranks that are alive hit the same failure at about the same
-    time; the call returns at once when every missing rank is known dead. None when the store
-    is gone too."""
+    Whereabouts, its fate and whether it said why it ended. The ranks that are alive hit the
+    same failure at about the same time; the call returns as soon as every missing rank is
+    seen dead. None when the store is gone too."""
     try:
         store = _store()
         store.set_timeout(timedelta(seconds=wait_s))  # not the group's: an unreachable store fails fast
         store.set(f"roll-call/{ctx.rank}", "alive")
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        known = {}  # rank -> MissingRank: where it ran is read once, how it ended until it is known
         while True:
             missing = [rank for rank in range(ctx.world_size) if not store.check([f"roll-call/{rank}"])]
-            lost = [MissingRank(rank, whereabouts(store, rank)) for rank in missing]
-            lost = [rank._replace(fate=fate(rank.at)) for rank in lost]
-            dead = all(rank.fate and not rank.fate.startswith("is ") for rank in lost)
-            if not missing or dead or time.monotonic() >= deadline:
+            for rank in missing:
+                seen = known.get(rank) or MissingRank(rank, whereabouts(store, rank))
+                if seen.fate is None or seen.fate.startswith("is "):  # not yet known to be gone
+                    seen = seen._replace(fate=fate(seen.at))
+                known[rank] = seen._replace(said=store.check([f"said/{rank}"]))
+            lost = [known[rank] for rank in missing]
+            if not missing or all(rank.gone for rank in lost) or time.monotonic() - start >= wait_s:
                 return lost
-            time.sleep(0.2)
+            time.sleep(0.01 if time.monotonic() - start < FAST_POLL_S else 0.2)
     except Exception:  # the store's host is gone: nobody can be asked
         return None
+
+
+def said_why(ctx: DistContext):
+    """Mark in the store that this rank ends with an error it reports itself (its one line, or
+    Python's traceback): the ranks that lose it then add nothing. Best effort."""
+    if ctx.world_size > 1:
+        try:
+            _store().set(f"said/{ctx.rank}", "1")
+        except Exception:  # the store is gone: the others then name this rank themselves
+            pass
 
 
 class MissingRank(NamedTuple):
     rank: int
     at: Whereabouts = None  # where it registered, when it did
     fate: str = None        # how it ended, when seen from its node (fate)
+    said: bool = False      # it marked that it reports its own error (said_why)
+
+    @property
+    def gone(self):
+        """Seen dead on this node. A rank that said why but lives on (it waits for rank 0 to
+        print first, engine/cli.py) is waited for: leaving first would have torchrun stop it
+        before its line."""
+        return self.fate is not None and not self.fate.startswith("is ")
 
     def describe(self):
         where = f" (pid {self.at.pid} on {self.at.host})" if self.at else ""
-        return f"rank {self.rank}{where} {self.fate or 'stopped responding'}"
+        how = self.fate or "stopped responding"
+        if how == "has exited":  # collected by torchrun before it was read, and it said nothing
+            how = ("died without a word: killed (SIGKILL: the kernel's out-of-memory killer, kill -9) or crashed in "
+                   "native code")
+        return f"rank {self.rank}{where} {how}"
 
 
 class RanksLost(RunAborted):
@@ -190,6 +221,7 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
         raise lost_error(who_is_lost(err, ctx, timeout_min), trace) from None
     except BaseException:
+        said_why(ctx)  # before the group goes: the others learn of this rank's end through it
         cleanup_distributed()
         raise
     cleanup_distributed()
@@ -202,12 +234,7 @@ def _after_the_loss(signum, frame):
 class LostRanks(NamedTuple):
     message: str        # 'rank 1 (pid 3564 on node-1) was killed by SIGKILL (...; --collective-timeout 0.1 min)'
     printed_here: bool  # this rank prints it: the lowest rank still alive (every rank when unknown)
-    spoke: bool = False  # every lost rank exited by itself, with its own line: nobody prints this one
-
-
-def exited_by_itself(fate_seen):
-    """A rank that exited (a status, not a signal) printed why: an error of ours, or Python's."""
-    return fate_seen is not None and (fate_seen == "has exited" or fate_seen.startswith("exited with status"))
+    spoke: bool = False  # every lost rank reported its own error (said_why): nobody prints this one
 
 
 NAMED_AT_MOST = 4  # the lost ranks named one by one; the others are counted
@@ -231,4 +258,4 @@ def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
     alive = [rank for rank in range(ctx.world_size) if rank not in missing]
     return LostRanks(f"{who} ({reason}; --collective-timeout {timeout_min:g} min)",
                      printed_here=lost is None or ctx.rank == alive[0],
-                     spoke=bool(lost) and all(exited_by_itself(rank.fate) for rank in lost))
+                     spoke=bool(lost) and all(rank.said for rank in lost))

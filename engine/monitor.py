@@ -303,14 +303,17 @@ class ProfileWindow:
         return True
 
 
-def fitted_skip(skip, steps, steps_left):
+def fitted_skip(skip, steps, steps_left, steps_per_epoch=None):
     """The --profile-skip this run can honour: ``skip`` when the window starts within the
     ``steps_left`` training steps (None: unknown), else moved so that the window of ``steps``
-    ends with the run, never onto the first step; None when no step after the first is left."""
+    ends with the run, never onto the first step, and within the last epoch (a window never
+    spans two); None when no step after the first is left."""
     if steps_left is None or skip < steps_left:
         return skip
     if steps_left < 2:
         return None
+    if steps_per_epoch and steps_per_epoch > 1:
+        steps = min(steps, steps_per_epoch - 1)  # after the last epoch's first step
     return max(1, steps_left - steps)
 
 
@@ -369,11 +372,13 @@ class Monitors:
                 self.tensorboard.add(self.last_record)
             self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
         if args.profile_dir:
-            skip = fitted_skip(args.profile_skip, args.profile_steps, self.steps_left)
+            skip = fitted_skip(args.profile_skip, args.profile_steps, self.steps_left, self.steps_per_epoch)
             to_go = count(self.steps_left or 0, "training step", "training steps")
-            if skip is None:
-                self.log.info(f"Profiler: no trace: this run has {to_go} to go, and the first is never profiled "
-                              "(it autotunes and compiles)")
+            if skip is None or self.steps_per_epoch == 1:
+                why = ("each epoch has one training step, and a window never spans two epochs"
+                       if skip is not None else f"this run has {to_go} to go, and the first is never profiled "
+                                                "(it autotunes and compiles)")
+                self.log.info(f"Profiler: no trace: {why}")
                 return
             self.profile = ProfileWindow(args.profile_dir, skip, args.profile_steps, ctx, self.run_id, self.log,
                                          self.steps_per_epoch)

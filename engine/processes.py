@@ -69,6 +69,14 @@ def rank_or_zero():
         return 0
 
 
+def world_size_or_one():
+    """WORLD_SIZE from the environment, 1 when it is unset or unreadable."""
+    try:
+        return env_int("WORLD_SIZE", 1)
+    except UserError:
+        return 1
+
+
 def available_cores() -> int:
     """CPU cores this process may run on (its Slurm allocation's, not the node's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -55,13 +55,14 @@ class StopRequests:
             threading.Thread(target=self._watch_stop_file, name="stop-file", daemon=True).start()
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, exc_type, *exc_info):
         self._done.set()  # the thread ends after its current look (not joined: a hung stat must not hang us)
         for sig, handler in self._previous.items():
             # Stopping after a signal: a repeat (Slurm signals every process of the step, and torchrun passes
-            # its own on) must not turn exit status 75 into 143 while the process tears down. A handler that
-            # does nothing, not SIG_IGN, which the processes started later would inherit.
-            repeat_ignored = self.received and sig != signal.SIGINT
+            # its own on) must not turn exit status 75 into 143 while the process tears down. Leaving with an
+            # error: torchrun's SIGTERM, sent as soon as a rank dies, must not cut this rank's line (or the
+            # one naming a lost rank). A handler that does nothing, not SIG_IGN, which children would inherit.
+            repeat_ignored = (self.received or exc_type is not None) and sig != signal.SIGINT
             signal.signal(sig, _repeat_ignored if repeat_ignored else handler)
 
     def _watch_stop_file(self):

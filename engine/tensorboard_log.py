@@ -63,17 +63,26 @@ class TensorBoardLog:
         # traceback; the failure comes back at the next flush, here, as the warning.
         self._thread_hook = threading.excepthook
         threading.excepthook = self._writer_thread_failed
+        self.writer = None
         try:
             self.writer = SummaryWriter(str(self.path), purge_step=first_epoch if resumed else None)
         except OSError as err:
             self._failed(err, first_epoch)
+        except BaseException:
+            threading.excepthook = self._thread_hook
+            raise
 
     def _writer_thread_failed(self, args):
         if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
             self._thread_hook(args)
 
     def _failed(self, err, epoch):
-        self.writer = None
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()  # its thread and file: nothing more is written
+            except OSError:
+                pass
         self.warn(space_warning("TensorBoard events in", self.path, err,
                                 f"no events from epoch {epoch} on (every epoch is in the metrics and checkpoints)"))
 

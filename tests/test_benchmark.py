@@ -72,6 +72,32 @@ def test_a_part_that_fails_loses_only_its_own_rows(tmp_path, monkeypatch, capsys
     assert "FAILED: the project recipe: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in out
 
 
+def test_a_failed_part_fails_the_command_and_a_mistake_is_one_line(tmp_path, monkeypatch, capsys):
+    """The rows measured are printed, and the exit status says a part failed; a --model that
+    is not there is the user's mistake: one line, exit 2, not a recorded failure."""
+    import sys
+
+    import torch
+
+    from engine.cli import run_cli
+    from tools import benchmark
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(benchmark, "time_training_steps", out_of_memory)
+    opts = _tiny_opts(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--quick", "--data-dir", opts.data_dir, "--model", opts.model])
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(benchmark.main)
+    assert exit_.value.code == 1
+    assert error_lines(capsys.readouterr().err) == [
+        "error: 1 part(s) of the benchmark failed (tracebacks above): the project recipe: OutOfMemoryError: CUDA out "
+        "of memory"]
+    assert run_main("tools/benchmark.py", "--quick", "--model", tmp_path / "nosuch.py:Net") == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert "nosuch.py" in line
+
+
 def test_the_guide_column_runs_the_guides_own_loop(tmp_path, monkeypatch):
     """Plain SGD with the learning rate alone, cuDNN autotuning off while it runs (and back on
     after), zero_grad after the forward pass, no loss read back per batch."""
@@ -363,7 +389,10 @@ def test_a_command_past_its_timeout_is_killed_with_every_process_below_it(tmp_pa
         run([sys.executable, "-c", child], cwd=tmp_path, timeout=5)
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # SIGKILL is delivered asynchronously; the grandchild is reaped by init
-        if not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
+        try:
+            if Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z":
+                break
+        except OSError:  # gone
             break
         time.sleep(0.1)
     else:

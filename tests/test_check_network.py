@@ -294,7 +294,7 @@ def test_a_corruption_in_the_repeats_names_the_size_and_iteration(tmp_path):
     result = run(torchrun_cmd(2, "check_network.py", *SMALL, "--repeat", "40"), cwd=tmp_path, env=env, timeout=120)
     assert result.returncode != 0 and [r[6] for r in table(result.stdout)] == ["0"] * 7
     assert error_lines(result.stderr) == [
-        f"error: all-reduce of 64 KiB gave wrong values in iteration 30 of 40 on ranks [1] (host "
+        f"error: repeated all-reduce of 64 KiB gave wrong values in iteration 30 of 40 on ranks [1] (host "
         f"{socket.gethostname()}) (1 of 16384 elements on rank 1 in iteration 30, e.g. element 8192: got 10.0, "
         "expected 9.0): data is corrupted between ranks (see docs/network.md)"]  # 8192 % 7 = 2: 3 * 3 = 9
     assert re.search(r"exitcode\s*:\s*3\b", result.stderr) and "Network check passed" not in result.stdout

@@ -262,10 +262,13 @@ def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
     assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
 
 
-@pytest.mark.parametrize("skip, steps, steps_left, expected", [
-    (10, 5, 100, 10), (10, 5, 8, 3), (10, 5, 4, 1), (2, 5, None, 2), (10, 5, 1, None), (1, 5, 2, 1)])
-def test_the_profile_window_is_moved_into_the_run(skip, steps, steps_left, expected):
-    assert monitor.fitted_skip(skip, steps, steps_left) == expected
+@pytest.mark.parametrize("skip, steps, steps_left, per_epoch, expected", [
+    (10, 5, 100, 10, 10), (10, 5, 8, None, 3), (10, 5, 8, 4, 5), (10, 5, 8, 20, 3), (10, 5, 4, 2, 3),
+    (2, 5, None, None, 2), (10, 5, 1, None, None), (1, 5, 2, None, 1)])
+def test_the_profile_window_is_moved_into_the_run(skip, steps, steps_left, per_epoch, expected):
+    """Moved to end with the run, inside its last epoch (8 steps of 4: after step 5, the last
+    epoch's first, so steps 6 to 8 are recorded)."""
+    assert monitor.fitted_skip(skip, steps, steps_left, per_epoch) == expected
 
 
 def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tmp_path, capsys):
@@ -275,10 +278,10 @@ def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tm
     assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "2", "--profile-dir", tmp_path / "prof",
                     "--profile-steps", "2") == 0
     out = capsys.readouterr().out
-    assert ("Profiler: 2 training steps after the first 2 of this process (--profile-skip 10 moved to 2: this run "
+    assert ("Profiler: 2 training steps after the first 3 of this process (--profile-skip 10 moved to 3: this run "
             f"has 4 training steps to go), traces in {tmp_path / 'prof'}") in out
     (trace,) = (tmp_path / "prof").iterdir()
-    assert trace.name.endswith("_epoch2_step2_rank0.pt.trace.json.gz")  # not across the end of epoch 1
+    assert trace.name.endswith("_epoch2_step2_rank0.pt.trace.json.gz")  # in the last epoch, after its first step
     assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "1", "--limit-batches", "1", "--profile-dir",
                     tmp_path / "prof1") == 0
     assert ("Profiler: no trace: this run has 1 training step to go, and the first is never profiled (it autotunes "

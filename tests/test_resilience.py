@@ -245,10 +245,10 @@ def _replica_worker(rank, store, results, perturb):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    if perturb and rank == 1:
+    if perturb == "nan everywhere" or (perturb and rank == 1):
         with torch.no_grad():
-            if perturb == "nan":
-                model[1].bias[1] = float("nan")  # diverged on this rank (every rank, after its all-reduce)
+            if perturb in ("nan", "nan everywhere"):
+                model[1].bias[1] = float("nan")  # everywhere: diverged; on rank 1 alone: corrupted
             else:
                 model[1].weight[0, 3] += 1e-7  # one value, barely changed
     try:
@@ -261,17 +261,21 @@ def _replica_worker(rank, store, results, perturb):
 
 
 @pytest.mark.oldest_torch
-@pytest.mark.parametrize("perturb", [False, True, "nan"])
+@pytest.mark.parametrize("perturb", [False, True, "nan", "nan everywhere"])
 def test_replica_check_catches_a_perturbed_rank(tmp_path, perturb):
     spawn(_replica_worker, args=(tmp_path / "store", tmp_path, perturb))
     outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
     if not perturb:
         assert outcomes == ["in sync", "in sync"]
-    elif perturb == "nan":  # a diverged model, not a network fault
+    elif perturb == "nan everywhere":  # DDP gives every rank the same update: a diverged model, not the network
         for outcome in outcomes:
-            assert outcome.startswith("NaN/Inf in the model parameters on rank(s) [1] after step 7 of epoch 2 (first "
+            assert outcome.startswith("NaN/Inf in the model parameters on every rank after step 7 of epoch 2 (first "
                                       "in 1.bias): the training diverged")
             assert "NCCL" not in outcome
+    elif perturb == "nan":  # on one rank only: corrupted on the way
+        for outcome in outcomes:
+            assert outcome.startswith("model parameters on rank(s) [1] differ from rank 0 after step 7 of epoch 2 "
+                                      "(NaN/Inf on rank(s) [1] only): the replicas are out of sync")
     else:
         for outcome in outcomes:  # every rank stops, with the same message
             assert outcome.startswith("model parameters on rank(s) [1] differ from rank 0 after step 7 of epoch 2")
@@ -617,9 +621,11 @@ def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, h
     who = f"error: rank 1 (pid {rank1} on {socket.gethostname()}) "
     if how == "frozen":  # rank 0 timed out in the stop agreement and asked who is still there
         assert line.startswith(who + "is stopped (SIGSTOP or a debugger) (Timed out waiting 6000ms for ")
-    else:  # rank 0 lost the connection at once, and saw rank 1's end before torchrun collected it
-        assert line.startswith(who + "was killed by SIGKILL (the kernel's out-of-memory killer sends it, and kill "
-                                     "-9) (")
+    else:  # rank 0 lost the connection at once; rank 1's exit status is in /proc until torchrun collects it
+        assert (line.startswith(who + "was killed by SIGKILL (the kernel's out-of-memory killer sends it, and kill "
+                                      "-9) (")
+                or line.startswith(who + "died without a word: killed (SIGKILL: the kernel's out-of-memory killer, "
+                                         "kill -9) or crashed in native code (")), line
         assert elapsed < 30
     assert line.endswith("; --collective-timeout 0.1 min): stopping every rank; the checkpoints written so far "
                          "are kept, continue with --resume")
@@ -627,6 +633,16 @@ def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, h
     assert f'File "{REPO}' not in log  # no traceback through this project's code (torchrun prints its own)
     kept = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))
     assert kept and all(torch.load(path, weights_only=True)["format"] == checkpoints.CHECKPOINT_FORMAT for path in kept)
+
+
+def test_a_lost_rank_that_said_why_is_not_named_again_and_one_that_did_not_is():
+    here = lost_ranks.Whereabouts("node-1", 3564)
+    quiet = lost_ranks.MissingRank(1, here, "has exited")
+    assert quiet.gone and quiet.describe() == ("rank 1 (pid 3564 on node-1) died without a word: killed (SIGKILL: "
+                                               "the kernel's out-of-memory killer, kill -9) or crashed in native code")
+    assert not lost_ranks.MissingRank(1, here, None, said=True).gone  # alive still: waited for, not left to torchrun
+    assert not lost_ranks.MissingRank(1, here, "is stopped (SIGSTOP or a debugger)").gone
+    assert lost_ranks.MissingRank(2).describe() == "rank 2 stopped responding"
 
 
 @pytest.mark.parametrize("stat, expected", [

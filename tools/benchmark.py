@@ -282,8 +282,9 @@ def table(rows, failures=()):
                          f"{row['images_per_sec']:,.1f} img/s")
     train = [r for r in rows if r["measure"] == "train"]
     if train:
-        lines.append("warm-up (not timed): " + ", ".join(f"{r['recipe']} {r['warmup_steps']} steps in "
-                                                          f"{r['warmup_s']:.1f} s" for r in train))
+        lines.append("warm-up (not timed): " + ", ".join(
+            f"{r['recipe']} {r['warmup_steps']} step{'s' * (r['warmup_steps'] != 1)} in {r['warmup_s']:.1f} s"
+            for r in train))
     lines += [f"FAILED: {failure}" for failure in failures]
     return lines
 
@@ -376,16 +377,30 @@ def main():
     for line in table(rows, failures):
         print(line)
     if opts.json:
-        text = json.dumps(rows, indent=1)
-        tmp = Path(opts.json).with_name(f".{Path(opts.json).name}.tmp{os.getpid()}")
-        try:  # whole or not at all: the table above has every figure either way
-            tmp.parent.mkdir(parents=True, exist_ok=True)  # check_writable allows a new folder
-            tmp.write_text(text)
-            os.replace(tmp, opts.json)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise space_problem("--json", opts.json, err, needed=len(text)) from None
-        print(f"Rows written to {opts.json}")
+        write_rows(rows, opts.json)
+    if failures:  # the rows measured are printed above (and written): the command still failed
+        raise PartsFailed(f"{len(failures)} part(s) of the benchmark failed (tracebacks above): {failures[0]}"
+                          + (f"; and {len(failures) - 1} more" if len(failures) > 1 else ""))
+
+
+class PartsFailed(UserError):
+    """A part of the benchmark raised (out of memory, a compiler error): exit status 1."""
+
+    exit_code = 1
+
+
+def write_rows(rows, path):
+    """--json: the rows, whole or not at all (the table printed has every figure either way)."""
+    text = json.dumps(rows, indent=1)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp{os.getpid()}")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)  # check_writable allows a new folder
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise space_problem("--json", path, err, needed=len(text)) from None
+    print(f"Rows written to {path}")
 
 
 if __name__ == "__main__":

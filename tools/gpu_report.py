@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
 from engine.disk_space import space_problem  # noqa: E402
-from engine.errors import first_line  # noqa: E402
+from engine.errors import UserError, first_line  # noqa: E402
 from engine.monitor import is_communication  # noqa: E402
 
 BUDGET_S = 8.5 * 60  # one command may run 10 minutes on a lent machine: a margin for start-up and writing
@@ -102,6 +102,8 @@ def attempt(failures, part, measure):
     part (an out-of-memory, a compiler error) must not cost the figures of the others."""
     try:
         return measure()
+    except UserError:  # the user's mistake (a --model that is not there): one line, as anywhere
+        raise
     except Exception as err:  # noqa: BLE001 - any defect: recorded in the block, shown in full above it
         traceback.print_exc()
         failures.append(f"{part}: {type(err).__name__}{': ' + first_line(err) if str(err).strip() else ''}")
@@ -349,13 +351,15 @@ def write(path, text):
     cannot take it leaves the file as it was and prints the block, so the GPU's minutes are
     not lost, before the one line (ResourceProblem)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    before = path.stat().st_size if path.exists() else 0
+    before = path.stat().st_size if path.exists() else None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(text)
     except OSError as err:
-        if path.exists():
+        if before is None:
+            path.unlink(missing_ok=True)
+        elif path.exists():
             os.truncate(path, before)
         print(text, flush=True)
         raise space_problem("--report", path, err, needed=len(text.encode())) from None
