@@ -9,7 +9,7 @@ import sys
 import time
 
 from engine.errors import TrainingStopped, UserError
-from engine.processes import rank_or_zero, world_size_or_one
+from engine.processes import launcher_pid, rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 
@@ -56,12 +56,13 @@ def run_cli(main):
 
 
 def leave(code):
-    """Exit with status ``code``. One of several processes (torchrun's ranks) leaves with
-    os._exit once its output is flushed: its process group is gone by then (or hung: a lost
-    rank), its files are closed, and what is left are C++ threads that PyTorch's and gloo's
-    destructors may join or abandon ("terminate called without an active exception"), which
-    turned finished runs into SIGABRT and torchrun's traceback now and then."""
-    if world_size_or_one() > 1:
+    """Exit with status ``code``. A rank of several that torchrun started leaves with os._exit
+    once its output is flushed: its process group is gone by then (or hung: a lost rank), its
+    files are closed, and what is left are C++ threads that PyTorch's and gloo's destructors
+    may join or abandon ("terminate called without an active exception"), which turned
+    finished runs into SIGABRT and torchrun's traceback now and then. Anything else (a test
+    calling an entry point in its own process) exits as usual."""
+    if launcher_pid() is not None and world_size_or_one() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
