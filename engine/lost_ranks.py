@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.errors import RunAborted, first_line
 from engine.processes import DistContext, cleanup_distributed, group_active
+from engine.stopping import ignore_stop_signals
 
 # After a failed collective: how long the ranks that are alive wait for each other. Under
 # torchrun's 30 s grace: torchrun signals the ranks when one dies and kills them 30 s later.
@@ -215,9 +216,7 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
         if not group_active() or not is_collective_failure(err):
             cleanup_distributed()
             raise
-        # torchrun signals the ranks left when one dies: the roll call and its line come first.
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, _after_the_loss)
+        ignore_stop_signals()  # torchrun signals the ranks left when one dies: the roll call and its line first
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
         raise lost_error(who_is_lost(err, ctx, timeout_min), trace) from None
     except BaseException:
@@ -225,10 +224,6 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
         cleanup_distributed()
         raise
     cleanup_distributed()
-
-
-def _after_the_loss(signum, frame):
-    """A stop signal during the roll call: the line naming the lost rank is on its way."""
 
 
 class LostRanks(NamedTuple):

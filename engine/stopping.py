@@ -121,3 +121,11 @@ class StopRequests:
 
 def _repeat_ignored(signum, frame):
     """A stop signal after the stop: the process is already on its way out with its status."""
+
+
+def ignore_stop_signals():
+    """SIGTERM and SIGUSR1 do nothing from now on (SIGINT stays: a user's Ctrl-C): the
+    process is on its way out, and a signal (torchrun's, sent as soon as a rank dies) must
+    not cut the line it is about to print."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _repeat_ignored)
