@@ -12,7 +12,9 @@
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
 # overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train_ddp.py is),
 # NPROC_PER_NODE (default: the GPUs Slurm gave this node), PER_GPU_BATCH (images), BASE_LR,
-# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE.
+# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE, TORCHRUN_PATH (empty, the default:
+# tools/torchrun.py, torchrun ending in the ranks' own error lines instead of its traceback;
+# /usr/local/bin/torchrun: PyTorch's own).
 # Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
 # the arguments); 300 s before the time limit it is stopped with a checkpoint, the job
 # requeues itself and the requeued job resumes from that folder (see README). The final
@@ -44,13 +46,18 @@ GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
 STOP_FILE="${STOP_FILE:-$PWD/.multigpu_${SLURM_JOB_ID:-local}.stop}"
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
+TORCHRUN_PATH="${TORCHRUN_PATH:-}"
+launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
+[[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 [[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ -f "$PROJECT_DIR/train_ddp.py" ]] ||
-    die "no train_ddp.py in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+for script in train_ddp.py tools/torchrun.py; do
+    [[ -f "$PROJECT_DIR/$script" ]] ||
+        die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
+done
 [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] ||
     die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
 
@@ -93,7 +100,7 @@ stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
 # --standalone: torchrun runs its own rendezvous on a free local port.
-apptainer exec --nv "$CONTAINER_PATH" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
+apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
     "${lr_flags[@]}" --target-accuracy 0.95 --patience 2 --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
     --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &

@@ -14,7 +14,8 @@
 #
 # The global batch is PER_GPU_BATCH x nodes x GPUs per node (256 x 2 x 4 = 2048, the
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
-# PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH, the HOST_*_PATH library paths,
+# PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH (empty: tools/torchrun.py, which
+# ends in the ranks' own error lines, not torchrun's traceback), the HOST_*_PATH library paths,
 # GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, every network setting in NETWORK_DEFAULTS
 # below (on a cluster other than Olivia: docs/network.md, "On another cluster"), and:
 #   HOST_BINDS=1          1 (default): bind the host's libfabric, NCCL and aws-ofi-nccl (HOST_*_PATH) into
@@ -58,7 +59,7 @@ PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
 BASE_LR="${BASE_LR:-}"  # empty: 0.04 (the guide's) for SGD, recipe.py's default for another --optimizer
-TORCHRUN_PATH="${TORCHRUN_PATH:-/usr/local/bin/torchrun}"
+TORCHRUN_PATH="${TORCHRUN_PATH:-}"  # empty: tools/torchrun.py (torchrun ending in the ranks' lines, not its traceback)
 GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
@@ -140,7 +141,7 @@ if [[ "$HOST_BINDS" == 1 ]]; then
         --bind "$HOST_CXI_LIB_PATH:/usr/lib64"
         --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib")
 fi
-for script in train_ddp.py check_network.py; do
+for script in train_ddp.py check_network.py tools/torchrun.py; do
     [[ -f "$PROJECT_DIR/$script" ]] ||
         die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
 done
@@ -249,18 +250,30 @@ done
 [[ -s "$store_ready" ]] || die "the rendezvous store did not start within 120 s"
 # What each node runs, up to the Python script: the container with the host's libfabric,
 # NCCL and aws-ofi-nccl bound in and found first, and torchrun as a client of the store.
+launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
+[[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
 in_container=(
     apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH"
     bash -c "$container_task" container-task
-    "$TORCHRUN_PATH" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"
+    "${launcher[@]}" --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"
         --rdzv_backend=c10d --rdzv_endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv_conf=is_host=false
 )
 on_every_node=(srun --ntasks-per-node=1 --kill-on-bad-exit=1)
 
 # The interfaces GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name, on every node, before any
-# torchrun: on a node without them gloo and NCCL would fail in a traceback per rank.
-"${on_every_node[@]}" apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH" \
-    python3 "$PROJECT_DIR/check_network.py" --interfaces || exit 1
+# torchrun: on a node without them gloo and NCCL would fail in a traceback per rank. Every
+# node says the same in its own words (its name, its interfaces): the job prints the first
+# node's line, with how many more failed, not one line per node and srun's own on top.
+if ! interfaces="$("${on_every_node[@]}" apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH" \
+    python3 "$PROJECT_DIR/check_network.py" --interfaces 2>&1)"; then
+    mapfile -t problems < <(grep '^error: ' <<<"$interfaces" || true)
+    # No line of the check's: srun or the container failed first, and says why in its words.
+    [[ "${#problems[@]}" -gt 0 ]] || fail "the interface check did not run on every node:"$'\n'"$interfaces"
+    more=""
+    [[ "${#problems[@]}" -eq 1 ]] || more=" (and the same check failed on $((${#problems[@]} - 1)) more node(s))"
+    fail "${problems[0]#error: }$more"
+fi
+echo "$interfaces"
 
 requeue() {
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"

@@ -188,8 +188,7 @@ def test_multi_node_job_across_two_slurmd_meets_its_time_limit_requeues_and_resu
     check = (dict(NETWORK_CHECK_ARGS="--max-size 64K --iters 2 --warmup-iters 1") if attempt == 1
              else dict(NETWORK_CHECK="0"))
     # Slurm's node names (node1, node2) do not resolve here: the rendezvous uses localhost.
-    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
-                     TORCHRUN_PATH="torchrun", **check)
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1), **check)
     text, job_id = stop_requeue_resume(cluster, tmp_path, env, "multinode_job.sh", "multinode")
     assert "nodes: 2, GPUs per node: 1" in text
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in text
@@ -211,3 +210,47 @@ def test_multi_gpu_job_completes(cluster, tmp_path):
     text = (tmp_path / f"multigpu_{job_id}.out").read_text()
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in text and "Training complete." in text
     assert "Traceback" not in (tmp_path / f"multigpu_{job_id}.err").read_text()
+
+
+def failed_job(cluster, tmp_path, env):
+    """Submit multinode_job.sh, wait for it to end; (.out text, .err text) of a job that failed
+    with exit status 1 and was not requeued."""
+    job_id = sbatch(cluster, tmp_path, env, "multinode_job.sh", *TRAIN_ARGS)
+    state = cluster.wait_until_done(job_id, timeout=120)
+    out, err = ((tmp_path / f"multinode_{job_id}.{kind}").read_text() for kind in ("out", "err"))
+    assert state == "FAILED" and cluster.job_field(job_id, "ExitCode") == "1:0", out + err
+    assert cluster.job_field(job_id, "Restarts") == "0"
+    assert "Traceback" not in out + err and "Training " not in out
+    return out, err
+
+
+# A cluster that is not Olivia, as sbatch meets it: one line each, naming the cause and the fix.
+def test_multi_node_job_on_nodes_without_hsn0_is_one_line(cluster, tmp_path):
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1))
+    del env["GLOO_SOCKET_IFNAME"]  # the script's default, Slingshot's hsn0: these nodes have lo and eth0
+    out, err = failed_job(cluster, tmp_path, env)
+    [line] = err.splitlines()
+    assert line.startswith("error: GLOO_SOCKET_IFNAME=hsn0: node ") and "export GLOO_SOCKET_IFNAME=" in line, err
+    assert line.endswith("(and the same check failed on 1 more node(s))")  # both slurmd: one line for the job
+
+
+def test_multi_node_job_without_a_host_library_folder_is_one_line(cluster, tmp_path):
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
+                     HOST_NCCL_PATH=tmp_path / "no-nccl")
+    out, err = failed_job(cluster, tmp_path, env)
+    assert err.splitlines() == [
+        f"error: HOST_NCCL_PATH={tmp_path / 'no-nccl'}: no such folder on {socket.gethostname()} (a host library "
+        "bound into the container); set HOST_NCCL_PATH to this cluster's path, or HOST_BINDS=0 to use the "
+        "container's own NCCL; see docs/network.md, \"On another cluster\""], err
+
+
+def test_multi_node_job_with_its_rendezvous_port_taken_is_one_line(cluster, tmp_path):
+    with socket.socket() as taken:  # another job's store on the head node
+        taken.bind(("localhost", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=port)
+        out, err = failed_job(cluster, tmp_path, env)
+    assert err.splitlines() == [
+        f"error: the rendezvous store did not start on port {port} of localhost (in use by another job?); set "
+        "RDZV_PORT to a free port (1024-65535) before sbatch"], err

@@ -1,0 +1,61 @@
+"""tools/torchrun.py, the launcher the job scripts run: PyTorch's torchrun, ending in the ranks'
+own lines and the failed rank's exit status, not in torchrun's ChildFailedError traceback."""
+
+import sys
+
+import pytest
+from torch.distributed import DistNetworkError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from conftest import REPO, run
+from tools import torchrun as launcher
+
+pytestmark = pytest.mark.oldest_torch  # torchrun's exceptions and their fields differ between versions
+
+
+def launch(tmp_path, *args):
+    return run([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", *args],
+               cwd=tmp_path, timeout=120)
+
+
+def test_a_rank_s_mistake_ends_in_its_line_and_status_not_torchruns_traceback(tmp_path):
+    result = launch(tmp_path, REPO / "train_ddp.py", "--epochs", "0")
+    assert result.returncode == 2, result.stderr  # train_ddp.py's status for a bad flag; plain torchrun: 1
+    assert "train_ddp.py: error: argument --epochs: '0' is not a positive integer" in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert "failed (exitcode: 2) local_rank: " in result.stderr  # torchrun's own log line of it stays
+
+
+def test_a_rank_killed_by_a_signal_is_128_plus_the_signal(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(5)\n")
+    result = launch(tmp_path, script)
+    assert result.returncode == 128 + 9 and "Traceback" not in result.stderr, result.stderr
+    assert launcher.exit_status(-15) == 143 and launcher.exit_status(3) == 3
+
+
+def test_a_finished_run_is_status_0(tmp_path):
+    script = tmp_path / "fine.py"
+    script.write_text("import os\nopen(f'done{os.environ[\"RANK\"]}', 'w').close()\n")
+    result = launch(tmp_path, script)
+    assert result.returncode == 0 and (tmp_path / "done0").exists() and (tmp_path / "done1").exists()
+
+
+def test_an_unreachable_rendezvous_is_one_line_with_its_cause(monkeypatch, capsys):
+    def unreachable(args):  # what torchrun raises after its minute of retries
+        try:
+            raise DistNetworkError("The client socket has failed to connect to [head-node]:29400 (errno: 111 - "
+                                   "Connection refused).\nmore detail")
+        except DistNetworkError as err:
+            raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception "
+                                            "for details.") from err
+    monkeypatch.setattr(launcher.torchrun, "run", unreachable)
+    status = launcher.main(["--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+                            "--rdzv_endpoint=head-node:29400", "train_ddp.py"])
+    [line] = capsys.readouterr().err.splitlines()
+    assert status == 1 and line.startswith("error: torchrun on ")
+    assert line.endswith("could not join the rendezvous at head-node:29400 (c10d): DistNetworkError: The client socket "
+                         "has failed to connect to [head-node]:29400 (errno: 111 - Connection refused); check that the "
+                         "head node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in "
+                         "multinode_job.sh)")
