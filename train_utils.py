@@ -39,7 +39,7 @@ from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
 from engine.device_loader import choose_loader, device_memory
 from engine.finetune import finetune
-from engine.memory import is_out_of_memory, run_out_of_memory
+from engine.memory import StepShape, is_out_of_memory, run_out_of_memory, training_bytes
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -300,22 +300,22 @@ def parse_args(description, argv=None):
 
 
 def build_task(args, ctx):
-    """The Task of the flags on this rank: its shard of the data, the model on its device."""
+    """The Task of the flags on this rank: its shard of the data, the model on its device, the
+    loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
     train_set, test_set, data = build_data(args, ctx)
-    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes,
-                                   device_memory(ctx.device))
-    workers = 0
-    if loader == "torchvision":
-        workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
-    train_loader, test_loader = build_loaders(
-        train_set, test_set, per_process_batch(args.batch_size, ctx.world_size, args.accumulate), loader=loader,
-        num_workers=workers,
-        device=ctx.device, rank=ctx.rank, world_size=ctx.world_size, seed=args.seed,
-        pin_memory=ctx.device.type == "cuda")
-    model, name = build_model(args.model, data, args.seed, ctx.device, memory_format(args.channels_last, ctx.device),
-                              args.weights)
+    layout = memory_format(args.channels_last, ctx.device)
+    model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
+    batch = per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
+    training = (training_bytes(model, StepShape(batch, args.accumulate, data.prep.image_shape), configure_precision(
+        args.precision, ctx.device), ctx.device, layout, ctx.world_size > 1) if args.loader == "auto" else None)
+    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device), training)
+    workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
+               if loader == "torchvision" else 0)
+    train_loader, test_loader = build_loaders(
+        train_set, test_set, batch, loader=loader, num_workers=workers, device=ctx.device, rank=ctx.rank,
+        world_size=ctx.world_size, seed=args.seed, pin_memory=ctx.device.type == "cuda")
     return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason, note)
 
 

@@ -9,15 +9,17 @@ The torchvision loader (dataset_utils.InMemoryImages in DataLoader workers) call
 crops for the same seed.
 """
 
+import math
 import os
 
 import torch
 
 from engine.disk_space import size_text
+from engine.memory import HEADROOM
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
-DEVICE_DATA_FRACTION = 0.25  # --loader auto: the data set goes on the device when it fits this share of its memory
+DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
 
 
 def augmentation_randoms(size, ops, seed, epoch, per_op):
@@ -128,16 +130,24 @@ class DeviceLoader:
             yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64
 
 
-def choose_loader(requested, data_bytes, memory_bytes):
-    """(loader, why) for --loader: auto puts the data set on the device when it fits
-    DEVICE_DATA_FRACTION of the device's memory, else streams it through the DataLoader."""
+def choose_loader(requested, data_bytes, memory_bytes, training_bytes=None):
+    """(loader, why) for --loader. auto puts the data set on the device when it fits beside
+    training (``training_bytes``, measured by engine.memory.training_bytes) in HEADROOM of the
+    device's memory, or, where training is not measured (the CPU), in DEVICE_DATA_FRACTION of
+    it; else the DataLoader streams it from host memory."""
     if requested != "auto":
         return requested, f"--loader {requested}"
-    budget = DEVICE_DATA_FRACTION * memory_bytes
-    fits = data_bytes <= budget
+    data, memory = size_text(data_bytes), size_text(memory_bytes)
+    if training_bytes is None:
+        fits = data_bytes <= DEVICE_DATA_FRACTION * memory_bytes
+        return ("device" if fits else "torchvision",
+                f"auto: the data set ({data}) {'fits' if fits else 'does not fit'} in {DEVICE_DATA_FRACTION:.0%} "
+                f"of the device's {memory}")
+    fits = data_bytes + training_bytes <= HEADROOM * memory_bytes
+    training = "out of memory on its own" if math.isinf(training_bytes) else f"{size_text(training_bytes)}, measured"
     return ("device" if fits else "torchvision",
-            f"auto: the data set ({size_text(data_bytes)}) {'fits' if fits else 'does not fit'} in "
-            f"{DEVICE_DATA_FRACTION:.0%} of the device's {size_text(memory_bytes)}")
+            f"auto: the data set ({data}) and training ({training}) {'fit' if fits else 'do not fit'} together "
+            f"in {HEADROOM:.0%} of the device's {memory}")
 
 
 def device_memory(device):

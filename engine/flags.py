@@ -146,8 +146,9 @@ def build_parser(description, add_recipe_arguments):
     task.add_argument("--loader", choices=LOADERS, default="auto",
                       help="device = the data set (uint8) lives on the GPU (or in CPU memory) and is cropped, flipped "
                            "and normalized there in batches, no CPU time per image; torchvision = a DataLoader with "
-                           "--num-workers worker processes; auto = device when the data set fits a quarter of the "
-                           "device's memory, else torchvision")
+                           "--num-workers worker processes; auto = device when the data set fits beside training (a "
+                           "training step measured first) in 85%% of the GPU's memory (on the CPU: in a quarter of the "
+                           "node's), else torchvision")
     task.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
                       help="--loader torchvision: worker processes per training process (default: CPU "
                            f"cores per process - 1, at most {MAX_AUTO_WORKERS})")

@@ -18,6 +18,10 @@ hash of a sample of the images: a cache whose files no longer match (overwritten
 meta.json lost) is rebuilt with a warning, never trained on. The check reads the labels and
 SAMPLED_IMAGES images: milliseconds, however large the cache.
 
+Running out of memory while decoding (an image too large for the node, times the decoding
+threads) is one line with the figures and what to ask Slurm for; the unfinished build is
+removed.
+
 The arrays are memory-mapped: the device loader copies them to the GPU, the torchvision
 loader's workers read them without loading everything.
 """
@@ -40,6 +44,7 @@ from engine.disk_space import NO_SPACE, free_bytes, size_text, space_problem
 from engine.errors import ResourceProblem
 from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, channel_stats, choose_size, decode_all, header,
                                  map_threads, scan)
+from engine.memory import cache_out_of_memory
 from engine.processes import available_cores
 
 CACHE_FORMAT = 2  # 2: meta.json has the checks (split_checks)
@@ -138,6 +143,9 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
         except OSError:
             if not (target / "meta.json").is_file():  # not another process that finished first
                 raise
+    except MemoryError:  # numpy's or Pillow's: an image too large for the node's memory, times the threads
+        raise cache_out_of_memory(total, target.parent, max((s for _, s in all_headers), key=lambda s: s[0] * s[1]),
+                                  workers) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with {workers} "

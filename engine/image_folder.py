@@ -153,6 +153,8 @@ def decode(path, size, mode):
             if (image.height, image.width) != size:
                 image = ImageOps.fit(image, (size[1], size[0]), Image.Resampling.BILINEAR)
             array = np.asarray(image, dtype=np.uint8)
+    except MemoryError:  # the node's memory, not the file: engine/image_cache.py says so
+        raise
     except Exception as err:
         raise _unreadable(path, err) from None
     return array[:, :, None] if array.ndim == 2 else array

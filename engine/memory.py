@@ -3,13 +3,18 @@ memory and this process's peak, and the changes that keep the recipe, in order: 
 --accumulate with a value that would fit, then a smaller --image-size (or model); and the last
 checkpoint with the command that continues from it. Exit status 1, not requeued: the same
 job would run out of memory again.
+
+And before training, what a training step takes on the GPU (``training_bytes``), so that
+--loader auto puts the data set there only when the step still fits beside it.
 """
 
 import math
 import os
 import resource
 import shlex
+import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +23,7 @@ from engine.errors import UserError
 from engine.flags import FOLDER
 
 HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at most this share of the memory
+OPTIMIZER_STATE_VALUES = 2  # per trainable parameter: AdamW's two moments, the most recipe.py's optimizers keep
 
 
 class OutOfMemory(UserError):
@@ -82,6 +88,19 @@ def out_of_memory(where, device, args, micro_batch, image_size, precision, steps
     return OutOfMemory(line, same_on_every_rank=False)
 
 
+def cache_out_of_memory(images, folder, largest, threads):
+    """The OutOfMemory error for decoding ``images`` images into the cache in ``folder``:
+    ``threads`` threads each hold one image decoded at full size, the ``largest`` (height,
+    width) among them."""
+    total, peak = memory_figures(torch.device("cpu"))
+    return OutOfMemory(
+        f"out of memory decoding {images} images into the image cache in {folder} on {socket.gethostname()} "
+        f"({total / 2**30:.1f} GiB, this process's peak {peak / 2**30:.1f} GiB; {threads} threads each decode one "
+        f"image at full size, the largest {largest[1]}x{largest[0]} pixels): ask Slurm for more memory (--mem) or "
+        "fewer cores (--cpus-per-task: one decoding thread per core). Nothing was trained; the unfinished cache "
+        "was removed and earlier ones are kept")
+
+
 def run_out_of_memory(run, state, where, steps_done):
     """out_of_memory for a train_utils.Run: its micro-batch, image size, precision and newest
     checkpoint (of ``state``, a TrainState, or None)."""
@@ -106,3 +125,65 @@ def resume_command(accumulate):
     script = os.path.basename(sys.argv[0])
     launcher = "python" if script == "train.py" else "torchrun (with its options as before)"
     return f"{launcher} {shlex.join([script, *args, '--accumulate', str(accumulate), '--resume'])}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What training takes on the GPU, measured before the data set may go there.
+
+@dataclass(frozen=True)
+class StepShape:
+    """The images one optimizer step puts on a device: ``batch`` per process, in micro-batches
+    of ``batch // accumulate``, each image ``image_shape`` (H, W, C)."""
+    batch: int
+    accumulate: int
+    image_shape: tuple
+
+
+def probe_step(model, images, precision, device):
+    """One forward and backward pass of ``images`` (B, C, H, W) through ``model`` in training
+    mode that leaves no trace: gradients dropped, buffers (BatchNorm's running statistics and
+    counts) and the random number generators as they were, the mode restored."""
+    saved = [buffer.detach().clone() for buffer in model.buffers()]
+    training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            with precision.autocast(device):
+                out = model(images)
+            out.float().sum().backward()
+    finally:
+        for param in model.parameters():
+            param.grad = None
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), saved):
+                buffer.copy_(value)
+        model.train(training)
+
+
+def training_bytes(model, shape, precision, device, memory_format, ddp):
+    """Bytes of GPU memory training ``model`` takes at ``shape`` (a StepShape): the peak of one
+    probed micro-batch step (the model, the input, activations, gradients; cuDNN's workspace
+    too), the rest of the batch's input (float32), the optimizer's state
+    (OPTIMIZER_STATE_VALUES per trainable parameter) and under DDP its gradient buckets (one
+    more copy of the gradients). None on the CPU (nothing to measure: the data set stays where it
+    is); infinity when the step alone runs out of memory (the first real step then says so)."""
+    if device.type != "cuda":
+        return None
+    height, width, channels = shape.image_shape
+    micro = shape.batch // shape.accumulate
+    images = torch.zeros((micro, channels, height, width), device=device).contiguous(memory_format=memory_format)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        probe_step(model, images, precision, device)
+        peak = torch.cuda.max_memory_allocated(device)  # the allocator's count, kept on the host: no sync
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        peak = math.inf
+    del images
+    torch.cuda.empty_cache()  # the probe's blocks back to the GPU, for the data set or other processes
+    if math.isinf(peak):
+        return peak
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    rest_of_input = (shape.batch - micro) * height * width * channels * 4
+    return peak + rest_of_input + (OPTIMIZER_STATE_VALUES + ddp) * trainable

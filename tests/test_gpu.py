@@ -29,6 +29,8 @@ import dataset_utils as du
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
+from engine.memory import StepShape, training_bytes
+from engine.precision import Precision
 from engine import monitor, optimizers, tensorboard_log
 from conftest import clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for, write_cifar100
 from conftest import run as run_with_timeout
@@ -346,6 +348,29 @@ def test_peak_memory_grows_with_the_batch_and_fits(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     print(f"peak memory: batch 256 {peaks[256]:.2f} GiB, batch 1024 {peaks[1024]:.2f} GiB of {total:.0f}")
     assert 0 < peaks[256] < peaks[1024] < total
+
+
+def test_loader_auto_measures_training_before_the_data_set_goes_on_the_gpu(tmp_path):
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(64 * 32 * 32, 10)).to(device)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def measured(batch, accumulate=1):
+        return training_bytes(model, StepShape(batch, accumulate, (32, 32, 3)), Precision("fp32"), device,
+                              torch.contiguous_format, False)
+    small, large, accumulated = measured(8), measured(256), measured(256, 32)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    activation = 64 * 32 * 32 * 4  # bytes of one image's convolution output, kept for the backward pass
+    print(f"training bytes: batch 8 {small / 2**20:.0f} MiB, 256 {large / 2**20:.0f} MiB, 256 in 32 micro-batches "
+          f"{accumulated / 2**20:.0f} MiB; parameters {params / 2**20:.0f} MiB")
+    assert 4 * params < small < accumulated < large  # + gradients + AdamW's two moments
+    assert large - small >= (256 - 8) * activation
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BatchNorm's statistics untouched
+    result = run(python_cmd("train.py", *SHORT), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"Loader: .*; auto: the data set \(.+\) and training \(.+, measured\) fit together in 85% of "
+                     r"the device's ", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("layout", ["--channels-last", "--no-channels-last"])

@@ -2,14 +2,19 @@
 BatchNorm, within rounding) on 1 and 2 processes, a resume may change N, and running out of
 memory anywhere is one line with what to change and the command that continues."""
 
+import math
 import re
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd, write_cifar10
 from tools.demo_data import write_image_folder
-from engine.memory import suggested_accumulate
+from engine import image_cache
+from engine.device_loader import choose_loader
+from engine.memory import OutOfMemory, StepShape, probe_step, suggested_accumulate, training_bytes
+from engine.precision import Precision
 
 OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
 
@@ -126,3 +131,96 @@ def test_out_of_memory_in_predict_is_one_line(tmp_path):
     assert result.returncode == 1 and not (tmp_path / "p.csv").exists()
     assert error_lines(result.stderr) == ["error: out of memory classifying 8 images of [16, 16] pixels on cpu; use a "
                                           "smaller --batch-size (now 64)"]
+
+
+def test_loader_auto_counts_training_beside_the_data_set():
+    gb = 1e9  # 85% of 80 GB is 68 GB
+    assert choose_loader("auto", 10 * gb, 80 * gb, 50 * gb) == (
+        "device", "auto: the data set (10 GB) and training (50 GB, measured) fit together in 85% of the device's "
+                  "80 GB")
+    # The data set alone would fit in a quarter of the memory, not beside training:
+    assert choose_loader("auto", 10 * gb, 80 * gb, 60 * gb) == (
+        "torchvision", "auto: the data set (10 GB) and training (60 GB, measured) do not fit together in 85% of "
+                       "the device's 80 GB")
+    assert choose_loader("auto", 1, 80 * gb, math.inf)[1].endswith("training (out of memory on its own) do not fit "
+                                                                 "together in 85% of the device's 80 GB")
+    assert training_bytes(torch.nn.Linear(2, 2), StepShape(4, 1, (2, 2, 1)), Precision("fp32"), torch.device("cpu"),
+                          torch.contiguous_format, False) is None  # the CPU: nothing to measure, a quarter of RAM
+
+
+class Probed(torch.nn.Module):
+    """BatchNorm's running statistics, dropout's random numbers: what a probe must leave as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.drop = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.norm(self.conv(x))).flatten(1)
+
+
+def test_the_probe_step_leaves_no_trace():
+    model, images = Probed().eval(), torch.randn(8, 3, 6, 6)
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state())
+    probe_step(model, images, Precision("fp32"), torch.device("cpu"))
+    assert not model.training and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items())  # BatchNorm statistics
+    assert torch.equal(torch.get_rng_state(), before[1])
+    model.train()
+    probe_step(model, images, Precision("bf16", torch.bfloat16), torch.device("cpu"))
+    assert model.training and model.norm.num_batches_tracked.item() == 0
+
+
+# Out of memory while the folder cache is decoded: a sitecustomize (loaded by every process
+# whose PYTHONPATH names its folder) makes Pillow's convert() fail as it does when the node's
+# memory runs out, for the one image of 61x47 pixels.
+SITECUSTOMIZE = """
+from PIL import Image
+convert = Image.Image.convert
+def failing(self, *args, **kwargs):
+    if self.size == (61, 47):
+        raise MemoryError()
+    return convert(self, *args, **kwargs)
+Image.Image.convert = failing
+"""
+
+
+def photos_with_a_huge_one(root):
+    write_image_folder(root, classes=2, n_train=8, n_test=4, sizes=((16, 16),))
+    Image.new("RGB", (61, 47)).save(root / "train" / "class_1" / "huge.png")
+    return root
+
+
+def test_out_of_memory_in_the_cache_build_keeps_the_earlier_cache(tmp_path, monkeypatch):
+    images = photos_with_a_huge_one(tmp_path / "images")
+    earlier = image_cache.prepare_folder(images, tmp_path / "cache", (16, 16), log=lambda _: None)
+    namespace = {}
+    exec(SITECUSTOMIZE, namespace)
+    try:
+        with pytest.raises(OutOfMemory) as raised:
+            image_cache.prepare_folder(images, tmp_path / "cache", (24, 24), log=lambda _: None, workers=3)
+    finally:
+        Image.Image.convert = namespace["convert"]
+    assert re.fullmatch(
+        rf"out of memory decoding 25 images into the image cache in {re.escape(str(earlier.parent))} on \S+ \([\d.]+ "
+        r"GiB, this process's peak [\d.]+ GiB; 3 threads each decode one image at full size, the largest 61x47 pixels"
+        r"\): ask Slurm for more memory \(--mem\) or fewer cores \(--cpus-per-task: one decoding thread per core\)\. "
+        r"Nothing was trained; the unfinished cache was removed and earlier ones are kept", str(raised.value))
+    assert [path.name for path in earlier.parent.iterdir()] == [earlier.name]  # no half-built cache left
+    assert image_cache.why_damaged(earlier) is None
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_out_of_memory_in_the_cache_build_is_one_line_for_the_job(tmp_path, processes):
+    photos_with_a_huge_one(tmp_path / "images")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    args = ("--dataset", "folder", "--data-dir", "images", "--cache-dir", "cache", *OOM_MODEL, "--batch-size", "8",
+            "--epochs", "1")
+    command = (python_cmd("train.py", *args) if processes == 1 else  # torchrun as the job scripts run it
+               python_cmd("tools/torchrun.py", "--standalone", "--nproc_per_node=2", REPO / "train_ddp.py", *args))
+    result = run(command, cwd=tmp_path, env=clean_env(PYTHONPATH=tmp_path / "site"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error: out of memory decoding 25 images into the image cache in ") and "61x47" in line
+    assert "Training" not in result.stdout and not list((tmp_path / "cache").glob("*/*"))
