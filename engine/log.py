@@ -161,7 +161,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, args.compile),
         f"Loader: {loader}; {task.loader_reason}",
-        f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {steps} steps per epoch",
+        f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {count(steps, 'step', 'steps')} per epoch",
         *data.notes,
         *size_warning(data, task.train_loader, task.test_loader),
         f"Augmentation: {data.prep.describe()}",

@@ -56,7 +56,10 @@ def make_scheduler(optimizer, cycles, factor):
 
 
 def describe_extension(planned, args, cycle, steps_per_epoch):
+    extending = f"Extending the run from {planned} to {args.epochs} epochs"
+    if cycle.start_factor == 1 and args.lr_schedule != "cosine":  # a constant LR: nothing to restart
+        return f"{extending} at the constant learning rate {args.base_lr:g}"
     then = f"then {args.lr_schedule} to 0 at epoch {args.epochs}" if args.lr_schedule == "cosine" else "then constant"
-    return (f"Extending the run from {planned} to {args.epochs} epochs: warm restart of the learning rate from "
-            f"{cycle.start_factor * args.base_lr:.3g} back up to {args.base_lr:g} over {cycle.warmup} steps "
-            f"({cycle.warmup / steps_per_epoch:g} epochs), {then}")
+    steps = f"{cycle.warmup} step{'' if cycle.warmup == 1 else 's'}"
+    return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * args.base_lr:.3g} back up to "
+            f"{args.base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")

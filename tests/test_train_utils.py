@@ -435,3 +435,14 @@ def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():
     assert device_utils.group_options(gpu, timeout) == {
         "backend": "nccl", "timeout": timeout + timedelta(minutes=processes.NCCL_TIMEOUT_MARGIN_MIN), "device_id": gpu}
     assert device_utils.group_options(torch.device("cpu"), timeout) == {"backend": "gloo", "timeout": timeout}
+
+
+def test_an_extension_says_what_the_learning_rate_does():
+    def said(schedule, cycle):
+        args = tu.parse_args("test", ["--epochs", "5", "--lr-schedule", schedule, "--base-lr", "0.01"])
+        return lr_schedule.describe_extension(3, args, cycle, steps_per_epoch=4)
+    assert said("cosine", lr_schedule.Cycle(12, 1, 20, 0.0)) == (
+        "Extending the run from 3 to 5 epochs: warm restart of the learning rate from 0 back up to 0.01 over 1 step "
+        "(0.25 epochs), then cosine to 0 at epoch 5")
+    assert said("constant", lr_schedule.Cycle(12, 2, 20, 1.0)) == (
+        "Extending the run from 3 to 5 epochs at the constant learning rate 0.01")  # not "from 0.01 back up to 0.01"
