@@ -39,7 +39,8 @@ def device_name(device: torch.device) -> str:
     if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model there
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    return f"CPU: {model}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"CPU: {model}, {threads} thread{'' if threads == 1 else 's'}"
 
 
 def peak_memory_gib(device: torch.device):
