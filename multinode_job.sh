@@ -264,7 +264,8 @@ on_every_node=(srun --ntasks-per-node=1 --kill-on-bad-exit=1)
 # torchrun: on a node without them gloo and NCCL would fail in a traceback per rank. Every
 # node says the same in its own words (its name, its interfaces): the job prints the first
 # node's line, with how many more failed, not one line per node and srun's own on top.
-if ! interfaces="$("${on_every_node[@]}" apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH" \
+# Without --kill-on-bad-exit: every node finishes its check (a second), so the count is exact.
+if ! interfaces="$(srun --ntasks-per-node=1 apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH" \
     python3 "$PROJECT_DIR/check_network.py" --interfaces 2>&1)"; then
     mapfile -t problems < <(grep '^error: ' <<<"$interfaces" || true)
     # No line of the check's: srun or the container failed first, and says why in its words.

@@ -39,7 +39,7 @@ from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
 from engine.device_loader import choose_loader, device_memory
 from engine.finetune import finetune
-from engine.memory import StepShape, is_out_of_memory, run_out_of_memory, training_bytes
+from engine.memory import is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -308,8 +308,7 @@ def build_task(args, ctx):
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
     batch = per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
-    training = (training_bytes(model, StepShape(batch, args.accumulate, data.prep.image_shape), configure_precision(
-        args.precision, ctx.device), ctx.device, layout, ctx.world_size > 1) if args.loader == "auto" else None)
+    training = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
     loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device), training)
     workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
                if loader == "torchvision" else 0)

@@ -10,12 +10,11 @@ crops for the same seed.
 """
 
 import math
-import os
 
 import torch
 
 from engine.disk_space import size_text
-from engine.memory import HEADROOM
+from engine.memory import HEADROOM, host_memory
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
@@ -151,7 +150,7 @@ def choose_loader(requested, data_bytes, memory_bytes, training_bytes=None):
 
 
 def device_memory(device):
-    """Bytes of memory of ``device``: the GPU's, or the node's for the CPU."""
+    """Bytes of memory of ``device``: the GPU's, or what this process may use of the host's."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory()

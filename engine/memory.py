@@ -21,9 +21,13 @@ import torch
 
 from engine.errors import UserError
 from engine.flags import FOLDER
+from engine.plugins import call_user_code
+from engine.precision import configure_precision
+from engine.processes import max_over_ranks
 
 HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at most this share of the memory
 OPTIMIZER_STATE_VALUES = 2  # per trainable parameter: AdamW's two moments, the most recipe.py's optimizers keep
+NO_FIT = 2**62  # bytes: a training step that ran out of memory on its own, in an all-reduce of integers
 
 
 class OutOfMemory(UserError):
@@ -42,11 +46,39 @@ def is_out_of_memory(err):
 
 def memory_figures(device):
     """(total bytes, this process's peak bytes) of ``device``: the GPU's (peak of tensors
-    allocated since the last reset), or the node's and this process's resident peak."""
+    allocated since the last reset), or what this process may use of the host's (host_memory)
+    and its resident peak."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, torch.cuda.max_memory_allocated(device)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss: KiB on Linux
+    return host_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss: KiB on Linux
+
+
+def host_memory(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
+    """Bytes this process may use of the host's memory: the node's, or less where a cgroup
+    limits it (Slurm's --mem, a container's limit), the smallest limit of its cgroup and
+    those above it. cgroup v2 (memory.max) and v1 (memory/.../memory.limit_in_bytes)."""
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, name = Path(root), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = Path(root) / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        for level in [folder, *folder.parents]:
+            try:
+                limits.append(int((level / name).read_text()))  # "max" (v2: none) is not a number
+            except (OSError, ValueError):
+                pass
+            if level == base:
+                break
+    return min(limits)
 
 
 def suggested_accumulate(accumulate, micro_batch, peak, total, steps_done):
@@ -160,20 +192,24 @@ def probe_step(model, images, precision, device):
         model.train(training)
 
 
-def training_bytes(model, shape, precision, device, memory_format, ddp):
-    """Bytes of GPU memory training ``model`` takes at ``shape`` (a StepShape): the peak of one
-    probed micro-batch step (the model, the input, activations, gradients; cuDNN's workspace
-    too), the rest of the batch's input (float32), the optimizer's state
-    (OPTIMIZER_STATE_VALUES per trainable parameter) and under DDP its gradient buckets (one
-    more copy of the gradients). None on the CPU (nothing to measure: the data set stays where it
-    is); infinity when the step alone runs out of memory (the first real step then says so)."""
+def training_bytes(model, shape, precision, device, memory_format):
+    """Bytes of GPU memory training ``model`` takes at ``shape`` (a StepShape): the peak of a
+    probed micro-batch step (the model, the input, activations, gradients; under DDP the
+    gradients are its buckets' views, gradient_as_bucket_view), the rest of the batch's input
+    (float32) and the optimizer's state (OPTIMIZER_STATE_VALUES per trainable parameter). Not
+    counted, and left to HEADROOM's 15%: the CUDA context, NCCL's buffers and the allocator's
+    fragmentation. None on the CPU (nothing to measure: the data set stays where it is);
+    infinity when the step alone runs out of memory (the first real step then says so)."""
     if device.type != "cuda":
         return None
     height, width, channels = shape.image_shape
     micro = shape.batch // shape.accumulate
     images = torch.zeros((micro, channels, height, width), device=device).contiguous(memory_format=memory_format)
-    torch.cuda.reset_peak_memory_stats(device)
     try:
+        # Twice: the first pass at a shape is where cuDNN's autotuning (cudnn.benchmark) tries
+        # its algorithms, some with workspaces far larger than any step then uses.
+        probe_step(model, images, precision, device)
+        torch.cuda.reset_peak_memory_stats(device)
         probe_step(model, images, precision, device)
         peak = torch.cuda.max_memory_allocated(device)  # the allocator's count, kept on the host: no sync
     except Exception as err:
@@ -186,4 +222,19 @@ def training_bytes(model, shape, precision, device, memory_format, ddp):
         return peak
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     rest_of_input = (shape.batch - micro) * height * width * channels * 4
-    return peak + rest_of_input + (OPTIMIZER_STATE_VALUES + ddp) * trainable
+    return peak + rest_of_input + OPTIMIZER_STATE_VALUES * trainable
+
+
+def measured_training(model, args, ctx, image_shape, batch, memory_format):
+    """What --loader auto weighs against the data set: ``training_bytes`` of this rank's GPU, the
+    most of any rank (every rank must choose the same loader). None where nothing is measured:
+    a loader chosen by flag, --eval-only, the CPU. An error of the model's own in the probed
+    step is one line naming its code (engine/plugins.py), as in training."""
+    if args.loader != "auto" or args.eval_only or ctx.device.type != "cuda":
+        return None
+    shape = StepShape(batch, args.accumulate, image_shape)
+    precision = configure_precision(args.precision, ctx.device)
+    needed = call_user_code(lambda: training_bytes(model, shape, precision, ctx.device, memory_format),
+                            f"--model {args.model} in a training step (measured for --loader auto)", args.model)
+    most = max_over_ranks(min(needed, NO_FIT), ctx.control_group)  # an all-reduce of integers: no infinity
+    return math.inf if most >= NO_FIT else most

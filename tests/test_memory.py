@@ -13,7 +13,7 @@ from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd
 from tools.demo_data import write_image_folder
 from engine import image_cache
 from engine.device_loader import choose_loader
-from engine.memory import OutOfMemory, StepShape, probe_step, suggested_accumulate, training_bytes
+from engine.memory import OutOfMemory, StepShape, host_memory, probe_step, suggested_accumulate, training_bytes
 from engine.precision import Precision
 
 OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
@@ -145,7 +145,7 @@ def test_loader_auto_counts_training_beside_the_data_set():
     assert choose_loader("auto", 1, 80 * gb, math.inf)[1].endswith("training (out of memory on its own) do not fit "
                                                                  "together in 85% of the device's 80 GB")
     assert training_bytes(torch.nn.Linear(2, 2), StepShape(4, 1, (2, 2, 1)), Precision("fp32"), torch.device("cpu"),
-                          torch.contiguous_format, False) is None  # the CPU: nothing to measure, a quarter of RAM
+                          torch.contiguous_format) is None  # the CPU: nothing to measure, a quarter of RAM
 
 
 class Probed(torch.nn.Module):
@@ -224,3 +224,22 @@ def test_out_of_memory_in_the_cache_build_is_one_line_for_the_job(tmp_path, proc
     [line] = error_lines(result.stderr)
     assert line.startswith("error: out of memory decoding 25 images into the image cache in ") and "61x47" in line
     assert "Training" not in result.stdout and not list((tmp_path / "cache").glob("*/*"))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_host_memory_is_the_jobs_cgroup_limit(tmp_path, version):
+    """Slurm's --mem is a cgroup limit on the job, often on a folder above the step's own."""
+    gib = 2**30
+    if version == "v2":
+        (tmp_path / "proc").write_text("0::/slurm/job_7/step_0\n")
+        folders = {"slurm": "max", "slurm/job_7": str(6 * gib), "slurm/job_7/step_0": "max"}
+        name = "memory.max"
+    else:
+        (tmp_path / "proc").write_text("4:memory:/slurm/job_7/step_0\n3:cpuset:/\n")
+        folders = {"memory/slurm": str(2**63 - 4096), "memory/slurm/job_7": str(6 * gib),
+                   "memory/slurm/job_7/step_0": str(2**63 - 4096)}
+        name = "memory.limit_in_bytes"
+    for folder, value in folders.items():
+        (tmp_path / "cg" / folder).mkdir(parents=True)
+        (tmp_path / "cg" / folder / name).write_text(value + "\n")
+    assert host_memory(tmp_path / "proc", tmp_path / "cg") == min(6 * gib, host_memory(tmp_path / "none"))

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 from torch.distributed import DistNetworkError
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
 from conftest import REPO, run
 from tools import torchrun as launcher
@@ -59,3 +60,41 @@ def test_an_unreachable_rendezvous_is_one_line_with_its_cause(monkeypatch, capsy
                          "has failed to connect to [head-node]:29400 (errno: 111 - Connection refused); check that the "
                          "head node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in "
                          "multinode_job.sh)")
+
+
+def test_a_killed_rank_s_signal_wins_over_the_others_exit_status():
+    def failure(rank, exitcode, timestamp):
+        failed = ProcessFailure(rank, 100 + rank, exitcode, "<N/A>")
+        failed.timestamp = timestamp  # whole seconds, as torchrun records them
+        return failed
+    # Rank 1 killed, rank 0 exiting 3 after naming it, in the same second: the job says 137.
+    same_second = ChildFailedError("train_ddp.py", {0: failure(0, 3, 100), 1: failure(1, -9, 100)})
+    assert launcher.failed_rank_status(same_second) == 137
+    assert launcher.failed_rank_status(ChildFailedError("x", {0: failure(0, 2, 100), 1: failure(1, 1, 101)})) == 2
+    # Rank 0's mistake, rank 1 then stopped by torchrun's SIGTERM: the mistake's status.
+    assert launcher.failed_rank_status(ChildFailedError("x", {0: failure(0, 2, 100), 1: failure(1, -15, 100)})) == 2
+    assert launcher.failed_rank_status(ChildFailedError("x", {0: failure(0, -15, 100), 1: failure(1, -9, 131)})) == 143
+
+
+def test_each_rendezvous_failure_says_what_to_check(monkeypatch, capsys):
+    def times_out(args):
+        raise RendezvousTimeoutError("The node 'n2_1' has not joined within 900 s.")
+    monkeypatch.setattr(launcher.torchrun, "run", times_out)
+    assert launcher.main(["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400", "train_ddp.py"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "not every node joined the rendezvous at head:29400 (c10d) in time (RendezvousTimeoutError: The node 'n2_1' "
+        "has not joined within 900 s); a node whose task failed to start (its lines above), or --nnodes more than the "
+        "allocation's nodes\n")
+
+    def refused(args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed")
+    monkeypatch.setattr(launcher.torchrun, "run", refused)
+    assert launcher.main(["--standalone", "--nproc_per_node=2", "train_ddp.py"]) == 1
+    err = capsys.readouterr().err
+    assert "could not start its own rendezvous store (--standalone)" in err and "RDZV_HOST" not in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(launcher.torchrun, "run", interrupted)
+    assert launcher.main(["--standalone", "train_ddp.py"]) == 130
+    assert capsys.readouterr().err == "Interrupted (Ctrl-C) before the ranks started\n"

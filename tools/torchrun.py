@@ -1,12 +1,12 @@
 """torchrun, ending in the ranks' own lines: PyTorch's launcher itself (torch.distributed.run:
 the same flags, rendezvous, supervision and log lines), except that a failed rank, a signal or
-an unreachable rendezvous does not end in torchrun's traceback.
+a rendezvous that fails does not end in torchrun's traceback.
 
 Plain torchrun raises ChildFailedError when a rank fails, and Python prints its traceback and a
 30-line report under the rank's own one-line error (a mistyped flag, out of memory, a lost
 rank): the line the user needs is then the one they do not see. Here torchrun's own log line
 ("failed (exitcode: 2) local_rank: 0 (pid: P) of binary: ...") stays, and the launcher exits
-with the status of the rank that failed first (128 + N for a rank killed by signal N, as a
+with the status of the rank that failed first, or of one killed by signal N (128 + N, as a
 shell reports it), so a job's status says why, as with one process. The job scripts run it in
 place of torchrun; from an interactive allocation it takes torchrun's arguments:
 
@@ -15,13 +15,14 @@ place of torchrun; from an interactive allocation it takes torchrun's arguments:
     sbatch multigpu_job.sh       # runs it (TORCHRUN_PATH=torchrun runs PyTorch's own instead)
 """
 
+import signal
 import socket
 import sys
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
 
 def exit_status(exitcode):
@@ -36,12 +37,28 @@ def root_cause(err):
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or ['?'])[0].rstrip('.')}"
 
 
+def failed_rank_status(err):
+    """The job's status for a ChildFailedError: that of the rank that failed first, preferring,
+    among those that failed in the same second (torchrun's timestamps are whole seconds), one
+    killed by a signal other than SIGTERM: the others then exit 3 after naming it, and SIGTERM
+    is what torchrun sends the ranks left once one has failed."""
+    failures = list(err.failures.values())
+    first = min(failure.timestamp for failure in failures)
+    killed = [f for f in failures if f.timestamp == first and f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    return exit_status(killed[0].exitcode if killed else err.get_first_failure()[1].exitcode)
+
+
 def rendezvous_problem(args, err):
-    """The one line for a rendezvous this node's torchrun could not join."""
+    """The one line for a rendezvous this node's torchrun could not complete."""
     where = "its own store (--standalone)" if args.standalone else f"{args.rdzv_endpoint} ({args.rdzv_backend})"
-    return (f"torchrun on {socket.gethostname()} could not join the rendezvous at {where}: {root_cause(err)}; "
-            "check that the head node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in "
-            "multinode_job.sh)")
+    host = socket.gethostname()
+    if isinstance(err, RendezvousTimeoutError):
+        return (f"torchrun on {host}: not every node joined the rendezvous at {where} in time ({root_cause(err)}); "
+                "a node whose task failed to start (its lines above), or --nnodes more than the allocation's nodes")
+    if args.standalone:
+        return f"torchrun on {host} could not start its own rendezvous store (--standalone): {root_cause(err)}"
+    return (f"torchrun on {host} could not join the rendezvous at {where}: {root_cause(err)}; check that the head "
+            "node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in multinode_job.sh)")
 
 
 def main(argv=None):
@@ -50,10 +67,12 @@ def main(argv=None):
     try:
         torchrun.run(args)
     except ChildFailedError as err:  # each rank has said why (or its traceback has); torchrun logged which
-        _, failure = err.get_first_failure()
-        return exit_status(failure.exitcode)
+        return failed_rank_status(err)
     except SignalException as err:  # Ctrl-C, scancel: passed on to the ranks, which print their stop lines
         return 128 + int(err.sigval)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers (in the rendezvous)
+        print("Interrupted (Ctrl-C) before the ranks started", file=sys.stderr)
+        return 130
     except RendezvousError as err:
         print(f"error: {rendezvous_problem(args, err)}", file=sys.stderr)
         return 1
