@@ -84,7 +84,7 @@ class RunRecords:
         process, which differ with the process count: the CPU model is compared."""
         values = {key: self.value(key) for key in RECIPE_KEYS}
         values["dataset"] = values["dataset"] or "cifar100"  # (lines from before --dataset)
-        values["device"] = re.sub(r", \d+ threads$", "", str(values["device"]))
+        values["device"] = re.sub(r", \d+ threads?$", "", str(values["device"]))
         return tuple(values.values())
 
 
