@@ -44,15 +44,23 @@ def run_cli(main):
         if prints and rank and getattr(err, "rank0_first", False):
             let_rank0_fail_first()  # rank 0 likely hit it too: then its line alone is seen (torchrun ends this one)
         if prints:
-            print(f"{f'[rank {rank}] ' if rank else ''}error: {err}", file=sys.stderr, flush=True)
+            say(f"{f'[rank {rank}] ' if rank else ''}error: {err}")
         if not prints and not getattr(err, "exit_at_once", False):
             let_rank0_fail_first()
         leave(err.exit_code)
     except KeyboardInterrupt as err:  # outside training (data, model, start-up), or a second Ctrl-C in it
         if rank == 0:
-            print(f"Interrupted ({str(err) or 'Ctrl-C'})", file=sys.stderr)
+            say(f"Interrupted ({str(err) or 'Ctrl-C'})")
         leave(130)
     leave(0)
+
+
+def say(line):
+    """``line`` on stderr in one write. print() writes the text and its newline apart to the
+    unbuffered stderr, so two processes sharing it (the nodes of srun, the ranks of torchrun)
+    could interleave into "error: A error: B" on one line."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 def leave(code):

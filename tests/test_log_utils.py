@@ -5,11 +5,14 @@ import io
 from types import SimpleNamespace
 import json
 import re
+import sys
 
 import pytest
 import torch
 
+from engine import cli
 from engine import log as run_log
+from engine.errors import UserError
 from engine.processes import DistContext
 
 
@@ -140,3 +143,23 @@ def test_a_data_set_of_the_wrong_size_is_said():
         "WARNING: this CIFAR-100 has 64 training images instead of 50000: an incomplete copy or other files?"]
     assert run_log.size_warning(cifar, Loader(50_000), Loader(10_000)) == []
     assert run_log.size_warning(SimpleNamespace(title="my folder", expected_sizes=None), Loader(64), None) == []
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    """Processes sharing stderr (srun's nodes, torchrun's ranks) must not interleave their lines:
+    print() writes a line's text and its newline apart."""
+    writes = []
+
+    class Recording(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    def mistake():  # a node's own error, which every node prints
+        raise UserError("GLOO_SOCKET_IFNAME=hsn0: node n1 has no such interface", same_on_every_rank=False)
+    monkeypatch.setattr(sys, "stderr", Recording())
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_cli(mistake)
+    assert exit_.value.code == 2
+    assert writes == ["[rank 3] error: GLOO_SOCKET_IFNAME=hsn0: node n1 has no such interface\n"]
