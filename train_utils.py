@@ -37,9 +37,9 @@ from engine.checkpoints import (Checkpointer, TrainState, check_resumable, claim
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
-from engine.device_loader import choose_loader, device_memory
+from engine.device_loader import choose_loader
 from engine.finetune import finetune
-from engine.memory import is_out_of_memory, measured_training, run_out_of_memory
+from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors

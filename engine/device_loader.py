@@ -14,7 +14,7 @@ import math
 import torch
 
 from engine.disk_space import size_text
-from engine.memory import HEADROOM, host_memory
+from engine.memory import HEADROOM
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
@@ -147,10 +147,3 @@ def choose_loader(requested, data_bytes, memory_bytes, training_bytes=None):
     return ("device" if fits else "torchvision",
             f"auto: the data set ({data}) and training ({training}) {'fit' if fits else 'do not fit'} together "
             f"in {HEADROOM:.0%} of the device's {memory}")
-
-
-def device_memory(device):
-    """Bytes of memory of ``device``: the GPU's, or what this process may use of the host's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return host_memory()

@@ -49,8 +49,15 @@ def memory_figures(device):
     allocated since the last reset), or what this process may use of the host's (host_memory)
     and its resident peak."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, torch.cuda.max_memory_allocated(device)
-    return host_memory(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss: KiB on Linux
+        return device_memory(device), torch.cuda.max_memory_allocated(device)
+    return device_memory(device), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss: KiB
+
+
+def device_memory(device):
+    """Bytes of memory of ``device``: the GPU's, or what this process may use of the host's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return host_memory()
 
 
 def host_memory(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):

@@ -18,11 +18,17 @@ place of torchrun; from an interactive allocation it takes torchrun's arguments:
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+
+if __package__ in (None, ""):  # run as python tools/torchrun.py: the project's modules are one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.errors import first_line  # noqa: E402
 
 
 def exit_status(exitcode):
@@ -31,10 +37,10 @@ def exit_status(exitcode):
 
 
 def root_cause(err):
-    """The first line of the innermost exception that ``err`` was raised from."""
+    """The type and first line of the innermost exception that ``err`` was raised from."""
     while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
         err = err.__cause__ or err.__context__
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or ['?'])[0].rstrip('.')}"
+    return f"{type(err).__name__}: {first_line(err).rstrip('.')}"
 
 
 def failed_rank_status(err):
