@@ -18,9 +18,11 @@ addition (every partial sum stays below 2**24). Every warm-up and timed iteratio
 the buffer (all_reduce works in place) and compares all of its elements with the expected
 sums; the comparisons stay on the device and are read once per size.
 
-Timing: CUDA events around each all_reduce on GPUs, the clock around the blocking gloo call
-on CPUs. A size's time is the mean over its timed iterations, then the maximum over ranks:
-the slowest rank sets the pace of a collective, as it sets training's. algbw = bytes / time,
+Timing: CUDA events around each all_reduce on GPUs (launched with async_op=True, then its
+future's wait, which only makes the current stream wait: the host never waits inside the
+timed span), the clock around gloo's all-reduce on CPUs. A size's time is the mean over its
+timed iterations, then the maximum over ranks: the slowest rank sets the pace of a
+collective, as it sets training's. algbw = bytes / time,
 busbw = algbw * 2(W - 1)/W (what each rank's link carries in a ring all-reduce, comparable
 across world sizes; n/a for one process), in GB/s = 1e9 bytes/s. The verdict also gives the
 largest size's busbw from the mean over ranks, which nccl-tests reports by default.
@@ -38,7 +40,10 @@ states as a WARNING. The temporary logs are removed at the end.
 Exit status: 0 the check passed; 2 a bad command line or environment; 3 an all-reduce
 gave a wrong value (one line naming the size, the iterations, the ranks and their hosts);
 4 the busbw of the largest size is below --min-busbw; 5 a rank stopped responding or a
-collective failed (one line naming the ranks that did not answer). Under torchrun these are
+collective failed (one line naming the ranks that did not answer). On GPUs the check sets
+TORCH_NCCL_BLOCKING_WAIT=1 for itself: NCCL's errors and timeouts then raise in the host's
+wait for each size, as PyTorch documents, which gives status 5, where NCCL's watchdog would
+abort the process (SIGABRT) and print C++ stack frames. Training keeps the watchdog. Under torchrun these are
 the ranks' statuses; torchrun itself then exits 1. docs/network.md explains the table.
 """
 
@@ -48,6 +53,7 @@ import shutil
 import socket
 import tempfile
 import time
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -108,6 +114,11 @@ class SizeResult(NamedTuple):
     wrong: int  # wrong elements over every rank and iteration
     mean_busbw: float | None = None  # GB/s from the mean over ranks (nccl-tests' default); None for one process
 
+
+# NCCL's errors as exceptions in the host's wait (Work.wait), not an abort by its watchdog
+# thread, which blocking wait does not start: set before the process group is created. In the
+# libraries of PyTorch 2.7 to 2.14 (tests/test_resilience.py).
+NCCL_ERRORS_RAISE = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 # The sizes --repeat all-reduces again and again: NCCL issue 2001's, and DDP's gradient bucket.
 REPEATED_SIZES = (2**20, 25 * 2**20)
@@ -195,7 +206,7 @@ def build_parser():
                              "NCCL's TCP sockets (default: no minimum)")
     parser.add_argument("--collective-timeout", type=positive_float, default=DEFAULT_TIMEOUT_MIN, metavar="MINUTES",
                         help="how long a rank waits for the others in a collective before every rank stops with "
-                             f"exit status 5 (NCCL gets 1 minute more) (default: {DEFAULT_TIMEOUT_MIN:g})")
+                             f"exit status 5 (default: {DEFAULT_TIMEOUT_MIN:g})")
     parser.add_argument("--interfaces", action="store_true",
                         help="only check that GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name interfaces of this node "
                              "(one process, no torchrun): multinode_job.sh runs it on every node first")
@@ -210,11 +221,28 @@ def parse_args(argv=None):
     return args
 
 
+def start_all_reduce(tensor):
+    """Start the in-place all-reduce (sum) of ``tensor`` and make the current stream wait for
+    it. On GPUs the host does not wait (the future's wait is a stream dependency); on gloo it
+    does. The Work returned is for host_wait."""
+    work = dist.all_reduce(tensor, async_op=True)
+    work.get_future().wait()
+    return work
+
+
+def host_wait(work, timeout_s):
+    """The host's wait for ``work`` and every all-reduce queued before it (one NCCL stream runs
+    them in order). With NCCL_ERRORS_RAISE, an NCCL error (a lost peer, a network fault) or
+    ``timeout_s`` seconds without an end raise here (DistBackendError), which
+    process_group_scope turns into one line and status 5. On gloo the work has ended already."""
+    work.wait(timedelta(seconds=timeout_s))
+
+
 def wait_for_device(event, timeout_s, what):
-    """Wait for a CUDA event without blocking in CUDA: NCCL's all_reduce returns to the host at
-    once, so a rank that stopped responding would leave the others in a synchronize()
-    forever (until NCCL's watchdog aborts the process). Polled, it ends after ``timeout_s``
-    in a RuntimeError that process_group turns into one line naming the lost ranks."""
+    """Wait for a CUDA event without blocking in CUDA: a synchronize() on a communicator whose
+    peer stopped responding would wait forever. After host_wait the event is moments away;
+    should blocking wait not be in effect, this poll still ends after ``timeout_s`` in a
+    RuntimeError that process_group_scope turns into one line naming the lost ranks."""
     deadline = time.monotonic() + timeout_s
     while not event.query():
         if time.monotonic() > deadline:
@@ -265,12 +293,13 @@ def all_reduce_size(buffers, count, args, ctx, fault):
     for i in range(iterations):
         result.copy_(source)  # all_reduce is in place: each iteration reduces fresh data
         clock.start(i)
-        dist.all_reduce(result)
+        work = start_all_reduce(result)
         clock.stop(i)
         if fault and fault == (ctx.rank, count * ELEMENT_BYTES, i + 1):
             result[count // 2] += 1  # the test hook (CHECK_NETWORK_FAULT)
         checks[i] = check_result(result, expected)
-    seconds = clock.read()  # the one wait for the device per size
+    host_wait(work, args.collective_timeout * 60)  # the host's one wait per size
+    seconds = clock.read()
     return sum(seconds[args.warmup_iters:]) / args.iters, mismatches(ctx.rank, checks.cpu().tolist())
 
 
@@ -298,7 +327,7 @@ def first_contact(ctx, log_path, timeout_s):
     """One all-reduce of a single value (it creates NCCL's communicator, which logs its
     choice of network), then every rank's NcclLog and whether its value was right, on rank 0."""
     one = torch.full((1,), float(ctx.rank + 1), dtype=DTYPE, device=ctx.device)
-    dist.all_reduce(one)
+    host_wait(start_all_reduce(one), timeout_s)
     if ctx.device.type == "cuda":
         done = torch.cuda.Event()
         done.record()
@@ -394,7 +423,7 @@ def main():
     if torch.cuda.is_available():  # NCCL: before it starts, have it log its choice of network
         if "NCCL_DEBUG_FILE" not in os.environ:
             log_dir = tempfile.mkdtemp(prefix="check_network_")  # TMPDIR: local disk
-        os.environ.update(nccl_log_settings(os.environ, log_dir))
+        os.environ.update(nccl_log_settings(os.environ, log_dir), **NCCL_ERRORS_RAISE)
         log_path = nccl_debug_file(os.environ["NCCL_DEBUG_FILE"], socket.gethostname(), os.getpid())
     try:
         ctx = setup_distributed(args.collective_timeout, not_under_torchrun=NOT_UNDER_TORCHRUN)

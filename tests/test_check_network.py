@@ -318,23 +318,37 @@ def test_a_slow_network_fails_min_busbw_with_one_line(tmp_path):
 
 
 @pytest.mark.oldest_torch
-def test_a_frozen_rank_ends_the_check_with_one_line_naming_it(tmp_path):
-    """SIGSTOP of rank 1 (a node that hangs) while the all-reduces run: rank 0 gives up after
-    --collective-timeout (3 s) and names rank 1, exit status 5, instead of waiting 5 minutes."""
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_a_frozen_or_killed_rank_ends_the_check_with_one_line_naming_it(tmp_path, how):
+    """SIGSTOP of rank 1 (a node that hangs) or SIGKILL (the out-of-memory killer) while the
+    all-reduces run: rank 0 gives up after --collective-timeout (3 s), or at once, in the wait
+    for its all-reduce (host_wait, as on NCCL with blocking wait), and names rank 1, exit
+    status 5, instead of waiting 5 minutes."""
+    stop_rank_during_check(tmp_path, how)
+
+
+def stop_rank_during_check(tmp_path, how, env=None):
+    """Start a 2-process check, stop or kill rank 1 once the table has begun, and assert the
+    one line naming it and status 5 (also tests/test_gpu.py's, on NCCL). Returns the log."""
     args = ("--min-size", "4K", "--max-size", "4K", "--iters", "1000000", "--collective-timeout", "0.05")
-    process = start(torchrun_cmd(2, "check_network.py", *args), tmp_path, tmp_path / "log")
+    process = start(torchrun_cmd(2, "check_network.py", *args), tmp_path, tmp_path / "log", env=env)
     wait_for(tmp_path / "log", "size (B)", process)  # the table's header: the all-reduces have begun
     [rank1] = [pid for pid in descendants(process.pid)
                if b"RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
-    os.kill(rank1, signal.SIGSTOP)
+    os.kill(rank1, signal.SIGSTOP if how == "frozen" else signal.SIGKILL)
     try:
         wait_for(tmp_path / "log", "error: ", process, timeout=60)
     finally:
-        os.kill(rank1, signal.SIGKILL)  # instead of torchrun's grace period for a stopped process
+        if how == "frozen":
+            os.kill(rank1, signal.SIGKILL)  # instead of torchrun's grace period for a stopped process
     process.wait(timeout=60)
     log = (tmp_path / "log").read_text()
     [line] = error_lines(log)
-    assert line.startswith(f"error: the network check could not finish: rank 1 (pid {rank1} on "
-                           f"{socket.gethostname()}) is stopped (SIGSTOP or a debugger) (")
+    who = f"error: the network check could not finish: rank 1 (pid {rank1} on {socket.gethostname()}) "
+    if how == "frozen":
+        assert line.startswith(who + "is stopped (SIGSTOP or a debugger) ("), line
+    else:  # its exit status is in /proc until torchrun collects it
+        assert line.startswith((who + "was killed by SIGKILL (", who + "died without a word: killed (SIGKILL")), line
     assert line.endswith("; --collective-timeout 0.05 min)")
     assert re.search(r"exitcode\s*:\s*5\b", log) and "Network check passed" not in log
+    return log

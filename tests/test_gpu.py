@@ -34,7 +34,7 @@ from engine.precision import Precision
 from engine import monitor, optimizers, tensorboard_log
 from conftest import clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for, write_cifar100
 from conftest import run as run_with_timeout
-from test_check_network import TABLE_ROW
+from test_check_network import TABLE_ROW, stop_rank_during_check
 from test_resilience import _rank_pid
 from tools import gpu_report
 
@@ -181,12 +181,15 @@ def test_device_loader_on_cuda_serves_the_cpu_loaders_batches(tmp_path):
 
 def test_network_check_on_nccl(tmp_path):
     """check_network.py on NCCL: CUDA events time it, NCCL's own log (NCCL_DEBUG=INFO into a
-    temporary file) names the network it chose, and the version is the loaded library's."""
+    temporary file) names the network it chose, and the version is the loaded library's.
+    Blocking wait is in effect (PyTorch's own INFO line): NCCL's errors raise in the host's
+    wait, and no watchdog aborts the process."""
     gpus = min(torch.cuda.device_count(), 2)
     (tmp_path / "tmp").mkdir()
     result = run(torchrun_cmd(gpus, "check_network.py", "--max-size", "4M", "--iters", "5"), cwd=tmp_path,
-                 env=clean_env(TMPDIR=tmp_path / "tmp"))
+                 env=clean_env(TMPDIR=tmp_path / "tmp", TORCH_CPP_LOG_LEVEL="INFO"))
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created" in result.stderr
     out = result.stdout
     version = ".".join(map(str, torch.cuda.nccl.version()))  # the library this process loads
     assert f"Backend: nccl, world size {gpus}" in out and f"NCCL version: {version}" in out
@@ -196,6 +199,17 @@ def test_network_check_on_nccl(tmp_path):
     rows = [TABLE_ROW.match(line) for line in out.splitlines() if TABLE_ROW.match(line)]
     assert len(rows) == 13 and all(float(row[4]) > 0 for row in rows)  # the time (us) of every size
     assert not list((tmp_path / "tmp").glob("check_network_*"))  # its NCCL logs are gone (torchrun's stay)
+
+
+def test_network_check_on_nccl_names_a_killed_rank(tmp_path):
+    """A peer lost mid-check on NCCL: with TORCH_NCCL_BLOCKING_WAIT=1 the survivor's wait
+    raises NCCL's error, which is one line naming rank 1 and status 5, where NCCL's watchdog
+    would abort the process (SIGABRT, C++ stack frames). Needs 2 GPUs: NCCL refuses two ranks
+    on one."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("a lost NCCL peer needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+    log = stop_rank_during_check(tmp_path, "killed", env=clean_env())
+    assert "Backend: nccl" in log and "SIGABRT" not in log and "frame #" not in log
 
 
 @pytest.mark.parametrize("stop", ["stop file", "SIGUSR1"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import check_network
 import device_utils
 import recipe
 import train_utils as tu
@@ -713,16 +714,18 @@ def _library_strings(folder, pattern="*.so*"):
 @pytest.mark.oldest_torch
 def test_every_variable_the_project_sets_is_read_by_the_installed_libraries():
     """A renamed variable is silently ignored: each TORCH_* name the project sets (the flight
-    recorder's for this torch, the job scripts' and the docs' error handling) must be in this
+    recorder's for this torch, the job scripts' and the docs' error handling, check_network's
+    blocking wait) must be in this
     torch's libraries, and each NCCL_* name in the NCCL it ships, where there is one."""
     torch_lib = Path(torch.__file__).parent / "lib"
     if not list(torch_lib.glob("libtorch_cuda*.so")):
         pytest.skip("a CPU-only torch build holds no NCCL code")
     torch_reads = _library_strings(torch_lib)
-    names = {*device_utils.flight_recorder_settings("ck"), "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME"}
+    names = {*device_utils.flight_recorder_settings("ck"), *check_network.NCCL_ERRORS_RAISE,
+             "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME"}
     names |= {name for script in REPO.glob("*_job.sh") for name in re.findall(r"\bexport (TORCH_\w+)=",
                                                                               script.read_text())}
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in names and len(names) >= 3
+    assert {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} <= names and len(names) >= 4
     assert [name for name in sorted(names) if not torch_reads(name)] == []
     assert not torch_reads("TORCH_NO_SUCH_VARIABLE")  # the check itself can fail
     nccl = [path.parent for path in Path(torch.__file__).parent.parent.glob("nvidia/nccl*/lib/libnccl.so*")]
