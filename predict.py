@@ -39,6 +39,7 @@ from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
 from engine.image_folder import class_files, decode, image_extensions
+from engine.log import count
 from engine.memory import OutOfMemory, is_out_of_memory
 from engine.models import check_output, make_model
 from engine.plugins import load_plugin
@@ -246,10 +247,11 @@ def csv_destination(output):
 def report(out, counts, unreadable, ignored, device, seconds, model_name, output):
     """The summary: what was classified, how fast, what was skipped, what was predicted."""
     total = sum(counts.values())
-    print(f"Classified {total} images with {model_name} on {device} in {seconds:.1f} s "
+    print(f"Classified {count(total, 'image', 'images')} with {model_name} on {device} in {seconds:.1f} s "
           f"({total / max(seconds, 1e-9):.0f} images/s)", file=out)
-    print(f"Skipped {unreadable} unreadable image(s){' (listed on stderr)' if unreadable else ''}; "
-          f"ignored {ignored} file(s) that are not images", file=out)
+    print(f"Skipped {count(unreadable, 'unreadable image', 'unreadable images')}"
+          f"{' (listed on stderr)' if unreadable else ''}; ignored "
+          f"{count(ignored, 'file that is not an image', 'files that are not images')}", file=out)
     common = ", ".join(f"{name} {n}" for name, n in counts.most_common(SHOWN_CLASSES))
     more = f" and {len(counts) - SHOWN_CLASSES} more classes" if len(counts) > SHOWN_CLASSES else ""
     print(f"Predicted: {common}{more}", file=out)

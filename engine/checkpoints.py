@@ -197,7 +197,17 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
                        "--epochs, not shortened)")
     if changed:
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
-                        + "; rerun with its values or start a new --checkpoint-dir")
+                        + "; rerun with its values or start a new --checkpoint-dir"
+                        + smaller_steps_hint(saved.get("batch_size"), args.batch_size, args.accumulate))
+
+
+def smaller_steps_hint(saved_batch, batch, accumulate):
+    """A resume with a smaller --batch-size is usually a step that no longer fits in memory:
+    the same global batch in smaller micro-batches (--accumulate) keeps the recipe."""
+    if not saved_batch or batch >= saved_batch or saved_batch % batch:
+        return ""
+    return (f"; for smaller steps of the same recipe, resume with --batch-size {saved_batch} --accumulate "
+            f"{accumulate * saved_batch // batch}")
 
 
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx):

@@ -4,14 +4,17 @@ unreadable image, a file name that is not UTF-8, stray files) and every mistake 
 never a traceback, and nothing a user wrote is overwritten."""
 
 import csv
+import io
 import math
 import os
 import shutil
+from collections import Counter
 
 import pytest
 import torch
 from PIL import Image
 
+from predict import report as summary_report
 from conftest import clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_image_folder
 from tiny_net import Net
 
@@ -100,7 +103,7 @@ def test_predictions_agree_with_the_accuracy_training_reported(trained):
     assert (f"Classified {len(rows)} images with Net(num_classes=3, in_channels=3, image_size=(28, 28)) from "
             "pixel_net.py on cpu in ") in summary
     assert "images/s" in summary
-    assert "Skipped 0 unreadable image(s); ignored 1 file(s) that are not images" in summary  # notes.txt
+    assert "Skipped 0 unreadable images; ignored 1 file that is not an image" in summary  # notes.txt
     predicted = next(line for line in summary.splitlines() if line.startswith("Predicted: "))
     for name in {row["prediction"] for row in rows}:
         assert f"{name} {sum(row['prediction'] == name for row in rows)}" in predicted
@@ -152,7 +155,7 @@ def test_odd_files_are_skipped_listed_or_ignored_never_a_traceback(trained, tmp_
     assert [line for line in result.stderr.splitlines() if "x.jpg" in line] == [
         line for line in result.stderr.splitlines() if line.startswith(f"unreadable, skipped: {folder}/x.jpg: ")]
     assert "x.jpg" in result.stderr
-    assert "Skipped 1 unreadable image(s) (listed on stderr); ignored 1 file(s) that are not images" in result.stdout
+    assert "Skipped 1 unreadable image (listed on stderr); ignored 1 file that is not an image" in result.stdout
     assert "Classified 5 images" in result.stdout
     assert os.listdir(tmp_path / "out") == ["p.csv"]  # its temporary file gone
 
@@ -203,3 +206,19 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert code == 2 and "none of the 1 image file(s) could be read" in line
     assert not (tmp_path / "none.csv").exists() and sorted(os.listdir(tmp_path)) == ["broken", "empty", "mine.csv",
                                                                                    "plain.pt"]
+
+
+def test_the_summary_counts_in_words():
+    """One image is "1 image", not "1 images"; the classes most predicted come first."""
+    out = io.StringIO()
+    summary_report(out, Counter(cat=1), 0, 1, "cpu", 0.5, "Net", None)
+    assert out.getvalue().splitlines() == [
+        "Classified 1 image with Net on cpu in 0.5 s (2 images/s)",
+        "Skipped 0 unreadable images; ignored 1 file that is not an image",
+        "Predicted: cat 1", "Predictions written to stdout"]
+    out = io.StringIO()
+    summary_report(out, Counter(dog=3, cat=1), 2, 0, "cpu", 1.0, "Net", None)
+    assert out.getvalue().splitlines()[:3] == [
+        "Classified 4 images with Net on cpu in 1.0 s (4 images/s)",
+        "Skipped 2 unreadable images (listed on stderr); ignored 0 files that are not images",
+        "Predicted: dog 3, cat 1"]

@@ -202,8 +202,14 @@ def test_resume_refuses_another_model_data_set_or_recipe():
                                         r"\[64, 64, 3\] now\)"):
         check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
-    with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\)"):
+    with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\); rerun with its "
+                                        r"values or start a new --checkpoint-dir$"):  # larger steps: no hint
         check(_checkpoint_like(args, data, model), run_args=other)
+    smaller = tu.parse_args("x", ["--batch-size", "64", "--accumulate", "2"])  # a step that did not fit
+    with pytest.raises(UserError, match=r"--batch-size 256 \(now 64\); rerun with its values or start a new "
+                                        r"--checkpoint-dir; for smaller steps of the same recipe, resume with "
+                                        r"--batch-size 256 --accumulate 8$"):
+        check(_checkpoint_like(args, data, model), run_args=smaller)
     with pytest.raises(UserError, match=r"trained with --model model:WideResNet, this run has --model my_net.py:Net"):
         mine = tu.parse_args("x", ["--batch-size", "256", "--model", "my_net.py:Net"])
         check(_checkpoint_like(args, data, model), run_args=mine, key="my_net:Net")
