@@ -42,9 +42,10 @@ gave a wrong value (one line naming the size, the iterations, the ranks and thei
 4 the busbw of the largest size is below --min-busbw; 5 a rank stopped responding or a
 collective failed (one line naming the ranks that did not answer). On GPUs the check sets
 TORCH_NCCL_BLOCKING_WAIT=1 for itself: NCCL's errors and timeouts then raise in the host's
-wait for each size, as PyTorch documents, which gives status 5, where NCCL's watchdog would
-abort the process (SIGABRT) and print C++ stack frames. Training keeps the watchdog. Under torchrun these are
-the ranks' statuses; torchrun itself then exits 1. docs/network.md explains the table.
+wait for an all-reduce, as PyTorch documents, which gives status 5, where NCCL's watchdog
+would abort the process (SIGABRT) and print C++ stack frames. Training keeps the watchdog.
+Under torchrun these are the ranks' statuses; torchrun itself then exits 1.
+docs/network.md explains the table.
 """
 
 import argparse
@@ -53,6 +54,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import deque
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -67,7 +69,7 @@ from engine.flags import OneLineParser, non_negative_int, positive_float, positi
 from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
-from engine.lost_ranks import process_group_scope
+from engine.lost_ranks import is_collective_failure, process_group_scope
 from engine.exact_sums import (DTYPE, check_result, max_world_size, mismatch_message, mismatches, pattern,
                                sum_of_ranks)
 from engine.processes import any_rank, gather_objects
@@ -119,6 +121,12 @@ class SizeResult(NamedTuple):
 # thread, which blocking wait does not start: set before the process group is created. In the
 # libraries of PyTorch 2.7 to 2.14 (tests/test_resilience.py).
 NCCL_ERRORS_RAISE = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+# All-reduces the host queues ahead of its wait for the oldest (host_wait): enough to keep the
+# GPU busy through blocking wait's polls (1 ms apart), few enough (~20 commands each) that
+# a lost peer, whose all-reduce never ends, is seen within --collective-timeout of it before
+# CUDA's launch queue (~1000 commands) fills and blocks the host inside a launch.
+QUEUED_AHEAD = 16
 
 # The sizes --repeat all-reduces again and again: NCCL issue 2001's, and DDP's gradient bucket.
 REPEATED_SIZES = (2**20, 25 * 2**20)
@@ -221,21 +229,32 @@ def parse_args(argv=None):
     return args
 
 
-def start_all_reduce(tensor):
-    """Start the in-place all-reduce (sum) of ``tensor`` and make the current stream wait for
-    it. On GPUs the host does not wait (the future's wait is a stream dependency); on gloo it
-    does. The Work returned is for host_wait."""
+def start_all_reduce(tensor, timeout_s):
+    """Start the in-place all-reduce (sum) of ``tensor``; returns its Work. On GPUs the current
+    stream waits for it (the future's wait is a stream dependency; the host goes on). On gloo
+    the host waits (host_wait): gloo reduces in a thread of its own, and the next iteration's
+    refill must not overwrite the buffer under it."""
     work = dist.all_reduce(tensor, async_op=True)
-    work.get_future().wait()
+    if tensor.is_cuda:
+        work.get_future().wait()
+    else:
+        host_wait(work, timeout_s)
     return work
 
 
 def host_wait(work, timeout_s):
     """The host's wait for ``work`` and every all-reduce queued before it (one NCCL stream runs
-    them in order). With NCCL_ERRORS_RAISE, an NCCL error (a lost peer, a network fault) or
-    ``timeout_s`` seconds without an end raise here (DistBackendError), which
-    process_group_scope turns into one line and status 5. On gloo the work has ended already."""
-    work.wait(timedelta(seconds=timeout_s))
+    them in order). An error (a lost peer, a network fault; on NCCL thanks to
+    NCCL_ERRORS_RAISE) or ``timeout_s`` seconds since ``work`` was queued without its end
+    raise here (DistBackendError, gloo's RuntimeError), which process_group_scope turns into
+    one line and status 5."""
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        if is_collective_failure(err) or "timed out" not in str(err):
+            raise
+        # c10d's own "Operation timed out!" (gloo's Work): a collective's failure all the same
+        raise dist.DistError(f"all-reduce not finished after {timeout_s:g} s") from None
 
 
 def wait_for_device(event, timeout_s, what):
@@ -252,7 +271,7 @@ def wait_for_device(event, timeout_s, what):
 
 class Clock:
     """Times each iteration's all_reduce: CUDA events on GPUs (read once, after the last
-    iteration), the host's clock around gloo's blocking call on CPUs. On GPUs the small sizes'
+    iteration), the host's clock around gloo's all-reduce and the host's wait for it on CPUs. On GPUs the small sizes'
     times include the host's launch of the all-reduce (microseconds), which nccl-tests hides
     by queueing iterations back to back."""
 
@@ -289,16 +308,20 @@ def all_reduce_size(buffers, count, args, ctx, fault):
     source, result, expected = (b[:count] for b in buffers)
     iterations = args.warmup_iters + args.iters
     checks = torch.empty(iterations, 4, dtype=torch.float64, device=ctx.device)
-    clock = Clock(ctx.device, iterations, args.collective_timeout * 60)
+    timeout_s = args.collective_timeout * 60
+    clock = Clock(ctx.device, iterations, timeout_s)
+    queued = deque()  # the Works the host has not waited for
     for i in range(iterations):
         result.copy_(source)  # all_reduce is in place: each iteration reduces fresh data
         clock.start(i)
-        work = start_all_reduce(result)
+        queued.append(start_all_reduce(result, timeout_s))
         clock.stop(i)
         if fault and fault == (ctx.rank, count * ELEMENT_BYTES, i + 1):
             result[count // 2] += 1  # the test hook (CHECK_NETWORK_FAULT)
         checks[i] = check_result(result, expected)
-    host_wait(work, args.collective_timeout * 60)  # the host's one wait per size
+        if len(queued) > QUEUED_AHEAD:
+            host_wait(queued.popleft(), timeout_s)
+    host_wait(queued[-1], timeout_s)
     seconds = clock.read()
     return sum(seconds[args.warmup_iters:]) / args.iters, mismatches(ctx.rank, checks.cpu().tolist())
 
@@ -327,7 +350,7 @@ def first_contact(ctx, log_path, timeout_s):
     """One all-reduce of a single value (it creates NCCL's communicator, which logs its
     choice of network), then every rank's NcclLog and whether its value was right, on rank 0."""
     one = torch.full((1,), float(ctx.rank + 1), dtype=DTYPE, device=ctx.device)
-    host_wait(start_all_reduce(one), timeout_s)
+    host_wait(start_all_reduce(one, timeout_s), timeout_s)
     if ctx.device.type == "cuda":
         done = torch.cuda.Event()
         done.record()

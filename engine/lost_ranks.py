@@ -8,6 +8,7 @@ train_ddp.py runs inside ``process_group_scope``.
 """
 
 import os
+import re
 import signal
 import socket
 import time
@@ -235,6 +236,18 @@ class LostRanks(NamedTuple):
 NAMED_AT_MOST = 4  # the lost ranks named one by one; the others are counted
 
 
+# PyTorch's text for an NCCL collective that timed out, also in blocking wait, where no watchdog
+# runs, and with the group's timeout where the wait had its own (check_network.py).
+NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout: WorkNCCL\(.*?OpType=(\w+).*?\) ran for "
+                          r"(\d+) milliseconds before timing out")
+
+
+def short_timeout(reason):
+    """'NCCL ALLREDUCE timed out after 300.0 s' for PyTorch's NCCL timeout text; else ``reason``."""
+    match = NCCL_TIMEOUT.search(reason)
+    return f"NCCL {match[1]} timed out after {int(match[2]) / 1000:.1f} s" if match else reason
+
+
 def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
     """After the collective failure ``err``: a roll call (up to ROLL_CALL_S) and the line that
     names the ranks that did not answer, where they ran and how they ended, with the first
@@ -242,7 +255,7 @@ def who_is_lost(err, ctx: DistContext, timeout_min: float) -> LostRanks:
     lost = roll_call(ctx, min(ROLL_CALL_S, timeout_min * 60))
     reason = first_line(err)
     reason = reason.split("] ", 1)[-1] if reason.startswith("[") else reason  # gloo's "[file.cc:78] "
-    reason = reason.split(". ", 1)[0].rstrip(".")[:200]  # the first sentence: gloo goes on with advice
+    reason = short_timeout(reason.split(". ", 1)[0].rstrip(".")[:300])[:200]  # the first sentence: gloo goes on
     if lost:
         who = "; ".join(rank.describe() for rank in lost[:NAMED_AT_MOST])
         who += f"; and {len(lost) - NAMED_AT_MOST} more rank(s) stopped responding" if len(lost) > NAMED_AT_MOST else ""

@@ -350,5 +350,7 @@ def stop_rank_during_check(tmp_path, how, env=None):
     else:  # its exit status is in /proc until torchrun collects it
         assert line.startswith((who + "was killed by SIGKILL (", who + "died without a word: killed (SIGKILL")), line
     assert line.endswith("; --collective-timeout 0.05 min)")
-    assert re.search(r"exitcode\s*:\s*5\b", log) and "Network check passed" not in log
+    assert "Network check passed" not in log
+    if how == "frozen":  # torchrun sees rank 0's status first; a killed rank 1 it may see first
+        assert re.search(r"exitcode\s*:\s*5\b", log)
     return log

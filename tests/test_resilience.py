@@ -176,6 +176,16 @@ def _fits(model):
     return lambda state, source: weights_file.check_state_fits(model, state, source)
 
 
+def test_an_nccl_timeout_reads_as_the_collective_and_the_seconds():
+    """PyTorch's text names a watchdog (none runs in check_network's blocking wait) and the
+    group's timeout (not the wait's own, which fired): the line says what timed out, when."""
+    text = ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=1024, "
+            "NumelOut=1024, Timeout(ms)=360000) ran for 300012 milliseconds before timing out")
+    assert lost_ranks.short_timeout(text) == "NCCL ALLREDUCE timed out after 300.0 s"
+    other = "NCCL error in: ProcessGroupNCCL.cpp:2010, remote process exited or there was a network error"
+    assert lost_ranks.short_timeout(other) == other
+
+
 def test_resume_refuses_another_model_data_set_or_recipe():
     args = tu.parse_args("x", ["--batch-size", "256"])
     data = {"dataset": "cifar100", "synthetic": False, "train_images": 50000, "test_images": 10000,
@@ -734,6 +744,10 @@ def test_every_variable_the_project_sets_is_read_by_the_installed_libraries():
     assert {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} <= names and len(names) >= 4
     assert [name for name in sorted(names) if not torch_reads(name)] == []
     assert not torch_reads("TORCH_NO_SUCH_VARIABLE")  # the check itself can fail
+    # What check_network relies on blocking wait for, and the timeout text lost_ranks shortens.
+    behaviour = ["TORCH_NCCL_BLOCKING_WAIT is enabled, NO watchdog thread is created.",
+                 "Watchdog caught collective operation timeout: ", " milliseconds before timing out.", "OpType="]
+    assert [text for text in behaviour if not torch_reads(text)] == []
     nccl = [path.parent for path in Path(torch.__file__).parent.parent.glob("nvidia/nccl*/lib/libnccl.so*")]
     if nccl:
         nccl_reads = _library_strings(nccl[0], "libnccl.so*")
