@@ -44,6 +44,7 @@ from engine.disk_space import NO_SPACE, free_bytes, size_text, space_problem
 from engine.errors import ResourceProblem
 from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, channel_stats, choose_size, decode_all, header,
                                  map_threads, scan)
+from engine.log import count
 from engine.memory import cache_out_of_memory
 from engine.processes import available_cores
 
@@ -113,7 +114,8 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
     notes = [f"Images: {size[0]}x{size[1]} ({how}; {resized} resized: scaled to cover, centre-cropped), "
              + ("gray (every image is gray)" if gray else f"RGB ({converted} converted from other modes)")]
     if ignored:
-        notes.append(f"Ignored {len(ignored)} file(s) that are not images, e.g. {ignored[0]}")
+        notes.append(f"Ignored {count(len(ignored), 'file that is not an image', 'files that are not images')}, "
+                     f"e.g. {ignored[0]}")
     undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
     if undecodable:
         notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "

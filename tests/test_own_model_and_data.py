@@ -72,7 +72,7 @@ def test_an_image_folder_learns_under_train_py_and_torchrun(project):
     assert "the image folder images (4 classes: class_0, class_1, class_2, class_3), 128 training / 32 test" in out
     assert ("Images: 32x32 (the training images' most common of 2 sizes; 40 resized: scaled to cover, "
             "centre-cropped), RGB (56 converted from other modes)") in out
-    assert "Ignored 2 file(s) that are not images, e.g. images/" in out  # notes.txt twice; .DS_Store is hidden
+    assert "Ignored 2 files that are not images, e.g. images/" in out  # notes.txt twice; .DS_Store is hidden
     assert "Augmentation: flip-crop (flip, pad_crop, 4-pixel padding)" in out
     assert "Traceback" not in result.stderr
     assert_learned(read_metrics(project / "one.jsonl"))
