@@ -22,9 +22,9 @@ Timing: CUDA events around each all_reduce on GPUs (launched with async_op=True,
 future's wait, which only makes the current stream wait: the host never waits inside the
 timed span), the clock around gloo's all-reduce on CPUs. A size's time is the mean over its
 timed iterations, then the maximum over ranks: the slowest rank sets the pace of a
-collective, as it sets training's. algbw = bytes / time,
-busbw = algbw * 2(W - 1)/W (what each rank's link carries in a ring all-reduce, comparable
-across world sizes; n/a for one process), in GB/s = 1e9 bytes/s. The verdict also gives the
+collective, as it sets training's. algbw = bytes / time, busbw = algbw * 2(W - 1)/W (what
+each rank's link carries in a ring all-reduce, comparable across world sizes; n/a for one
+process), in GB/s = 1e9 bytes/s. The verdict also gives the
 largest size's busbw from the mean over ranks, which nccl-tests reports by default.
 
 Repeats: then --repeat all-reduces of 1 MiB (where NCCL 2.27.3 and later corrupt results now
@@ -271,9 +271,9 @@ def wait_for_device(event, timeout_s, what):
 
 class Clock:
     """Times each iteration's all_reduce: CUDA events on GPUs (read once, after the last
-    iteration), the host's clock around gloo's all-reduce and the host's wait for it on CPUs. On GPUs the small sizes'
-    times include the host's launch of the all-reduce (microseconds), which nccl-tests hides
-    by queueing iterations back to back."""
+    iteration), the host's clock around gloo's all-reduce and the host's wait for it on CPUs.
+    On GPUs the small sizes' times include the host's launch of the all-reduce
+    (microseconds), which nccl-tests hides by queueing iterations back to back."""
 
     def __init__(self, device, iterations, timeout_s):
         self.cuda, self.timeout_s = device.type == "cuda", timeout_s
