@@ -62,8 +62,9 @@ def fit(task, args, ctx):
     after each epoch and checkpointing when due, stopping early at --target-accuracy.
     Returns the epochs' metrics records."""
     clock = RunClock()
-    # Before anything is printed: a folder another run holds, or a new run in another run's folder, is refused.
-    with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx) as continuing:
+    # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
+    with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
+                        args.save_weights) as continuing:
         run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
         if args.eval_only:
             return [evaluate_once(run, task.test_loader)]

@@ -26,6 +26,7 @@ from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 from engine.folder_lock import FolderLock
 from engine.processes import any_rank, from_rank0, gather_objects
+from engine.weights import check_weights_target
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 
@@ -76,15 +77,18 @@ def continues_run(directory, resume):
 
 
 @contextmanager
-def claimed_folder(directory, resume, ctx):
+def claimed_folder(directory, resume, ctx, weights=None):
     """``with claimed_folder(...) as continuing``: global rank 0 holds ``directory`` (or None)
     for this run (engine/folder_lock.py: a second run on it is refused in one line), and every
-    rank learns whether the run in it continues (continues_run)."""
+    rank learns whether the run in it continues (continues_run). The run's --save-weights
+    file, ``weights``, must not be another run's (check_weights_target)."""
     with ExitStack() as held:
         def claim():
             if directory:
                 held.enter_context(FolderLock(directory))
-            return continues_run(directory, resume)
+            continuing = continues_run(directory, resume)
+            check_weights_target(weights, directory, continuing)
+            return continuing
 
         yield from_rank0(claim, ctx.control_group)
 

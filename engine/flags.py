@@ -202,7 +202,8 @@ def build_parser(description, add_recipe_arguments):
                      help="--finetune: train only the new layers; the loaded ones keep their weights (BatchNorm "
                           "statistics still adapt)")
     run.add_argument("--save-weights", metavar="PATH", default=None,
-                     help="write the final model's state_dict here (global rank 0, atomically)")
+                     help="write the final model's state_dict here (global rank 0, atomically); a file already "
+                          "there is refused at start, unless this run continues the run that wrote it")
     run.add_argument("--eval-only", action="store_true",
                      help="evaluate the model of --weights (a state_dict or a checkpoint file) on the test set "
                           "once and exit")

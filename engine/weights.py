@@ -17,6 +17,7 @@ from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
+WRITTEN_FROM = "checkpoint_dir"  # in that metadata: the checkpoint folder of the run that wrote it, resolved
 
 
 class SavedWeights(NamedTuple):
@@ -38,7 +39,10 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     """--save-weights after training, which a full disk must not lose: when ``path`` cannot be
     written, the line says where the model is instead: in the run's final ``checkpoint`` (a
     weights file for --weights and predict.py), or else in a copy written to the first of
-    rescue_folders() that takes it. Returns the path written."""
+    rescue_folders() that takes it. The metadata names the checkpoint folder, whose run may
+    replace the file when it continues (check_weights_target). Returns the path written."""
+    if checkpoint:
+        metadata = {**metadata, WRITTEN_FROM: str(Path(checkpoint).parent.resolve())}
     try:
         save_weights(model, path, metadata)
         return Path(path)
@@ -57,6 +61,31 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
                                   "they belong") from None
         raise ResourceProblem(f"{err}; no folder of {', '.join(map(str, rescue_folders()))} could take them either, "
                               "and without --checkpoint-dir the trained model is lost") from None
+
+
+def check_weights_target(path, checkpoint_dir, continuing):
+    """--save-weights never replaces another run's weights: a file already at ``path`` is
+    refused at start, in one line, unless this run continues the run in ``checkpoint_dir``
+    that wrote it (its metadata names the folder, or it lies in the folder, as the job
+    scripts' DIR/weights.pt does). Call on global rank 0, before training."""
+    if not path or not os.path.isfile(path):  # a folder is check_writable's line
+        return
+    if continuing and checkpoint_dir:
+        folder = Path(checkpoint_dir).resolve()
+        if Path(path).resolve().parent == folder or written_from(path) == str(folder):
+            return
+    raise UserError(f"--save-weights {path} exists already, from another run (or not written by these scripts): "
+                    "choose a new file name, or move that file away first; nothing is overwritten")
+
+
+def written_from(path):
+    """The checkpoint folder the weights file ``path`` names as its run's (WRITTEN_FROM), or
+    None. Memory-mapped: the tensors are not read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, {}).get(WRITTEN_FROM)
+    except Exception:  # not a weights file of these scripts, unreadable: nobody's known
+        return None
 
 
 def rescue_folders():

@@ -133,3 +133,37 @@ def test_a_missing_data_set_names_the_parent_folder_to_fetch_into(tmp_path, caps
     assert line.endswith(f"fetch it first with: {fetch}")
     assert f"not found in {given}" in line
     assert not (tmp_path / "data").exists()
+
+
+def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
+    """A second run with the same --save-weights is refused before training and the first
+    run's file is unchanged; the run that wrote it may replace it when it continues (the
+    file names its checkpoint folder), as may the job scripts' DIR/weights.pt, a file in the
+    folder itself, written before files named their folder."""
+    weights, ck = tmp_path / "w.pt", tmp_path / "ck"
+    assert run_main("train.py", *SMOKE, "--save-weights", weights) == 0
+    first = weights.read_bytes()
+    for again in ([], ["--checkpoint-dir", ck, "--resume=auto"]):  # a new run; a new run in the job scripts' way
+        capsys.readouterr()
+        assert run_main("train.py", *SMOKE, *again, "--save-weights", weights) == 2
+        out, err = capsys.readouterr()
+        assert error_lines(err) == [f"error: --save-weights {weights} exists already, from another run (or not "
+                                    "written by these scripts): choose a new file name, or move that file away "
+                                    "first; nothing is overwritten"]
+        assert "Epoch 1/" not in out and weights.read_bytes() == first
+    assert not list(ck.glob("checkpoint_*.pt"))  # refused before its first checkpoint
+
+    ours = tmp_path / "ours.pt"  # this run's own, outside its folder: continuing replaces it
+    assert run_main("train.py", *SMOKE, "--checkpoint-dir", ck, "--save-weights", ours) == 0
+    written = ours.read_bytes()
+    assert run_main("train.py", *SMOKE[:2], "2", *SMOKE[3:], "--checkpoint-dir", ck, "--resume",
+                    "--save-weights", ours) == 0
+    assert ours.read_bytes() != written  # epoch 2's weights
+    assert run_main("train.py", *SMOKE, "--checkpoint-dir", tmp_path / "ck2", "--resume=auto",
+                    "--save-weights", ours) == 2  # another folder's run: not its file
+
+    inside = ck / "weights.pt"
+    inside.write_bytes(first)  # no folder named in it: an older file of the job scripts
+    assert run_main("train.py", *SMOKE[:2], "3", *SMOKE[3:], "--checkpoint-dir", ck, "--resume=auto",
+                    "--save-weights", inside) == 0
+    assert inside.read_bytes() != first
