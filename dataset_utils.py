@@ -318,7 +318,7 @@ def build_data(args, ctx):
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
         train, test = train.subset(split.train), train.subset(split.val)
         info = replace(info, notes=(*info.notes, describe_split(split, args.val_fraction, args.seed,
-                                                                 len(info.classes)) + unused))
+                                                                 len(info.classes)) + unused), held_out=True)
     elif test is None:
         raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
                         "validation with --val-fraction 0.2 (20% of each class)")
@@ -334,7 +334,7 @@ def builtin_data(args, ctx):
     classes = tuple(str(label) for label in range(spec.num_classes))
     return train, test, DataInfo(spec.name, spec.title, source, classes, train.prep,
                                  data_fingerprint(spec.name, args.synthetic, train.labels, len(test)),
-                                 spec.split_sizes)
+                                 spec.split_sizes, read_sizes={"train": len(train), "test": len(test)})
 
 
 def folder_data(args, ctx):

@@ -163,7 +163,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"Loader: {loader}; {task.loader_reason}",
         f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {count(steps, 'step', 'steps')} per epoch",
         *data.notes,
-        *size_warning(data, task.train_loader, task.test_loader),
+        *size_warning(data),
         f"Augmentation: {data.prep.describe()}",
         f"Weights: {describe_weights(args, continuing, task.weights_note)}",
         f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
@@ -219,7 +219,7 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
             f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
             describe_device(ctx, name, precision, channels_last, False),
             f"Data: {describe_data(task.data, None, task.test_loader)}",
-            *size_warning(task.data, None, task.test_loader)]
+            *size_warning(task.data)]
 
 
 def describe_device(ctx, name, precision, channels_last, compiled):
@@ -227,26 +227,21 @@ def describe_device(ctx, name, precision, channels_last, compiled):
             f"{'channels_last' if channels_last else 'contiguous (NCHW)'}{', torch.compile' if compiled else ''}")
 
 
-def _splits(train_loader, test_loader):
-    """(data set, its name for people, its split key) of each loader given."""
-    return [(loader.dataset, name, key) for loader, name, key in ((train_loader, "training", "train"),
-                                                                  (test_loader, "test", "test"))
-            if loader is not None]
-
-
 def describe_data(data, train_loader, test_loader):
-    """Where the images come from and how many there are."""
-    return f"{data.source}, " + " / ".join(f"{len(images)} {name}"
-                                           for images, name, _ in _splits(train_loader, test_loader)) + " images"
+    """Where the images come from and how many there are: '50000 training / 10000 test images'
+    ('held-out' for --val-fraction's)."""
+    splits = ((train_loader, "training"), (test_loader, "held-out" if data.held_out else "test"))
+    return f"{data.source}, " + " / ".join(f"{len(loader.dataset)} {name}" for loader, name in splits
+                                           if loader is not None) + " images"
 
 
-def size_warning(data, train_loader, test_loader):
-    """[a warning] when a split does not have the official size (a partial copy, other files
-    under the same name), else []."""
-    expected = data.expected_sizes or {}
-    unexpected = [f"{len(images)} {name} images instead of {expected[key]}"
-                  for images, name, key in _splits(train_loader, test_loader)
-                  if expected.get(key, len(images)) != len(images)]
+def size_warning(data):
+    """[a warning] when a split, as read, does not have the official size (a partial copy,
+    other files under the same name), else []."""
+    expected, found = data.expected_sizes or {}, data.read_sizes or {}
+    unexpected = [f"{found[key]} {name} images instead of {expected[key]}"
+                  for key, name in (("train", "training"), ("test", "test"))
+                  if key in expected and key in found and found[key] != expected[key]]
     if not unexpected:
         return []
     return [f"WARNING: this {data.title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]

@@ -22,6 +22,8 @@ class DataInfo:
     fingerprint: dict      # identifies images and labels: a resume on other data is refused
     expected_sizes: dict = None  # official images per split, for a warning when a copy differs
     notes: tuple = ()      # how the data was prepared, for the start-up block
+    read_sizes: dict = None  # images per split as read, before --val-fraction held any out
+    held_out: bool = False  # the test loader serves training images held out (--val-fraction)
 
     def weights_metadata(self):
         """What saved weights carry beside the tensors, so an evaluation or predict.py maps labels

@@ -293,3 +293,13 @@ def test_benchmark_and_job_script_take_the_data_set(tmp_path):
                   "--limit-batches", "1", "--metrics-file", "m.jsonl", *FAST, *TINY_MODEL], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["dataset"] for r in read_metrics(tmp_path / "m.jsonl")] == ["mnist"]
+
+
+def test_held_out_images_are_not_called_test_images(capsys):
+    """--val-fraction on a built-in data set: the Data line names the held-out split, and the
+    official sizes, which the images read have, give no warning."""
+    assert run_main("train.py", "--synthetic", "--val-fraction", "0.2", "--epochs", "1", "--limit-batches", "1",
+                    "--batch-size", "8", *FAST) == 0
+    out = capsys.readouterr().out
+    assert "SYNTHETIC random images and labels: accuracy is meaningless, 40003 training / 9997 held-out images" in out
+    assert "instead of" not in out and "Validation: 9997 of the 50000 training images held out" in out

@@ -134,15 +134,18 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
 
 
 def test_a_data_set_of_the_wrong_size_is_said():
-    class Loader:
-        def __init__(self, n):
-            self.dataset = range(n)
+    """As read: the splits --val-fraction makes out of the training images are no warning."""
+    def cifar(train, test):
+        return SimpleNamespace(title="CIFAR-100", expected_sizes={"train": 50_000, "test": 10_000},
+                               read_sizes={"train": train, "test": test})
 
-    cifar = SimpleNamespace(title="CIFAR-100", expected_sizes={"train": 50_000, "test": 10_000})
-    assert run_log.size_warning(cifar, Loader(64), None) == [
+    assert run_log.size_warning(cifar(64, 10_000)) == [
         "WARNING: this CIFAR-100 has 64 training images instead of 50000: an incomplete copy or other files?"]
-    assert run_log.size_warning(cifar, Loader(50_000), Loader(10_000)) == []
-    assert run_log.size_warning(SimpleNamespace(title="my folder", expected_sizes=None), Loader(64), None) == []
+    assert run_log.size_warning(cifar(64, 9)) == [
+        "WARNING: this CIFAR-100 has 64 training images instead of 50000 and 9 test images instead of 10000: an "
+        "incomplete copy or other files?"]
+    assert run_log.size_warning(cifar(50_000, 10_000)) == []
+    assert run_log.size_warning(SimpleNamespace(title="my folder", expected_sizes=None, read_sizes={"train": 64})) == []
 
 
 def test_an_error_line_is_one_write(monkeypatch):

@@ -171,7 +171,7 @@ def test_photos_train_with_the_default_model_and_resume_with_the_same_split(phot
     out = first.stdout
     assert "Decoding 61 images of 3 classes" in out  # 20 per class and the CMYK print; README.txt, Thumbs.db ignored
     assert "Ignored 4 files that are not images" in out
-    assert "(3 classes: cat, dog, red panda), 49 training / 12 test images" in out
+    assert "(3 classes: cat, dog, red panda), 49 training / 12 held-out images" in out
     split_line = next(line for line in out.splitlines() if line.startswith("Validation: "))
     assert split_line == ("Validation: 12 of the 61 training images held out (--val-fraction 0.2 of each of the 3 "
                           "classes, chosen by --seed 0); training on the other 49")
