@@ -254,7 +254,7 @@ def report(out, counts, unreadable, ignored, device, seconds, model_name, output
           f"{count(ignored, 'file that is not an image', 'files that are not images')}", file=out)
     common = ", ".join(f"{name} {n}" for name, n in counts.most_common(SHOWN_CLASSES))
     more = f" and {len(counts) - SHOWN_CLASSES} more classes" if len(counts) > SHOWN_CLASSES else ""
-    print(f"Predicted: {common}{more}", file=out)
+    print(f"Predicted (images per class): {common}{more}", file=out)
     print(f"Predictions written to {shown(output) if output else 'stdout'}", file=out)
 
 

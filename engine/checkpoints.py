@@ -64,9 +64,12 @@ def continues_run(directory, resume):
     holds checkpoints: its own would overwrite and prune the other run's, and a later --resume
     would not know which run it continues. Call on global rank 0 (``from_rank0``).
     """
-    if resume == "required":
-        return True
     existing = checkpoint_paths(directory) if directory else []
+    if resume == "required":
+        if not existing:  # before the header and the first step, not after them
+            raise UserError(f"--resume: no checkpoint in {directory}, nothing to continue (--resume=auto starts a "
+                            "new run where there is none)")
+        return True
     if resume == "auto":
         return bool(existing)
     if existing:
@@ -84,6 +87,8 @@ def claimed_folder(directory, resume, ctx, weights=None):
     file, ``weights``, must not be another run's (check_weights_target)."""
     with ExitStack() as held:
         def claim():
+            if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
+                raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
             if directory:
                 held.enter_context(FolderLock(directory))
             continuing = continues_run(directory, resume)

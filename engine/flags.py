@@ -7,6 +7,7 @@ are prepared), speed, output, and checkpoints. A bad command line is one line on
 """
 
 import argparse
+import difflib
 import math
 import sys
 
@@ -41,8 +42,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         if rank_or_zero() == 0:
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            print(f"{self.prog}: error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def did_you_mean(self, message):
+        """'; did you mean --epochs?' for a mistyped flag (--epoch: abbreviations are refused)."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        typed = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
+        guesses = [guess for flag in typed for guess in difflib.get_close_matches(flag, known, n=1, cutoff=0.75)]
+        return f"; did you mean {' and '.join(guesses)}?" if guesses else ""
 
 
 def _checked(cast, is_valid, what):

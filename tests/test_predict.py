@@ -104,7 +104,7 @@ def test_predictions_agree_with_the_accuracy_training_reported(trained):
             "pixel_net.py on cpu in ") in summary
     assert "images/s" in summary
     assert "Skipped 0 unreadable images; ignored 1 file that is not an image" in summary  # notes.txt
-    predicted = next(line for line in summary.splitlines() if line.startswith("Predicted: "))
+    predicted = next(line for line in summary.splitlines() if line.startswith("Predicted (images per class): "))
     for name in {row["prediction"] for row in rows}:
         assert f"{name} {sum(row['prediction'] == name for row in rows)}" in predicted
     assert "Predictions written to preds.csv" in summary
@@ -215,10 +215,10 @@ def test_the_summary_counts_in_words():
     assert out.getvalue().splitlines() == [
         "Classified 1 image with Net on cpu in 0.5 s (2 images/s)",
         "Skipped 0 unreadable images; ignored 1 file that is not an image",
-        "Predicted: cat 1", "Predictions written to stdout"]
+        "Predicted (images per class): cat 1", "Predictions written to stdout"]
     out = io.StringIO()
     summary_report(out, Counter(dog=3, cat=1), 2, 0, "cpu", 1.0, "Net", None)
     assert out.getvalue().splitlines()[:3] == [
         "Classified 4 images with Net on cpu in 1.0 s (4 images/s)",
         "Skipped 2 unreadable images (listed on stderr); ignored 0 files that are not images",
-        "Predicted: dog 3, cat 1"]
+        "Predicted (images per class): dog 3, cat 1"]

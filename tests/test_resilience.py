@@ -157,7 +157,15 @@ def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path, cap
     assert run_main("train.py", *RUN, "--checkpoint-dir", tmp_path / "none", "--resume") == 2
     captured = capsys.readouterr()
     assert "Epoch 1/" not in captured.out
-    assert error_lines(captured.err) == [f"error: --resume: no readable checkpoint in {tmp_path / 'none'}"]
+    assert error_lines(captured.err) == [f"error: --resume: there is no folder {tmp_path / 'none'} (--checkpoint-dir): "
+                                         "nothing to continue"]
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "empty").mkdir()
+    assert run_main("train.py", *RUN, "--checkpoint-dir", tmp_path / "empty", "--resume") == 2
+    captured = capsys.readouterr()
+    assert "Epoch 1/" not in captured.out and "Weights: " not in captured.out  # refused before the header
+    assert error_lines(captured.err) == [f"error: --resume: no checkpoint in {tmp_path / 'empty'}, nothing to "
+                                         "continue (--resume=auto starts a new run where there is none)"]
 
 
 def test_non_finite_loss_stops_with_epoch_and_step_and_saves_nothing(tmp_path, capsys):
