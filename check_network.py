@@ -194,8 +194,7 @@ def check_busbw(result: SizeResult, min_busbw, network: str):
 # The run.
 
 def build_parser():
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           allow_abbrev=False)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--min-size", type=parse_size, default=parse_size("1K"), metavar="BYTES",
                         help="smallest all-reduce, in bytes (4096, 1K, 64M, 1G; K = 1024) (default: 1K)")
     parser.add_argument("--max-size", type=parse_size, default=parse_size("256M"), metavar="BYTES",

@@ -64,7 +64,7 @@ def fit(task, args, ctx):
     clock = RunClock()
     # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
     with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
-                        args.save_weights) as continuing:
+                        None if args.eval_only else args.save_weights) as continuing:
         run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
         if args.eval_only:
             return [evaluate_once(run, task.test_loader)]
@@ -88,9 +88,8 @@ def fit(task, args, ctx):
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
-        from_rank0(lambda: save_trained_weights(run.module, args.save_weights, {"model": task.model_key,
-                                                **task.data.weights_metadata()}, final), ctx.control_group)
-        run.log.info(f"Model weights written to {args.save_weights}")
+        run.log.info(from_rank0(lambda: save_trained_weights(run.module, args.save_weights, {
+            "model": task.model_key, **task.data.weights_metadata()}, final), ctx.control_group))
     return state.records
 
 

@@ -67,6 +67,11 @@ def continues_run(directory, resume):
     existing = checkpoint_paths(directory) if directory else []
     if resume == "required":
         if not existing:  # before the header and the first step, not after them
+            aside = sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt{UNREADABLE_SUFFIX}*"), reverse=True)
+            if aside:  # unreadable, not absent: no new run is suggested over them
+                were = "was" if len(aside) == 1 else "were"
+                raise UserError(f"--resume: no readable checkpoint in {directory}: {len(aside)} {were} set aside as "
+                                f"unreadable (newest: {aside[0].name}); see docs/checkpoints.md")
             raise UserError(f"--resume: no checkpoint in {directory}, nothing to continue (--resume=auto starts a "
                             "new run where there is none)")
         return True

@@ -38,7 +38,11 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line, printed by global rank 0 only
-    (every rank parses the same flags, so the others would only repeat it)."""
+    (every rank parses the same flags, so the others would only repeat it). Abbreviated flags
+    are refused: --out taken for --output, or --epoch for --epochs, is a typo acted on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message):
         if rank_or_zero() == 0:
@@ -46,13 +50,15 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def did_you_mean(self, message):
-        """'; did you mean --epochs?' for a mistyped flag (--epoch: abbreviations are refused)."""
+        """'; did you mean --epochs?' for a mistyped flag; '(for --bach-size)' after each guess
+        when several flags were not recognized."""
         if not message.startswith("unrecognized arguments: "):
             return ""
         known = [flag for flag in self._option_string_actions if flag.startswith("--")]
-        typed = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
-        guesses = [guess for flag in typed for guess in difflib.get_close_matches(flag, known, n=1, cutoff=0.75)]
-        return f"; did you mean {' and '.join(guesses)}?" if guesses else ""
+        typed = dict.fromkeys(word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--"))
+        guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75) for flag in typed}
+        named = [f"{guess[0]} (for {flag})" if len(typed) > 1 else guess[0] for flag, guess in guesses.items() if guess]
+        return f"; did you mean {' and '.join(named)}?" if named else ""
 
 
 def _checked(cast, is_valid, what):
@@ -103,7 +109,7 @@ def image_size(text):
 
 def build_parser(description, add_recipe_arguments):
     # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
-    parser = OneLineParser(description=description, formatter_class=_Formatter, allow_abbrev=False)
+    parser = OneLineParser(description=description, formatter_class=_Formatter)
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
                       help="maximum number of passes over the training set")

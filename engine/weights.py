@@ -40,12 +40,19 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     written, the line says where the model is instead: in the run's final ``checkpoint`` (a
     weights file for --weights and predict.py), or else in a copy written to the first of
     rescue_folders() that takes it. The metadata names the checkpoint folder, whose run may
-    replace the file when it continues (check_weights_target). Returns the path written."""
-    if checkpoint:
-        metadata = {**metadata, WRITTEN_FROM: str(Path(checkpoint).parent.resolve())}
+    replace the file when it continues (check_weights_target). A file that appeared at
+    ``path`` during the run (another run's, started alongside) is kept: the weights go beside
+    it. Returns the line that says where they went."""
+    folder = Path(checkpoint).parent if checkpoint else None
+    if folder:
+        metadata = {**metadata, WRITTEN_FROM: str(folder.resolve())}
+    written, note = Path(path), ""
+    if os.path.isfile(path) and not is_runs_own(path, folder):
+        written = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
+        note = f" ({path} appeared during this run, from another run, and is kept)"
     try:
-        save_weights(model, path, metadata)
-        return Path(path)
+        save_weights(model, written, metadata)
+        return f"Model weights written to {written}{note}"
     except ResourceProblem as err:
         if checkpoint:
             raise ResourceProblem(f"{err}; the trained model is in the final checkpoint {checkpoint} (--weights and "
@@ -66,16 +73,25 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
 def check_weights_target(path, checkpoint_dir, continuing):
     """--save-weights never replaces another run's weights: a file already at ``path`` is
     refused at start, in one line, unless this run continues the run in ``checkpoint_dir``
-    that wrote it (its metadata names the folder, or it lies in the folder, as the job
-    scripts' DIR/weights.pt does). Call on global rank 0, before training."""
+    whose file it is (is_runs_own). Call on global rank 0, before training."""
     if not path or not os.path.isfile(path):  # a folder is check_writable's line
         return
-    if continuing and checkpoint_dir:
-        folder = Path(checkpoint_dir).resolve()
-        if Path(path).resolve().parent == folder or written_from(path) == str(folder):
-            return
-    raise UserError(f"--save-weights {path} exists already, from another run (or not written by these scripts): "
-                    "choose a new file name, or move that file away first; nothing is overwritten")
+    if continuing and is_runs_own(path, checkpoint_dir):
+        return
+    raise UserError(f"--save-weights {path} exists already and is not this run's: choose a new file name, or move "
+                    "that file away first; nothing is overwritten")
+
+
+def is_runs_own(path, checkpoint_dir):
+    """Whether the weights file ``path`` is the run's in ``checkpoint_dir``: it lies in that
+    folder (the job scripts' DIR/weights.pt, also from before files named their folder), or
+    names it (WRITTEN_FROM; samefile: the folder seen through another mount or link)."""
+    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+        return False
+    if os.path.samefile(Path(path).resolve().parent, checkpoint_dir):
+        return True
+    recorded = written_from(path)
+    return bool(recorded) and os.path.isdir(recorded) and os.path.samefile(recorded, checkpoint_dir)
 
 
 def written_from(path):

@@ -11,8 +11,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import data_formats
+from engine import weights as weights_file
 from conftest import (FAST, error_lines, python_cmd, run, run_main, start, torchrun_cmd, wait_for, clean_env,
                       write_cifar100)
 
@@ -147,9 +149,8 @@ def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
         capsys.readouterr()
         assert run_main("train.py", *SMOKE, *again, "--save-weights", weights) == 2
         out, err = capsys.readouterr()
-        assert error_lines(err) == [f"error: --save-weights {weights} exists already, from another run (or not "
-                                    "written by these scripts): choose a new file name, or move that file away "
-                                    "first; nothing is overwritten"]
+        assert error_lines(err) == [f"error: --save-weights {weights} exists already and is not this run's: choose "
+                                    "a new file name, or move that file away first; nothing is overwritten"]
         assert "Epoch 1/" not in out and weights.read_bytes() == first
     assert not list(ck.glob("checkpoint_*.pt"))  # refused before its first checkpoint
 
@@ -167,3 +168,30 @@ def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
     assert run_main("train.py", *SMOKE[:2], "3", *SMOKE[3:], "--checkpoint-dir", ck, "--resume=auto",
                     "--save-weights", inside) == 0
     assert inside.read_bytes() != first
+    evaluated = inside.read_bytes()  # the job scripts add --save-weights to an evaluation too: it writes none
+    assert run_main("train.py", *SMOKE, "--eval-only", "--weights", inside, "--save-weights", inside) == 0
+    assert inside.read_bytes() == evaluated
+
+
+def test_weights_that_appear_during_a_run_are_kept(tmp_path):
+    """A copied command started alongside: both passed the check at start, and the one that
+    ends second writes beside the other's file, which is kept."""
+    model = torch.nn.Linear(2, 3)
+    theirs = tmp_path / "w.pt"
+    theirs.write_bytes(b"the other run's weights")
+    line = weights_file.save_trained_weights(model, theirs, {"model": "m"})
+    written = Path(line.split("Model weights written to ", 1)[1].split(" (", 1)[0])
+    assert written.parent == tmp_path and written.name.startswith("w-") and written.suffix == ".pt"
+    assert line.endswith(f" ({theirs} appeared during this run, from another run, and is kept)")
+    assert theirs.read_bytes() == b"the other run's weights"
+    assert weights_file.read_weights(written).state.keys() == model.state_dict().keys()
+
+    ck = tmp_path / "ck"  # this run's own file (it names the run's folder): replaced in place
+    ck.mkdir()
+    ours = tmp_path / "ours.pt"
+    assert weights_file.save_trained_weights(model, ours, {}, ck / "checkpoint_000000004.pt") == \
+        f"Model weights written to {ours}"
+    model.bias.data += 1
+    assert weights_file.save_trained_weights(model, ours, {}, ck / "checkpoint_000000008.pt") == \
+        f"Model weights written to {ours}"
+    assert torch.equal(weights_file.read_weights(ours).state["bias"], model.bias.data)

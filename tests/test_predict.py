@@ -191,6 +191,11 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
                                 "(nothing is overwritten)")
     assert (tmp_path / "mine.csv").read_text() == "my own work\n"
 
+    code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "--out", tmp_path / "p.csv")
+    assert (code, line) == (2, f"predict.py: error: unrecognized arguments: --out {tmp_path / 'p.csv'}; did you "
+                               "mean --output? (see --help)")  # an abbreviation is a typo, not taken as --output
+    assert not (tmp_path / "p.csv").exists()
+
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "no/such/images")
     assert (code, line) == (2, "error: no/such/images: no such file or folder")
 

@@ -358,12 +358,24 @@ def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, r
 
 
 @pytest.mark.parametrize("resume, has_checkpoint, expected", [
-    (None, False, False), ("auto", False, False), ("auto", True, True), ("required", False, True),
-    ("required", True, True)])
+    (None, False, False), ("auto", False, False), ("auto", True, True), ("required", True, True)])
 def test_continues_run(tmp_path, resume, has_checkpoint, expected):
     if has_checkpoint:
         (tmp_path / "checkpoint_000000004.pt").touch()
     assert checkpoints.continues_run(tmp_path, resume) is expected
+
+
+def test_resume_without_checkpoints_says_what_is_there(tmp_path):
+    """--resume on a folder without checkpoints is refused; when they were all set aside as
+    unreadable, the line names them and does not suggest a new run."""
+    with pytest.raises(UserError, match=r"no checkpoint in .*, nothing to continue \(--resume=auto starts a new run"):
+        checkpoints.continues_run(tmp_path, "required")
+    (tmp_path / "checkpoint_000000004.pt.unreadable").touch()
+    (tmp_path / "checkpoint_000000008.pt.unreadable").touch()
+    with pytest.raises(UserError) as refused:
+        checkpoints.continues_run(tmp_path, "required")
+    assert str(refused.value) == (f"--resume: no readable checkpoint in {tmp_path}: 2 were set aside as unreadable "
+                                  "(newest: checkpoint_000000008.pt.unreadable); see docs/checkpoints.md")
 
 
 def test_a_new_run_never_starts_over_checkpoints(tmp_path):

@@ -74,7 +74,9 @@ BAD_FLAGS = {
     "--optimizer lion": "--optimizer: invalid choice: 'lion'",
     "--bogus": "unrecognized arguments: --bogus",
     "--epoch 3": "unrecognized arguments: --epoch 3; did you mean --epochs?",
-    "--bach-size=8 --lr 0.1": "unrecognized arguments: --bach-size=8 --lr 0.1; did you mean --batch-size?",
+    "--bach-size=8 --lr 0.1": "unrecognized arguments: --bach-size=8 --lr 0.1; did you mean --batch-size (for "
+                              "--bach-size)?",
+    "--epoch 3 --epoch 4": "unrecognized arguments: --epoch 3 --epoch 4; did you mean --epochs?",
     "--epochs 3 --warmup-epochs 3.5": "--warmup-epochs 3.5 is longer than the run (--epochs 3)",
     "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
     "--dataset imagenet": "--dataset: 'imagenet' is not a data set: cifar100, cifar10, fashion-mnist, mnist, folder "
