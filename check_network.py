@@ -53,15 +53,15 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from collections import deque
-from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from device_utils import device_name, nccl_report, network_report, setup_distributed
+from engine.all_reduce_timing import (NCCL_ERRORS_RAISE, QUEUED_AHEAD, Clock, host_wait, start_all_reduce,
+                                     wait_for_device)
 from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
 from engine.cli import run_cli
 from engine.errors import RunAborted, UserError, first_line
@@ -69,7 +69,7 @@ from engine.flags import OneLineParser, non_negative_int, positive_float, positi
 from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
-from engine.lost_ranks import is_collective_failure, process_group_scope
+from engine.lost_ranks import process_group_scope
 from engine.exact_sums import (DTYPE, check_result, max_world_size, mismatch_message, mismatches, pattern,
                                sum_of_ranks)
 from engine.processes import any_rank, gather_objects
@@ -116,17 +116,6 @@ class SizeResult(NamedTuple):
     wrong: int  # wrong elements over every rank and iteration
     mean_busbw: float | None = None  # GB/s from the mean over ranks (nccl-tests' default); None for one process
 
-
-# NCCL's errors as exceptions in the host's wait (Work.wait), not an abort by its watchdog
-# thread, which blocking wait does not start: set before the process group is created. In the
-# libraries of PyTorch 2.7 to 2.14 (tests/test_resilience.py).
-NCCL_ERRORS_RAISE = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-
-# All-reduces the host queues ahead of its wait for the oldest (host_wait): enough to keep the
-# GPU busy through blocking wait's polls (1 ms apart), few enough (~20 commands each) that
-# a lost peer, whose all-reduce never ends, is seen within --collective-timeout of it before
-# CUDA's launch queue (~1000 commands) fills and blocks the host inside a launch.
-QUEUED_AHEAD = 16
 
 # The sizes --repeat all-reduces again and again: NCCL issue 2001's, and DDP's gradient bucket.
 REPEATED_SIZES = (2**20, 25 * 2**20)
@@ -226,79 +215,6 @@ def parse_args(argv=None):
     if args.min_size > args.max_size:
         parser.error(f"--min-size {human_size(args.min_size)} is larger than --max-size {human_size(args.max_size)}")
     return args
-
-
-def start_all_reduce(tensor, timeout_s):
-    """Start the in-place all-reduce (sum) of ``tensor``; returns its Work. On GPUs the current
-    stream waits for it (the future's wait is a stream dependency; the host goes on). On gloo
-    the host waits (host_wait): gloo reduces in a thread of its own, and the next iteration's
-    refill must not overwrite the buffer under it."""
-    work = dist.all_reduce(tensor, async_op=True)
-    if tensor.is_cuda:
-        work.get_future().wait()
-    else:
-        host_wait(work, timeout_s)
-    return work
-
-
-def host_wait(work, timeout_s):
-    """The host's wait for ``work`` and every all-reduce queued before it (one NCCL stream runs
-    them in order). An error (a lost peer, a network fault; on NCCL thanks to
-    NCCL_ERRORS_RAISE) or ``timeout_s`` seconds since ``work`` was queued without its end
-    raise here (DistBackendError, gloo's RuntimeError), which process_group_scope turns into
-    one line and status 5."""
-    try:
-        work.wait(timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        if is_collective_failure(err) or "timed out" not in str(err):
-            raise
-        # c10d's own "Operation timed out!" (gloo's Work): a collective's failure all the same
-        raise dist.DistError(f"all-reduce not finished after {timeout_s:g} s") from None
-
-
-def wait_for_device(event, timeout_s, what):
-    """Wait for a CUDA event without blocking in CUDA: a synchronize() on a communicator whose
-    peer stopped responding would wait forever. After host_wait the event is moments away;
-    should blocking wait not be in effect, this poll still ends after ``timeout_s`` in a
-    RuntimeError that process_group_scope turns into one line naming the lost ranks."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"NCCL {what} timed out: not finished after {timeout_s:g} s")
-        time.sleep(1e-4)
-
-
-class Clock:
-    """Times each iteration's all_reduce: CUDA events on GPUs (read once, after the last
-    iteration), the host's clock around gloo's all-reduce and the host's wait for it on CPUs.
-    On GPUs the small sizes' times include the host's launch of the all-reduce
-    (microseconds), which nccl-tests hides by queueing iterations back to back."""
-
-    def __init__(self, device, iterations, timeout_s):
-        self.cuda, self.timeout_s = device.type == "cuda", timeout_s
-        if self.cuda:
-            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                           for _ in range(iterations)]
-        self.seconds = [0.0] * iterations
-
-    def start(self, i):
-        if self.cuda:
-            self.events[i][0].record()
-        else:
-            self.seconds[i] = time.perf_counter()
-
-    def stop(self, i):
-        if self.cuda:
-            self.events[i][1].record()
-        else:
-            self.seconds[i] = time.perf_counter() - self.seconds[i]
-
-    def read(self) -> list:
-        """Seconds per iteration; waits for the device."""
-        if self.cuda:
-            wait_for_device(self.events[-1][1], self.timeout_s, "all-reduce")
-            self.seconds = [start.elapsed_time(stop) / 1e3 for start, stop in self.events]
-        return self.seconds
 
 
 def all_reduce_size(buffers, count, args, ctx, fault):

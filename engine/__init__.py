@@ -19,6 +19,7 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     splits.py        --val-fraction: a stratified validation split of the training images
     device_loader.py batches on the device; normalization, augmentation, centre crop; --loader auto
+    memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
     optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
@@ -33,6 +34,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     monitor.py       GPU utilization and power, the profiler, and the Monitors the loop sees
     tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run
     nccl_log.py      which network NCCL chose, from its own log (check_network.py)
+    interfaces.py    GLOO_/NCCL_SOCKET_IFNAME checked against this node's interfaces
     exact_sums.py    check_network.py's data: sums exact in any order, a wrong one in one line
     bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them
+    all_reduce_timing.py  timed all-reduces that never hang or abort (check_network.py)
 """

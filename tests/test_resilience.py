@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import check_network
 import device_utils
 import recipe
 import train_utils as tu
-from engine import checkpoints, files, flags, lost_ranks, seeds, stopping
+from engine import all_reduce_timing, checkpoints, files, flags, lost_ranks, seeds, stopping
 from engine import log as run_log
 from engine import weights as weights_file
 from conftest import (FAST, REPO, TINY_MODEL, descendants, error_lines, python_cmd, read_metrics, run, run_main, spawn,
@@ -757,7 +756,7 @@ def test_every_variable_the_project_sets_is_read_by_the_installed_libraries():
     if not list(torch_lib.glob("libtorch_cuda*.so")):
         pytest.skip("a CPU-only torch build holds no NCCL code")
     torch_reads = _library_strings(torch_lib)
-    names = {*device_utils.flight_recorder_settings("ck"), *check_network.NCCL_ERRORS_RAISE,
+    names = {*device_utils.flight_recorder_settings("ck"), *all_reduce_timing.NCCL_ERRORS_RAISE,
              "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME"}
     names |= {name for script in REPO.glob("*_job.sh") for name in re.findall(r"\bexport (TORCH_\w+)=",
                                                                               script.read_text())}
