@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from engine.errors import RunAborted, UserError, first_line
 from engine.interfaces import DOCS, NetworkSetupError, check_interfaces
+from engine.log import count
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
 from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, env_int,
                               group_active, launcher_pid)
@@ -39,8 +40,7 @@ def device_name(device: torch.device) -> str:
     if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model there
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    threads = torch.get_num_threads()
-    return f"CPU: {model}, {threads} thread{'' if threads == 1 else 's'}"
+    return f"CPU: {model}, {count(torch.get_num_threads(), 'thread', 'threads')}"
 
 
 def peak_memory_gib(device: torch.device):

@@ -25,6 +25,7 @@ import torch
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 from engine.folder_lock import FolderLock
+from engine.log import count
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import check_weights_target
 
@@ -69,9 +70,8 @@ def continues_run(directory, resume):
         if not existing:  # before the header and the first step, not after them
             aside = sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt{UNREADABLE_SUFFIX}*"), reverse=True)
             if aside:  # unreadable, not absent: no new run is suggested over them
-                were = "was" if len(aside) == 1 else "were"
-                raise UserError(f"--resume: no readable checkpoint in {directory}: {len(aside)} {were} set aside as "
-                                f"unreadable (newest: {aside[0].name}); see docs/checkpoints.md")
+                raise UserError(f"--resume: no readable checkpoint in {directory}: {count(len(aside), 'was', 'were')} "
+                                f"set aside as unreadable (newest: {aside[0].name}); see docs/checkpoints.md")
             raise UserError(f"--resume: no checkpoint in {directory}, nothing to continue (--resume=auto starts a "
                             "new run where there is none)")
         return True

@@ -151,7 +151,7 @@ def build_cache(target, splits, classes, image_size, ignored, log, workers):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"Decoded {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with "
-        f"{workers} thread{'' if workers == 1 else 's'}) into {target}")
+        f"{count(workers, 'thread', 'threads')}) into {target}")
 
 
 def check_space(folder, needed, images):

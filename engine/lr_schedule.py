@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.log import count
+
 
 class Cycle(NamedTuple):
     """One stretch of the LR schedule: from optimizer step ``start`` on, the factor of --base-lr
@@ -60,6 +62,6 @@ def describe_extension(planned, args, cycle, steps_per_epoch):
     if cycle.start_factor == 1 and args.lr_schedule != "cosine":  # a constant LR: nothing to restart
         return f"{extending} at the constant learning rate {args.base_lr:g}"
     then = f"then {args.lr_schedule} to 0 at epoch {args.epochs}" if args.lr_schedule == "cosine" else "then constant"
-    steps = f"{cycle.warmup} step{'' if cycle.warmup == 1 else 's'}"
+    steps = count(cycle.warmup, 'step', 'steps')
     return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * args.base_lr:.3g} back up to "
             f"{args.base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")

@@ -48,9 +48,9 @@ def memory_figures(device):
     """(total bytes, this process's peak bytes) of ``device``: the GPU's (peak of tensors
     allocated since the last reset), or what this process may use of the host's (host_memory)
     and its resident peak."""
-    if device.type == "cuda":
-        return device_memory(device), torch.cuda.max_memory_allocated(device)
-    return device_memory(device), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss: KiB
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: KiB on Linux
+    return device_memory(device), peak
 
 
 def device_memory(device):
