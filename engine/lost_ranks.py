@@ -29,13 +29,19 @@ from engine.stopping import ignore_stop_signals
 ROLL_CALL_S = 20.0
 
 
+# What gloo and NCCL say, in a plain RuntimeError, of a collective that timed out or lost a peer.
+# "Application timeout caused pair closure": gloo's timeout in DDP's gradient all-reduce, raised
+# from backward(), which names neither gloo nor the peer.
+COLLECTIVE_FAILURE_TEXTS = ("gloo", "NCCL", "Connection closed by peer", "Connection reset",
+                            "Application timeout caused pair closure")
+
+
 def is_collective_failure(err: BaseException) -> bool:
     """A collective that timed out or lost a peer (gloo or NCCL), as opposed to an error in the
     user's model or data, which also arrive as RuntimeError."""
     dist_error = getattr(dist, "DistError", ())
-    text = str(err)
-    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and (
-        "gloo" in text or "NCCL" in text or "Connection closed by peer" in text or "Connection reset" in text))
+    return isinstance(err, dist_error) or (isinstance(err, RuntimeError) and
+                                           any(text in str(err) for text in COLLECTIVE_FAILURE_TEXTS))
 
 
 def _store():
