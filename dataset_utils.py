@@ -3,10 +3,11 @@ two loaders. How the files of the built-in data sets are fetched and read is in
 engine/data_formats.py, the image folder's cache in engine/image_cache.py, the training
 augmentations in recipe.py.
 
-Compute nodes often have no internet, so fetch the data ahead of time on a login node:
+Compute nodes often have no internet, so fetch the data ahead of time on a login node, and
+decode a large image folder there too (with train.py's data flags: the cache it then reuses):
 
     python dataset_utils.py --dataset cifar100 --data-dir ./datasets    # or cifar10, fashion-mnist, mnist
-    python dataset_utils.py --dataset folder --data-dir my_images       # decode an image folder once
+    python dataset_utils.py --dataset folder --data-dir my_photos --val-fraction 0.2 --image-size 224
 
 The training scripts download only when the data is missing, and then only global rank 0
 downloads while the other ranks wait.
@@ -27,10 +28,9 @@ both augment image i of epoch e with the random numbers drawn for it from (seed,
 alone: the same crops in both loaders, on every rank, and after a resume.
 """
 
-import argparse
 import signal
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,55 +41,24 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.device_loader import (DeviceLoader, augmentation_randoms, float_stats, model_view, normalization_table,
-                                  normalize, normalize_float)
+from engine.device_loader import (DeviceLoader, Preprocessing, float_stats, model_view, normalization_table, normalize,
+                                  normalize_float, trained_preprocessing)
 from engine.errors import UserError
-from engine.flags import FOLDER, MAX_AUTO_WORKERS, image_size
-from engine.image_cache import default_cache_dir, prepare_folder, read_folder_cache
+from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
+from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
+                                read_folder_cache)
 from engine.image_folder import channel_stats
+from engine.log import count, flag_value
 from engine.processes import available_cores, from_rank0
 from engine.task import DataInfo, data_fingerprint
 from engine.plugins import plugin_key
-from engine.splits import check_labels, describe_split, stratified_split
+from engine.splits import check_labels, describe_split, held_out_record, stratified_split
 from engine.user_data import read_user_data
+from engine.weights import read_weights
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
 LOADERS = ("device", "torchvision")
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    """How stored images become the model's input."""
-    image_shape: tuple  # (H, W, C) the model's input
-    mean: tuple         # per channel: of the pixels scaled to 0..1 (uint8 images), or as stored (float)
-    std: tuple
-    augment: str = "none"  # the training augmentation: a name in recipe.AUGMENTATIONS
-    padding: int = 0       # zero padding (pixels) around a training image before a random crop
-    stored_size: tuple = None  # (H, W) of the stored images when larger than the input (resized-crop), else None
-
-    @property
-    def stored(self):
-        """(H, W) of the stored images: test images are centre-cropped from it to image_shape."""
-        return tuple(self.stored_size or self.image_shape[:2])
-
-    @property
-    def ops(self):
-        """The augmentation's operations, in order (recipe.py)."""
-        return recipe.AUGMENTATIONS[self.augment]
-
-    def randoms(self, size, seed, epoch):
-        """Each image's random numbers for the augmentation in ``epoch``: (size, ops, RANDOM_PER_OP)."""
-        return augmentation_randoms(size, self.ops, seed, epoch, recipe.RANDOM_PER_OP)
-
-    def describe(self):
-        """What happens to a training image, in words (the start-up block)."""
-        ops = ", ".join(op.__name__ for op in self.ops) or "nothing"
-        padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
-        height, width, _ = self.image_shape
-        sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
-                 "centre crop" if self.stored != (height, width) else "")
-        return f"{self.augment} ({ops}{padding}{sizes}), normalized with mean {self.mean} and std {self.std}"
 
 
 def spec_preprocessing(spec, augment="auto"):
@@ -102,23 +71,9 @@ def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop
     (auto); padding defaults to 1/8 of the shorter side (4 pixels for 32x32, as CIFAR's)."""
     if padding is None:
         padding = max(1, round(min(image_shape[:2]) / 8))
-    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), own_augment if augment == "auto" else augment,
-                         padding, stored_size and tuple(stored_size))
-
-
-def per_process_batch(global_batch, world_size, accumulate=1):
-    """Images per process per step; refuses to silently drop part of the global batch, or to
-    split it into unequal micro-batches (--accumulate)."""
-    if global_batch % world_size:
-        lower, upper = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
-        examples = f"{lower} or {upper}" if lower else str(upper)
-        raise UserError(f"--batch-size {global_batch} does not split evenly over {world_size} processes; "
-                        f"use a multiple of {world_size} (e.g. {examples})")
-    batch = global_batch // world_size
-    if batch % accumulate:
-        raise UserError(f"--accumulate {accumulate} does not split the {batch} images per process (--batch-size "
-                        f"{global_batch} over {world_size}) into equal micro-batches; use a divisor of {batch}")
-    return batch
+    augment = own_augment if augment == "auto" else augment
+    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), augment, recipe.AUGMENTATIONS[augment], padding,
+                         stored_size and tuple(stored_size), recipe.RANDOM_PER_OP)
 
 
 def synthetic_split(split, seed=0, spec=CIFAR100):
@@ -160,6 +115,10 @@ class InMemoryImages(Dataset):
     @property
     def nbytes(self):
         return len(self) * self.source[0].nbytes
+
+    def with_prep(self, prep):
+        """The same images, prepared as ``prep`` says (no copy)."""
+        return InMemoryImages(self.source, self.source_labels, prep, self.rows)
 
     def subset(self, rows):
         """The images at ``rows`` (indices into this set) of a held-out split, without a copy."""
@@ -301,7 +260,8 @@ def set_loader_epoch(loader, epoch):
 
 def build_data(args, ctx):
     """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both; with --val-fraction
-    the test set is the part of the training images held out."""
+    the test set is the part of the training images held out. --eval-only prepares the images
+    as the --weights file records (the normalization of the images it was trained on)."""
     if args.dataset in DATASETS:
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
@@ -313,16 +273,32 @@ def build_data(args, ctx):
     for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
+    if args.eval_only:
+        train, test, info = as_trained(train, test, info, args.weights)
+    elif args.dataset not in DATASETS:
+        info = replace(info, notes=(*info.notes, f"Normalization: from the training images, mean {info.prep.mean}, "
+                                                 f"std {info.prep.std}"))
     if args.val_fraction:
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
+        record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped)
         train, test = train.subset(split.train), train.subset(split.val)
         info = replace(info, notes=(*info.notes, describe_split(split, args.val_fraction, args.seed,
-                                                                 len(info.classes)) + unused), held_out=True)
+                                                                 len(info.classes)) + unused), split=record)
     elif test is None:
         raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
                         "validation with --val-fraction 0.2 (20% of each class)")
     return train, test, info
+
+
+def as_trained(train, test, info, weights):
+    """--eval-only: the images normalized as the --weights file's training normalized its own
+    (engine/flags.py took --image-size and --augment from the file); the start-up block says so."""
+    prep, note = trained_preprocessing(info.prep, read_weights(weights, mmap=True).metadata, weights)
+    if note is None:  # a plain state_dict: the data's own normalization
+        return train, test, info
+    return (train.with_prep(prep), test.with_prep(prep) if test is not None else None,
+            replace(info, prep=prep, notes=(*info.notes, note)))
 
 
 def builtin_data(args, ctx):
@@ -337,36 +313,63 @@ def builtin_data(args, ctx):
                                  spec.split_sizes, read_sizes={"train": len(train), "test": len(test)})
 
 
+def folder_size(augment, image_size):
+    """The image_cache.SizeRequest of --augment and --image-size: the training images' most
+    common size, or --image-size (8/7 of it for resized-crop); with --augment auto that
+    depends on whether the images are photos, which the cache's header pass finds out."""
+    if not image_size:
+        return MOST_COMMON
+
+    def stored(augment):
+        return recipe.stored_size(augment, image_size)
+
+    def why(augment):
+        asked = f"--image-size {flag_value(image_size)}"
+        return asked if stored(augment) == tuple(image_size) else f"8/7 of {asked} for {augment}"
+
+    def chosen(stats):  # --augment auto: resized-crop when the images are photos
+        return recipe.auto_augment(stats.median_short_side)
+
+    if augment != "auto":
+        return fixed_size(stored(augment), why(augment))
+    return SizeRequest(f"{flag_value(image_size)}-auto", lambda stats: stored(chosen(stats)),
+                       lambda stats: why(chosen(stats)))
+
+
+def prepare_folder_cache(args, log=print):
+    """The cache of --data-dir for the data flags ``args`` (--cache-dir, --image-size, --augment,
+    --val-fraction), built if missing: train.py and ``python dataset_utils.py --dataset folder``
+    both call this, so training reuses what the pre-decoding built."""
+    return prepare_folder(args.data_dir, Path(args.cache_dir) if args.cache_dir else default_cache_dir(),
+                          folder_size(args.augment, args.image_size), log, held_out=bool(args.val_fraction))
+
+
 def folder_data(args, ctx):
     """The image folder, decoded into its cache by global rank 0 (the others wait), then
     memory-mapped by every rank. With resized-crop the cache keeps the images at 8/7 of the
-    training size (recipe.stored_size)."""
-    augment, size = args.augment, args.image_size
-    if augment == "auto" and size:
-        augment = recipe.auto_augment(size)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    stored = recipe.stored_size(augment, size) if size else None
-    target = from_rank0(lambda: str(prepare_folder(args.data_dir, cache_dir, stored,
-                                                   needs_test=not args.val_fraction)),
-                        ctx.control_group, patient=True)
+    training size (recipe.stored_size); --augment auto looks at the images' own size."""
+    target = from_rank0(lambda: str(prepare_folder_cache(args)), ctx.control_group, patient=True)
     folder = read_folder_cache(Path(target))
     stored = tuple(folder.train[0].shape[1:3])
+    augment, notes = args.augment, folder.notes
     if augment == "auto":
-        augment = recipe.auto_augment(stored)
-    size = size or recipe.training_size(augment, stored)
+        side = folder.stats.median_short_side
+        augment = recipe.auto_augment(side)
+        photos = augment == "resized-crop"
+        notes += (f"--augment auto: {augment}, as the images are {'photos' if photos else 'small'} (median shorter "
+                  f"side {side} pixels, {'' if photos else 'not '}larger than {recipe.PHOTO_PIXELS})",)
+    size = args.image_size or recipe.training_size(augment, stored)
     prep = preprocessing((*size, folder.train[0].shape[3]), folder.mean, folder.std, augment,
                          stored_size=stored if stored != tuple(size) else None)
     train = InMemoryImages(*folder.train, prep)
     test = InMemoryImages(*folder.test, prep) if folder.test is not None else None
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown})"
-    chosen = (f"--augment auto: {augment}, for images {'' if augment == 'resized-crop' else 'not '}larger than "
-              f"{recipe.PHOTO_PIXELS} pixels",) if args.augment == "auto" else ()
     return train, test, DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
                                  data_fingerprint(FOLDER, False, train.labels, len(test or ()), folder.classes,
-                                                  prep.image_shape),
-                                 notes=(*folder.notes, *chosen,
-                                        f"Normalization: from the training images, mean {prep.mean}, std {prep.std}"))
+                                                  prep.image_shape), notes=notes,
+                                 data_dir=str(Path(args.data_dir).expanduser().resolve()),
+                                 skipped=folder.skipped.get("train", ()))
 
 
 def plugin_data(args):
@@ -375,14 +378,13 @@ def plugin_data(args):
     data = read_user_data(ref, data_dir)
     images = data.train[0]
     mean, std = channel_stats(images, 255 if images.dtype == np.uint8 else 1)
-    prep = preprocessing(images.shape[1:], mean, std, args.augment, recipe.auto_augment(images.shape[1:3]))
+    prep = preprocessing(images.shape[1:], mean, std, args.augment, recipe.auto_augment(min(images.shape[1:3])))
     train = InMemoryImages(*data.train, prep)
     test = InMemoryImages(*data.test, prep) if data.test is not None else None
     key = plugin_key(ref)
     return train, test, DataInfo(key, ref, f"{ref}({data_dir}), {len(data.classes)} classes", data.classes, prep,
                                  data_fingerprint(key, False, train.labels, len(test or ()), data.classes,
-                                                  prep.image_shape),
-                                 notes=(f"Normalization: from the training images, mean {prep.mean}, std {prep.std}",))
+                                                  prep.image_shape))
 
 
 def default_num_workers(local_world_size):
@@ -391,26 +393,24 @@ def default_num_workers(local_world_size):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="Download a data set (if missing) and check that it can be read, "
-                                                 "or decode an image folder into its cache. A small demo copy of a "
-                                                 "data set to try things on: python tools/demo_data.py --help")
-    parser.add_argument("--dataset", choices=(*DATASETS, "folder"), default="cifar100", help="which data set")
-    parser.add_argument("--data-dir", default=None,
-                        help="directory that gets the data set's folder, e.g. cifar-100-python/ or MNIST/raw/ "
-                             "(default: datasets/ beside this script); for folder: the folder of train/ and test/")
-    parser.add_argument("--image-size", metavar="PIXELS", default=None,
-                        help="folder: resize to N or HxW pixels, as train.py's --image-size")
-    parser.add_argument("--cache-dir", metavar="DIR", default=None,
-                        help="folder: where the decoded images go, as train.py's --cache-dir")
+    parser = OneLineParser(description="Download a data set (if missing) and check that it can be read, or decode an "
+                                       "image folder into the cache train.py with the same flags reuses. A small demo "
+                                       "copy of a data set to try things on: python tools/demo_data.py --help")
+    add_data_arguments(parser)  # train.py's own definitions
+    recipe.add_augment_argument(parser)
     return parser
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_data_arguments(args, parser.error)
+    if args.dataset not in DATASETS and args.dataset != FOLDER:
+        parser.error(f"--dataset {args.dataset} is your own code, which reads its data itself; this script fetches "
+                     f"{', '.join(DATASETS)} and decodes image folders")
     try:
-        if args.dataset == "folder":
-            return prepare_image_folder(parser, args)
+        if args.dataset == FOLDER:
+            return prepare_image_folder(args)
         spec = DATASETS[args.dataset]
         data_dir = data_root(Path(args.data_dir or default_data_dir()), spec)
         prepare(data_dir, spec, download=True)
@@ -425,19 +425,20 @@ def main(argv=None):
     return 0
 
 
-def prepare_image_folder(parser, args):
-    """``python dataset_utils.py --dataset folder --data-dir DIR``: build the cache ahead of a
-    job (on a login node, so that no allocation waits for it)."""
-    if not args.data_dir:
-        parser.error("--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE and test/CLASS/IMAGE")
-    try:
-        size = image_size(args.image_size) if args.image_size else None
-    except argparse.ArgumentTypeError as err:
-        parser.error(f"--image-size: {err}")
-    target = prepare_folder(args.data_dir, args.cache_dir or default_cache_dir(), size)
+def prepare_image_folder(args):
+    """``python dataset_utils.py --dataset folder --data-dir DIR [train.py's data flags]``: build
+    the cache train.py with these flags reuses, ahead of a job (on a login node, so that no
+    allocation waits for it), and say what it holds, the unreadable images first."""
+    target = prepare_folder_cache(args)
     data = read_folder_cache(target)
-    print(f"Image folder {args.data_dir} ready in {target}: {len(data.train[1])} training and {len(data.test[1])} "
-          f"test images of {len(data.classes)} classes")
+    for note in data.notes[:-1]:  # the last names the cache, which the summary does
+        print(note)
+    train = f"{count(len(data.train[1]), 'training image', 'training images')}"
+    if args.val_fraction:
+        held = len(stratified_split(data.train[1], args.val_fraction, 0).val)  # how many does not depend on the seed
+        train += f" ({held} of them held out for validation by --val-fraction {args.val_fraction:g})"
+    test = f" and {len(data.test[1])} test images" if data.test is not None and not args.val_fraction else ""
+    print(f"Image folder {args.data_dir} ready in {target}: {train}{test} of {len(data.classes)} classes")
     return 0
 
 

@@ -6,7 +6,8 @@ training prepared its test images: the predictions agree with the accuracy it re
     python predict.py --weights weights.pt photos/                    # the CSV to stdout
     python predict.py --weights weights.pt photos/ a.jpg --output preds.csv --top-k 5
     python predict.py --weights ckpt/checkpoint_000012500.pt photos/ --output preds.csv   # a checkpoint
-    python predict.py --weights weights.pt --model my_net.py:Net photos/   # trained with --model my_net.py:Net
+    python predict.py --weights weights.pt --held-out my_photos --output val.csv  # validation's images, labelled
+    python predict.py --weights weights.pt --model moved/my_net.py:Net photos/   # its model file moved
     srun --account=nnXXXXk --gpus=1 --time=00:10:00 python predict.py --weights weights.pt photos/ --output preds.csv
 
 In NVIDIA's container, as singlegpu_job.sh runs python (CONTAINER_PATH there):
@@ -16,6 +17,10 @@ In NVIDIA's container, as singlegpu_job.sh runs python (CONTAINER_PATH there):
 
 Folders are searched recursively for image files (by their ending; hidden files skipped).
 An unreadable image is named on stderr and skipped; --output never replaces an existing file.
+--held-out DIR classifies the images training validated on: those --val-fraction held out of
+the image folder DIR (the fraction, seed and unreadable files are recorded in the weights),
+or its test/ folder; the CSV gets their true label and the accuracy is printed, which is
+training's validation accuracy of these weights.
 """
 
 import argparse
@@ -33,17 +38,17 @@ import numpy as np
 import torch
 
 from engine.cli import run_cli
-from engine.data_formats import DatasetError
 from engine.device_loader import centre_crop, normalization_table, normalize
 from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
-from engine.image_folder import class_files, decode, image_extensions
+from engine.image_folder import Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
 from engine.memory import OutOfMemory, is_out_of_memory
-from engine.models import check_output, make_model
+from engine.models import check_output, make_model, recorded_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores
+from engine.splits import held_out_again
 from engine.weights import check_state_fits, read_weights
 
 REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without
@@ -53,8 +58,12 @@ SHOWN_CLASSES = 5  # the most common predictions in the summary
 
 def build_parser():
     parser = OneLineParser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", metavar="IMAGE_OR_FOLDER",
+    parser.add_argument("paths", nargs="*", metavar="IMAGE_OR_FOLDER",
                         help="image files, and folders searched recursively for image files")
+    parser.add_argument("--held-out", metavar="DIR", type=Path,
+                        help="instead of IMAGE_OR_FOLDER: the images of the image folder DIR that training validated "
+                             "on (held out by --val-fraction, or its test/), with their true label in the CSV and "
+                             "the accuracy printed")
     parser.add_argument("--weights", required=True, metavar="FILE",
                         help="a file of train.py --save-weights, or a checkpoint (CHECKPOINT_DIR/checkpoint_*.pt)")
     parser.add_argument("--model", metavar="FILE.py:NAME|module:NAME",
@@ -70,40 +79,84 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.paths) == bool(args.held_out):
+        parser.error("give the images to classify (IMAGE_OR_FOLDER ...) or --held-out DIR, one of them")
     if args.output is not None:
         check_new_output(args.output)  # before any work
-    images, ignored = find_images(args.paths)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, name, meta = load_trained(args.weights, args.model, device)
+    if args.held_out:
+        model, name, meta = load_trained(args.weights, args.model, device)
+        images, labels, what = held_out_images(args.held_out, meta, args.weights)
+        ignored = None  # the images are named, not searched for
+    else:
+        images, ignored = find_images(args.paths)  # a wrong path before the model is loaded
+        model, name, meta = load_trained(args.weights, args.model, device)
+        labels, what = None, None
     classes = [shown(c) for c in meta["classes"]]
     table = normalization_table(meta["mean"], meta["std"]).to(device)
-    counts, unreadable, start = Counter(), 0, time.perf_counter()
+    counts, unreadable, correct, start = Counter(), 0, 0, time.perf_counter()
     with csv_destination(args.output) as out, ThreadPoolExecutor(min(MAX_THREADS, available_cores())) as pool:
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["path", "prediction", "probability", "top_k"])
-        for batch, decoded in decoded_batches(pool, images, args.batch_size, meta):
-            good = [(path, pixels) for path, (pixels, _) in zip(batch, decoded) if pixels is not None]
+        writer.writerow(["path", *(["label"] if labels is not None else []), "prediction", "probability", "top_k"])
+        for first, batch, decoded in decoded_batches(pool, images, args.batch_size, meta):
+            good = [(first + i, path, pixels) for i, (path, (pixels, _)) in enumerate(zip(batch, decoded))
+                    if pixels is not None]
             for path, (_, why) in zip(batch, decoded):
                 if why:
                     unreadable += 1
                     print(f"unreadable, skipped: {shown(path)}: {why}", file=sys.stderr)
             if good:
                 try:
-                    probs = classify(model, np.stack([pixels for _, pixels in good]), meta, table, device)
+                    probs = classify(model, np.stack([pixels for _, _, pixels in good]), meta, table, device)
                 except Exception as err:
                     if not is_out_of_memory(err):
                         raise
                     raise OutOfMemory(f"out of memory classifying {len(good)} images of {meta['image_size']} pixels "
                                       f"on {where_of(device)}; use a smaller --batch-size (now {args.batch_size})"
                                       ) from None
-                for (path, _), row in zip(good, probs):
-                    writer.writerow(csv_row(path, row, classes, args.top_k))
+                for (index, path, _), row in zip(good, probs):
+                    label = None if labels is None else classes[int(labels[index])]
+                    writer.writerow(csv_row(path, row, classes, args.top_k, label))
                     counts[classes[int(row.argmax())]] += 1
+                    correct += label == classes[int(row.argmax())]
         if not counts:  # no CSV of a header alone
             raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
     summary = sys.stdout if args.output else sys.stderr
     report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
+    if labels is not None:
+        total = sum(counts.values())
+        print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}: training's validation accuracy of "
+              "these weights", file=summary)
+
+
+def held_out_images(root, meta, weights):
+    """(files, labels, what they are) of the images training validated on in the image folder
+    ``root``: those --val-fraction held out (meta's split: fraction, seed, the unreadable files
+    left out before the split), or the folder's test/ (val/) images."""
+    if meta.get("dataset") != "folder":
+        raise UserError(f"--held-out reads an image folder; --weights {shown(weights)} were trained on --dataset "
+                        f"{meta.get('dataset', 'of unknown name')}")
+    record = meta.get("split")
+    scanned = scan(root, held_out=True)
+    if list(scanned.classes) != list(meta["classes"]):
+        raise UserError(f"--held-out {shown(root)} has the classes {', '.join(map(shown, scanned.classes[:5]))}"
+                        f"{', ...' if len(scanned.classes) > 5 else ''}, not those --weights {shown(weights)} were "
+                        "trained on: another folder?")
+    if record is None:
+        if "test" not in scanned.splits:
+            raise UserError(f"--weights {shown(weights)} were validated on a test/ (or val/) folder, and "
+                            f"--held-out {shown(root)} has none")
+        files, labels = scanned.splits["test"]
+        return files, labels, f"the {count(len(files), 'test image', 'test images')} of {shown(root)}"
+    files, labels = scanned.splits["train"]
+    base, skipped = Path(root).expanduser(), set(record["skipped"])  # unreadable: left out before the split
+    readable = np.asarray([str(path.relative_to(base)) not in skipped for path in files], dtype=bool)
+    files, labels = [path for path, ok in zip(files, readable) if ok], labels[readable]
+    held = held_out_again(labels, record, f"--held-out {shown(root)}")
+    return ([files[i] for i in held], labels[held], f"the {len(held)} images --val-fraction {record['fraction']:g} "
+            f"(--seed {record['seed']}) held out of {shown(root)}")
 
 
 def where_of(device):
@@ -156,7 +209,7 @@ def load_trained(path, model_ref, device):
         raise UserError(f"--weights {shown(path)} does not record {', '.join(missing)} (a plain state_dict, saved "
                         "by other code?): predict.py needs weights saved by train.py --save-weights, or a checkpoint "
                         "of train.py")
-    ref = model_ref or meta.get("model")
+    ref = model_ref or recorded_model(meta, path)
     if not ref:
         raise UserError(f"--weights {shown(path)} does not record its --model; pass --model FILE.py:NAME")
     try:
@@ -177,15 +230,16 @@ def load_trained(path, model_ref, device):
 
 
 def decoded_batches(pool, images, batch_size, meta):
-    """(paths, [read_image of each]) per batch of ``batch_size``; the next batch is decoded on
-    the pool's threads while the model classifies this one."""
+    """(index of the batch's first image, paths, [read_image of each]) per batch of
+    ``batch_size``; the next batch is decoded on the pool's threads while the model
+    classifies this one."""
     batches = [images[i:i + batch_size] for i in range(0, len(images), batch_size)]
     ahead = pool.map(lambda path: read_image(path, meta), batches[0])
     for i, batch in enumerate(batches):
         current = ahead
         if i + 1 < len(batches):
             ahead = pool.map(lambda path: read_image(path, meta), batches[i + 1])
-        yield batch, list(current)
+        yield i * batch_size, batch, list(current)
 
 
 def read_image(path, meta):
@@ -193,8 +247,8 @@ def read_image(path, meta):
     size = tuple(meta.get("stored_size") or meta["image_size"])
     try:
         return decode(path, size, "L" if meta["in_channels"] == 1 else "RGB"), None
-    except DatasetError as err:
-        return None, str(err).removeprefix(f"{path}: ")
+    except Unreadable as err:
+        return None, err.reason
 
 
 @torch.no_grad()
@@ -206,12 +260,12 @@ def classify(model, pixels, meta, table, device):
     return torch.softmax(model(normalize(images, table)).float(), dim=1).cpu()
 
 
-def csv_row(path, probs, classes, k):
-    """path, prediction, its probability, 'cat 0.912; dog 0.071; bird 0.017'."""
+def csv_row(path, probs, classes, k, label=None):
+    """path, (its true label,) prediction, its probability, 'cat 0.912; dog 0.071; bird 0.017'."""
     top = torch.topk(probs, min(k, len(classes)))
     pairs = list(zip(top.indices.tolist(), top.values.tolist()))
     top_k = "; ".join(f"{classes[i]} {p:.3f}" for i, p in pairs)
-    return [shown(path), classes[pairs[0][0]], f"{pairs[0][1]:.6f}", top_k]
+    return [shown(path), *([label] if label is not None else []), classes[pairs[0][0]], f"{pairs[0][1]:.6f}", top_k]
 
 
 @contextmanager
@@ -245,13 +299,15 @@ def csv_destination(output):
 
 
 def report(out, counts, unreadable, ignored, device, seconds, model_name, output):
-    """The summary: what was classified, how fast, what was skipped, what was predicted."""
+    """The summary: what was classified, how fast, what was skipped, what was predicted (``ignored``:
+    files that are not images among the folders searched, None when none were)."""
     total = sum(counts.values())
     print(f"Classified {count(total, 'image', 'images')} with {model_name} on {device} in {seconds:.1f} s "
           f"({total / max(seconds, 1e-9):.0f} images/s)", file=out)
+    others = ("" if ignored is None else
+              f"; ignored {count(ignored, 'file that is not an image', 'files that are not images')}")
     print(f"Skipped {count(unreadable, 'unreadable image', 'unreadable images')}"
-          f"{' (listed on stderr)' if unreadable else ''}; ignored "
-          f"{count(ignored, 'file that is not an image', 'files that are not images')}", file=out)
+          f"{' (listed on stderr)' if unreadable else ''}{others}", file=out)
     common = ", ".join(f"{name} {n}" for name, n in counts.most_common(SHOWN_CLASSES))
     more = f" and {len(counts) - SHOWN_CLASSES} more classes" if len(counts) > SHOWN_CLASSES else ""
     print(f"Predicted (images per class): {common}{more}", file=out)

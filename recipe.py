@@ -173,13 +173,14 @@ RESIZED_CROP_RATIO = (3 / 4, 4 / 3)  # its aspect ratio, width / height
 # resized-crop trains on crops of images stored at 8/7 of the training size and tests on their
 # centre: the usual resize to 256, centre crop 224 of torchvision's and timm's references.
 STORED_RATIO = 8 / 7
-PHOTO_PIXELS = 64  # --augment auto: images whose sides are all larger are photos (resized-crop)
+PHOTO_PIXELS = 64  # --augment auto: images whose median shorter side is larger are photos (resized-crop)
 
 
-def auto_augment(size):
-    """--augment auto for your own images of ``size`` (H, W): resized-crop for photos, flip-crop
-    for small CIFAR-like images."""
-    return "resized-crop" if min(size) > PHOTO_PIXELS else "flip-crop"
+def auto_augment(short_side):
+    """--augment auto for your own images whose (median) shorter side is ``short_side`` pixels:
+    resized-crop for photos, flip-crop for small CIFAR-like images. The images' own size
+    decides, not --image-size: photos trained small are still photos."""
+    return "resized-crop" if short_side > PHOTO_PIXELS else "flip-crop"
 
 
 def stored_size(augment, size):
@@ -222,14 +223,20 @@ def add_arguments(parser):
     recipe.add_argument("--label-smoothing", metavar="FRACTION", type=below_one, default=0.1,
                         help="label smoothing of the training loss (fraction of probability mass); "
                              "the reported validation loss is plain cross-entropy")
-    recipe.add_argument("--augment", choices=("auto", *AUGMENTATIONS), default="auto",
-                        help="training augmentation (recipe.py's AUGMENTATIONS): flip-crop = random horizontal flip "
-                             "and a crop of the zero-padded image (padding 1/8 of the image side); crop = no flips; "
-                             "flip = no crop; resized-crop = a random 1/4 to all of the image's area, aspect 3/4 to "
-                             "4/3, resized to --image-size, and a flip (photos; images stored at 8/7 of the size, "
-                             "tested on the centre crop); none; auto = the data set's own (CIFAR and Fashion-MNIST "
-                             f"flip-crop, MNIST crop; your own images resized-crop when larger than {PHOTO_PIXELS} "
-                             "pixels, else flip-crop)")
+    add_augment_argument(recipe)
+
+
+def add_augment_argument(group):
+    """--augment, in the recipe's group; dataset_utils.py's pre-decoding takes it too (it sets
+    the size a folder's images are stored at)."""
+    group.add_argument("--augment", choices=("auto", *AUGMENTATIONS), default="auto",
+                       help="training augmentation (recipe.py's AUGMENTATIONS): flip-crop = random horizontal flip "
+                            "and a crop of the zero-padded image (padding 1/8 of the image side); crop = no flips; "
+                            "flip = no crop; resized-crop = a random 1/4 to all of the image's area, aspect 3/4 to "
+                            "4/3, resized to --image-size, and a flip (photos; images stored at 8/7 of the size, "
+                            "tested on the centre crop); none; auto = the data set's own (CIFAR and Fashion-MNIST "
+                            "flip-crop, MNIST crop; your own images resized-crop when photos, their median shorter "
+                            f"side larger than {PHOTO_PIXELS} pixels, else flip-crop)")
 
 
 def check_arguments(args, error):

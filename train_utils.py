@@ -21,19 +21,18 @@ from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import build_data, build_loaders, default_num_workers, per_process_batch, set_loader_epoch
+from dataset_utils import build_data, build_loaders, default_num_workers, set_loader_epoch
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
-from engine.checkpoints import (Checkpointer, TrainState, check_resumable, claimed_folder, load_agreed_checkpoint,
-                                new_run_id, restore)
+from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, check_resumable, claimed_folder,
+                                load_agreed_checkpoint, new_run_id, restore)
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
@@ -45,10 +44,11 @@ from engine.models import build_model
 from engine.monitor import Monitors
 from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_to_params, kernel_choices,
                                prefill_momentum)
-from engine.plugins import plugin_key
+from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, rng_snapshot
+from engine.step_totals import LossBooks
 from engine.stopping import StopRequests
 from engine.task import Task
 from engine.weights import check_state_fits, save_trained_weights
@@ -69,6 +69,7 @@ def fit(task, args, ctx):
         if args.eval_only:
             return [evaluate_once(run, task.test_loader)]
         reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
+        run.clock.loop_started()
         with run.stop, run.monitor:
             while state.epoch <= args.epochs and not reached():
                 run_epoch(run, state, rng_state)
@@ -80,7 +81,8 @@ def fit(task, args, ctx):
             final = run.checkpointer.save(run, state) if run.checkpointer.directory else None  # no-op when just written
     if reached():
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
-    for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing):
+    for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
+                          task.data.held_out):
         run.log.info(line)
     if run.checkpointer.count:
         wall = clock.elapsed()
@@ -88,8 +90,8 @@ def fit(task, args, ctx):
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
-        run.log.info(from_rank0(lambda: save_trained_weights(run.module, args.save_weights, {
-            "model": task.model_key, **task.data.weights_metadata()}, final), ctx.control_group))
+        run.log.info(from_rank0(lambda: save_trained_weights(run.module, args.save_weights, task.weights_metadata(),
+                                                             final), ctx.control_group))
     return state.records
 
 
@@ -102,7 +104,7 @@ def evaluate_once(run, test_loader):
               "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     run.log.record(record)
     run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
-                 f"{accuracy_scope(record, len(test_loader.dataset))}")
+                 f"{accuracy_scope(record, len(test_loader.dataset), run.task.data.held_out)}")
     return record
 
 
@@ -116,7 +118,8 @@ def run_epoch(run, state, rng_state=None):
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     batches = islice(train_loader, run.steps)
-    for _ in range(min(state.step, run.steps)):  # resuming mid-epoch: the same batches, skipped
+    skipped = min(state.step, run.steps)
+    for _ in range(skipped):  # resuming mid-epoch: the same batches, skipped
         next(batches)
     if rng_state is not None:
         restore_rng(rng_state)  # where the interrupted run was after those steps
@@ -153,7 +156,7 @@ def run_epoch(run, state, rng_state=None):
         run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
     run.monitor.record(record)
-    run.clock.epoch_done()
+    run.clock.epoch_done(1 - skipped / run.steps)
     eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
     run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
     return record
@@ -178,39 +181,6 @@ def train_step(run, x, y):
     run.scaler.update()
     run.scheduler.step()
     return total
-
-
-class StepTotals(NamedTuple):
-    """What ``train_steps`` did, summed over all ranks."""
-    loss_sum: float  # training loss times images
-    images: int
-    first_bad: int   # first step with a non-finite loss, 0 if none
-    lr: float        # of the last step
-    stop: int        # the agreed stop request (engine.stopping.NO_STOP, STOP_FILE or STOP_SIGNAL)
-
-
-class LossBooks:
-    """The running loss sum and the first step with a non-finite loss, kept on the device so
-    that no step waits for the GPU; read once, summed over ranks, by ``totals``."""
-
-    NONE = 2**62  # "no non-finite loss yet": larger than any step, so the minimum over ranks works
-
-    def __init__(self, device):
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self.images = 0
-
-    def add(self, loss, images, step):
-        self.loss_sum += loss * images
-        self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, torch.clamp(self.first_bad, max=step))
-        self.images += images
-
-    def totals(self, lr, stop):
-        """Summed over all ranks: one host sync, once per epoch (or stop)."""
-        images = torch.tensor(float(self.images), dtype=torch.float64, device=self.loss_sum.device)
-        loss_total, images_total = all_reduce(torch.stack([self.loss_sum, images])).tolist()
-        first_bad = int(all_reduce(self.first_bad, op="min"))
-        return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)
 
 
 def train_steps(run, batches, state):
@@ -302,12 +272,14 @@ def parse_args(description, argv=None):
 def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device, the
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
+    if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
+        from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()), ctx.control_group)
     train_set, test_set, data = build_data(args, ctx)
     layout = memory_format(args.channels_last, ctx.device)
     model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
-    batch = per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
+    batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
     training = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
     loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device), training)
     workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
@@ -315,7 +287,15 @@ def build_task(args, ctx):
     train_loader, test_loader = build_loaders(
         train_set, test_set, batch, loader=loader, num_workers=workers, device=ctx.device, rank=ctx.rank,
         world_size=ctx.world_size, seed=args.seed, pin_memory=ctx.device.type == "cuda")
-    return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason, note)
+    return Task(model, name, plugin_key(args.model), train_loader, test_loader, data, loader, reason, note,
+                own_file(args.model))
+
+
+def resume_rules():
+    """(every flag's default, the names of those a resume must keep): what a resume compares
+    the checkpoint's flags with (a checkpoint older than a flag ran with its default)."""
+    parser = build_parser("")
+    return vars(parser.parse_args([])), flags.run_defining_flags(parser, recipe.RECIPE_GROUP)
 
 
 @dataclass(frozen=True)
@@ -394,10 +374,8 @@ def resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
     --epochs extends its LR schedule by a warm restart."""
     module = unwrap(task.model)
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
-    parser = build_parser("")
     check_resumable(checkpoint, args, task.data.fingerprint, task.model_key, optimizer,
-                    partial(check_state_fits, module, model_name=task.model_name), vars(parser.parse_args([])),
-                    flags.run_defining_flags(parser, recipe.RECIPE_GROUP))
+                    partial(check_state_fits, module, model_name=task.model_name), *resume_rules())
     saved = checkpoint["args"]
     planned = saved["epochs"]
     # A checkpoint written before extensions existed has the one cycle its flags define.

@@ -24,6 +24,7 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     precision.py     --precision: autocast dtype, TF32
     optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
     lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
+    step_totals.py   an epoch's loss, images and first non-finite step, summed once per epoch
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start

@@ -25,9 +25,9 @@ import torch
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 from engine.folder_lock import FolderLock
-from engine.log import count
+from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
-from engine.weights import check_weights_target
+from engine.weights import check_weights_target, with_model_file
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 
@@ -204,7 +204,14 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
         raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
                         f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
                         + "".join(f", {other[key]}" for key in other if key in differ) + ")")
-    changed = [f"--{name.replace('_', '-')} {saved.get(name)} (now {getattr(args, name)})"
+    check_resume_flags(saved, args, recipe_flags)
+
+
+def check_resume_flags(saved, args, recipe_flags):
+    """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
+    filled in): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
+    may grow but not shrink. Cheap enough to run before any data is read (newest_flags)."""
+    changed = [f"--{name.replace('_', '-')} {flag_value(saved.get(name))} (now {flag_value(getattr(args, name))})"
                for name in recipe_flags if saved.get(name) != getattr(args, name)]
     if args.epochs < saved["epochs"]:
         changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
@@ -213,6 +220,27 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir"
                         + smaller_steps_hint(saved.get("batch_size"), args.batch_size, args.accumulate))
+
+
+def check_newest_flags(directory, args, defaults, recipe_flags):
+    """--resume, before any data is read or decoded: check_resume_flags of the newest
+    checkpoint in ``directory`` that reads (``defaults``: every flag's, for a checkpoint older
+    than a flag); nothing to check when none reads. Call on global rank 0."""
+    saved = newest_flags(directory)
+    if saved is not None:
+        check_resume_flags({**defaults, **saved}, args, recipe_flags)
+
+
+def newest_flags(directory):
+    """The flags of the newest checkpoint in ``directory`` that reads (memory-mapped: its tensors
+    are not read), or None. For the early check of a resume; choose_checkpoint, later, sets
+    aside the unreadable ones and says so."""
+    for path in checkpoint_paths(directory):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["args"]
+        except Exception:  # unreadable, or not a checkpoint: choose_checkpoint's to report
+            continue
+    return None
 
 
 def smaller_steps_hint(saved_batch, batch, accumulate):
@@ -290,7 +318,7 @@ class Checkpointer:
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
-                             "task": {"model": run.task.model_key, **run.task.data.weights_metadata()},
+                             "task": with_model_file(run.task.weights_metadata(), path),
                              "world_size": run.ctx.world_size}, path, "checkpoint")
             except ResourceProblem as err:
                 state.checkpoints = [name for name in kept[:-1] if (self.directory / name).exists()]

@@ -10,15 +10,67 @@ crops for the same seed.
 """
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.disk_space import size_text
+from engine.errors import UserError
+from engine.log import flag_value
 from engine.memory import HEADROOM
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
 DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How stored images become the model's input (dataset_utils.preprocessing makes one from
+    recipe.py's augmentations)."""
+    image_shape: tuple  # (H, W, C) the model's input
+    mean: tuple         # per channel: of the pixels scaled to 0..1 (uint8 images), or as stored (float)
+    std: tuple
+    augment: str = "none"  # the training augmentation's name in recipe.AUGMENTATIONS
+    ops: tuple = ()        # its operations, in order: (images (B, H, W, C), rand, prep) -> images
+    padding: int = 0       # zero padding (pixels) around a training image before a random crop
+    stored_size: tuple = None  # (H, W) of the stored images when larger than the input (resized-crop), else None
+    per_op: int = 4        # uniform numbers each operation gets per image (recipe.RANDOM_PER_OP)
+
+    @property
+    def stored(self):
+        """(H, W) of the stored images: test images are centre-cropped from it to image_shape."""
+        return tuple(self.stored_size or self.image_shape[:2])
+
+    def randoms(self, size, seed, epoch):
+        """Each image's random numbers for the augmentation in ``epoch``: (size, ops, per_op)."""
+        return augmentation_randoms(size, self.ops, seed, epoch, self.per_op)
+
+    def describe(self):
+        """What happens to a training image, in words (the start-up block)."""
+        ops = ", ".join(op.__name__ for op in self.ops) or "nothing"
+        padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
+        height, width, _ = self.image_shape
+        sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
+                 "centre crop" if self.stored != (height, width) else "")
+        return f"{self.augment} ({ops}{padding}{sizes}), normalized with mean {self.mean} and std {self.std}"
+
+
+def trained_preprocessing(prep, trained, weights):
+    """(Preprocessing, the start-up block's line) of --eval-only: ``prep`` normalized as the
+    --weights file ``weights`` records (``trained``: its metadata) that its training images
+    were, after checking that their sizes agree; (``prep``, None) for a file that records none."""
+    if "mean" not in trained:
+        return prep, None
+    stored = tuple(trained.get("stored_size") or trained["image_size"])
+    if tuple(trained["image_size"]) != prep.image_shape[:2] or stored != prep.stored:
+        raise UserError(f"--weights {weights} were trained on {flag_value(trained['image_size'])} images (stored at "
+                        f"{flag_value(stored)}), these are {flag_value(prep.image_shape[:2])} (stored at "
+                        f"{flag_value(prep.stored)}): evaluate them on the data they were trained on")
+    prep = replace(prep, mean=tuple(trained["mean"]), std=tuple(trained["std"]))
+    return prep, (f"Preprocessing: from --weights {weights}: {flag_value(prep.image_shape[:2])} input, stored "
+                  f"{flag_value(prep.stored)}, trained with --augment {trained.get('augment', prep.augment)}; "
+                  f"normalization mean {prep.mean}, std {prep.std}")
 
 
 def augmentation_randoms(size, ops, seed, epoch, per_op):

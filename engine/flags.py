@@ -9,21 +9,25 @@ are prepared), speed, output, and checkpoints. A bad command line is one line on
 import argparse
 import difflib
 import math
+import os
 import sys
 
 from engine.checkpoints import KEEP_CHECKPOINTS
 from engine.data_formats import DATASETS
 from engine.errors import UserError
-from engine.models import DEFAULT_MODEL
+from engine.log import flag_value
+from engine.models import DEFAULT_MODEL, recorded_model
 from engine.tensorboard_log import tensorboard_missing
 from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, rank_or_zero
 from engine.stopping import EXIT_STOPPED
+from engine.weights import read_weights
 
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision")
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
-RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone")
+RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone",
+                      "image_size")
 FOLDER = "folder"  # --dataset folder: an image folder in torchvision's ImageFolder layout
 
 
@@ -107,6 +111,46 @@ def image_size(text):
     raise argparse.ArgumentTypeError(f"{text!r} is not a size in pixels (N or HxW, e.g. 64 or 48x64)")
 
 
+def add_data_arguments(group):
+    """Which data, and how an image folder's images are stored: train.py's task group and
+    dataset_utils.py's pre-decoding share these definitions, so that a cache pre-decoded with
+    train.py's flags is the one it reuses."""
+    group.add_argument("--dataset", metavar="NAME", type=dataset_name, default="cifar100",
+                       help=f"{', '.join(DATASETS)} (files as torchvision lays them out), {FOLDER} (your images in "
+                            "--data-dir, any image Pillow reads), or FILE.py:NAME (NAME(data_dir) returns (train, "
+                            "test) data sets of (image (C, H, W), label) with a classes attribute); it sets the "
+                            "model's classes and input channels")
+    group.add_argument("--data-dir", metavar="DIR", default=None,
+                       help="where the data set is: the folder holding cifar-100-python/, cifar-10-batches-py/, "
+                            f"FashionMNIST/raw/ or MNIST/raw/ (default: datasets/ beside the scripts); for --dataset "
+                            f"{FOLDER} the folder of class folders (DIR/CLASS/IMAGE, with --val-fraction) or of train/ "
+                            "and test/ (or val/) holding them; for FILE.py:NAME the argument NAME gets")
+    group.add_argument("--val-fraction", metavar="FRACTION", type=open_fraction, default=None,
+                       help="hold out this fraction of each class of the training images for validation (e.g. 0.2), "
+                            "chosen by --seed, the same on every rank and after a resume; for data without a test "
+                            f"split (a --dataset {FOLDER} of class folders or of train/ alone, a FILE.py:NAME "
+                            "returning (train, None)). Its test split, if any, is then not used")
+    group.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
+                       help=f"--dataset {FOLDER}: the model's input size, N or HxW in pixels (images scaled to "
+                            "cover, then centre-cropped; stored at 8/7 of it for --augment resized-crop); default: "
+                            "the training images' most common size (7/8 of it for resized-crop)")
+    group.add_argument("--cache-dir", metavar="DIR", default=None,
+                       help=f"--dataset {FOLDER}: where the images are kept decoded (uint8 .npy files, rebuilt when "
+                            "the images change; default: datasets/cache/ beside the scripts)")
+
+
+def check_data_arguments(args, error):
+    """The checks of add_data_arguments' flags that need more than one: ``error(message)``
+    exits with one line."""
+    if args.dataset == FOLDER and not args.data_dir:
+        error(f"--dataset {FOLDER} needs --data-dir DIR, the folder of class folders (DIR/CLASS/IMAGE) or of "
+              "train/ and test/ holding them")
+    if args.image_size and args.dataset != FOLDER:
+        error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
+    if args.cache_dir and args.dataset != FOLDER:
+        error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
+
+
 def build_parser(description, add_recipe_arguments):
     # No abbreviations: the job scripts find an overriding --checkpoint-dir by its full name.
     parser = OneLineParser(description=description, formatter_class=_Formatter)
@@ -132,33 +176,12 @@ def build_parser(description, add_recipe_arguments):
                            "importable module (module:NAME), a class or function called with num_classes= and "
                            "in_channels= (and image_size=(H, W) when it takes it) that returns an nn.Module mapping "
                            "images (B, C, H, W) to logits (B, classes)")
-    task.add_argument("--dataset", metavar="NAME", type=dataset_name, default="cifar100",
-                      help=f"{', '.join(DATASETS)} (files as torchvision lays them out), {FOLDER} (--data-dir "
-                           "holds train/CLASS/IMAGE and test/CLASS/IMAGE, any image Pillow reads), or FILE.py:NAME "
-                           "(NAME(data_dir) returns (train, test) data sets of (image (C, H, W), label) with a "
-                           "classes attribute); it sets the model's classes and input channels")
-    task.add_argument("--data-dir", metavar="DIR", default=None,
-                      help="where the data set is: the folder holding cifar-100-python/, cifar-10-batches-py/, "
-                           f"FashionMNIST/raw/ or MNIST/raw/ (default: datasets/ beside the scripts); for "
-                           f"--dataset {FOLDER} the folder with train/ and test/ (or val/); for FILE.py:NAME the "
-                           "argument NAME gets")
+    add_data_arguments(task)
     task.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
                       help="download a built-in data set (global rank 0 only) if it is missing")
     task.add_argument("--synthetic", action="store_true",
                       help="random images and labels of a built-in data set's shape and size instead of its files: "
                            "for smoke tests and throughput; accuracy is meaningless")
-    task.add_argument("--val-fraction", metavar="FRACTION", type=open_fraction, default=None,
-                      help="hold out this fraction of each class of the training images for validation (e.g. 0.2), "
-                           "chosen by --seed, the same on every rank and after a resume; for data without a test "
-                           f"split (a --dataset {FOLDER} of train/ alone, a FILE.py:NAME returning (train, None)). "
-                           "Its test split, if any, is then not used")
-    task.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
-                      help=f"--dataset {FOLDER}: the model's input size, N or HxW in pixels (images scaled to "
-                           "cover, then centre-cropped; stored at 8/7 of it for --augment resized-crop); default: "
-                           "the training images' most common size (7/8 of it for resized-crop)")
-    task.add_argument("--cache-dir", metavar="DIR", default=None,
-                      help=f"--dataset {FOLDER}: where the images are kept decoded (uint8 .npy files, rebuilt when "
-                           "the images change; default: datasets/cache/ beside the scripts)")
     task.add_argument("--loader", choices=LOADERS, default="auto",
                       help="device = the data set (uint8) lives on the GPU (or in CPU memory) and is cropped, flipped "
                            "and normalized there in batches, no CPU time per image; torchvision = a DataLoader with "
@@ -262,15 +285,11 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     check_recipe_arguments(args, parser.error)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
-    builtin = args.dataset in DATASETS
-    if args.dataset == FOLDER and not args.data_dir:
-        parser.error(f"--dataset {FOLDER} needs --data-dir DIR, the folder holding train/CLASS/IMAGE and "
-                     "test/CLASS/IMAGE (or val/)")
-    if args.image_size and args.dataset != FOLDER:
-        parser.error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
-    if args.cache_dir and args.dataset != FOLDER:
-        parser.error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
-    if args.synthetic and not builtin:
+    if args.eval_only and args.weights:
+        adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
+                               parser.error)
+    check_data_arguments(args, parser.error)
+    if args.synthetic and args.dataset not in DATASETS:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
     if not args.profile_dir:
         for flag in ("profile_skip", "profile_steps"):
@@ -278,15 +297,74 @@ def parse_args(parser, check_recipe_arguments, argv=None):
                 parser.error(f"--{flag.replace('_', '-')} applies with --profile-dir DIR")
     if args.tensorboard and (why := tensorboard_missing()):  # not a usage mistake: no "see --help"
         raise UserError(why)
+    if args.eval_only and not args.weights:
+        parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
+                     "model would be random")
     if args.finetune and (args.weights or args.eval_only):
         parser.error("--finetune starts training from weights with a new head; --weights (and --eval-only) load a "
                      "model whole: give one of them")
     if args.freeze_backbone and not args.finetune:
         parser.error("--freeze-backbone needs --finetune PATH: it freezes the layers loaded from there")
-    if args.eval_only and not args.weights:
-        parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
-                     "model would be random")
     return args
+
+
+def given_flags(parser, argv, args):
+    """The dest names of the flags the command line gives (``args`` is its parse): parsed again
+    onto a namespace that already holds a marker for every flag, which argparse then keeps
+    for the flags not given."""
+    unset = object()
+    again = parser.parse_args(argv, argparse.Namespace(**{dest: unset for dest in vars(args)}))
+    return {dest for dest, value in vars(again).items() if value is not unset}
+
+
+def adopt_trained_settings(args, given, saved, error):
+    """--eval-only --weights W: the settings W records of its training (engine/task.py's
+    weights metadata) for the flags not given: --model, --dataset, --data-dir, --image-size
+    and --augment (how images are stored and cropped), and the validation split (--val-fraction,
+    --seed) when evaluating on the folder it was held out of. A given flag that contradicts W
+    is one line: it would evaluate other images, or these otherwise than validation did."""
+    trained, path = saved.metadata, args.weights
+    if "model" not in given and trained.get("model"):
+        args.model = recorded_model(trained, path)
+    dataset = trained.get("dataset")
+    if "dataset" not in given and dataset:
+        if dataset not in DATASETS and dataset != FOLDER:
+            error(f"--weights {path} were trained on --dataset {dataset}: give --dataset FILE.py:NAME (and "
+                  "--data-dir) to evaluate them")
+        args.dataset = dataset
+    same_folder = "data_dir" not in given or (trained.get("data_dir") and os.path.realpath(
+        os.path.expanduser(args.data_dir)) == trained["data_dir"])
+    if "data_dir" not in given and trained.get("data_dir"):
+        args.data_dir = trained["data_dir"]
+    recorded = {"augment": trained.get("augment")}
+    if args.dataset == FOLDER and trained.get("image_size"):
+        recorded["image_size"] = tuple(trained["image_size"])
+    if same_folder and trained.get("split"):
+        recorded.update(val_fraction=trained["split"]["fraction"], seed=trained["split"]["seed"])
+    for name, value in recorded.items():
+        if value is None:
+            continue
+        if name in given and getattr(args, name) != value:
+            flag = f"--{name.replace('_', '-')}"
+            error(f"{flag} {flag_value(getattr(args, name))} contradicts --weights {path}, trained with {flag} "
+                  f"{flag_value(value)}: leave it out, the weights say how their images were prepared"
+                  + (" and which were held out" if name in ("val_fraction", "seed") else ""))
+        setattr(args, name, value)
+
+
+def per_process_batch(global_batch, world_size, accumulate=1):
+    """Images per process per step; refuses to silently drop part of the global batch, or to
+    split it into unequal micro-batches (--accumulate)."""
+    if global_batch % world_size:
+        lower, upper = global_batch // world_size * world_size, -(-global_batch // world_size) * world_size
+        examples = f"{lower} or {upper}" if lower else str(upper)
+        raise UserError(f"--batch-size {global_batch} does not split evenly over {world_size} processes; "
+                        f"use a multiple of {world_size} (e.g. {examples})")
+    batch = global_batch // world_size
+    if batch % accumulate:
+        raise UserError(f"--accumulate {accumulate} does not split the {batch} images per process (--batch-size "
+                        f"{global_batch} over {world_size}) into equal micro-batches; use a divisor of {batch}")
+    return batch
 
 
 def run_defining_flags(parser, recipe_group):

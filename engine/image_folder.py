@@ -1,31 +1,38 @@
-"""--dataset folder: your own images in torchvision's ImageFolder layout, scanned and decoded
-(engine/image_cache.py keeps the decoded images).
+"""--dataset folder: your own images, in either of the layouts torchvision's ImageFolder users
+have, scanned and decoded (engine/image_cache.py keeps the decoded images).
 
-    DIR/train/CLASS/IMAGE     e.g. DIR/train/cat/0001.jpg, DIR/train/dog/a/b.png
-    DIR/test/CLASS/IMAGE      (or DIR/val/CLASS/IMAGE; none with --val-fraction, which holds
-                              out part of train/ instead)
+    DIR/CLASS/IMAGE           e.g. DIR/cat/0001.jpg, DIR/dog/a/b.png: every image is a training
+                              image, and --val-fraction holds out part of each class
+    DIR/train/CLASS/IMAGE     with DIR/test/CLASS/IMAGE (or DIR/val/CLASS/IMAGE) to validate
+                              on, or none with --val-fraction
 
-Classes are the sorted folder names under train/ (label i is the i-th name). Any image file
-Pillow reads counts, in any mode and size: the images become RGB, or stay gray when every
-one is gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the
-most common among the training images, or --image-size), scaled to cover it and
-centre-cropped so nothing is stretched. Hidden files and files that are not images (by their
-ending) are ignored; an image that cannot be read is one line naming it. Any file name the
-OS allows works, UTF-8 or not.
+Classes are the sorted class folder names (label i is the i-th name). Any image file Pillow
+reads counts, in any mode and size: the images become RGB, or stay gray when every one is
+gray (16-bit gray is scaled to 8 bits, not clipped), and are resized to one size (the most
+common among the training images, or --image-size): the shorter side scaled so that the
+image covers the size, then centre-cropped, as torchvision's Resize and CenterCrop do, so
+nothing is stretched. Hidden files and files that are not images (by their ending) are
+ignored; an image that cannot be read is an Unreadable, which the cache skips and names.
+Any file name the OS allows works, UTF-8 or not.
 """
 
 import os
+import statistics
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from PIL import Image, ImageOps
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
 
 from engine.data_formats import DatasetError
+from engine.log import count
 
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
+FLAT, SPLIT = "DIR/CLASS/IMAGE", "DIR/train/CLASS/IMAGE"  # the two layouts, as the start-up block names them
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
 PROGRESS_S = 30  # seconds between progress lines of a long decode
@@ -39,7 +46,49 @@ def image_extensions():
 
 
 # ---------------------------------------------------------------------------------------------
-# Scanning: which files, which classes (a stat per file, nothing decoded).
+# Scanning: which layout, which files, which classes (a stat per file, nothing decoded).
+
+class Scanned(NamedTuple):
+    """What is in an image folder."""
+    classes: tuple  # class folder names, sorted: label i is classes[i]
+    splits: dict    # "train" (and "test" when the folder has one): (files, int64 labels (N,))
+    ignored: list   # files that are not images
+    layout: str     # FLAT or SPLIT
+
+
+def scan(root, held_out=False):
+    """Scanned of the image folder ``root``. ``held_out`` (--val-fraction): validation is held
+    out of the training images, so no test/ is needed (and a flat folder is accepted). A folder
+    or file that cannot be read, and a layout that is neither, is one line naming it."""
+    try:
+        return _scan(Path(root).expanduser(), held_out)
+    except OSError as err:
+        raise DatasetError(f"cannot read {err.filename or root} ({err.strerror or err})") from None
+
+
+def split_folders(root, held_out):
+    """({split: folder}, layout) of ``root``: DIR/train (with DIR/test or DIR/val), or DIR itself
+    holding the class folders."""
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and _visible(p))
+    splits = [name for name in folders if any(name in names for names in SPLIT_FOLDERS.values())]
+    others = [name for name in folders if name not in splits]
+    if splits and others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise DatasetError(f"--data-dir {root} mixes two layouts: {', '.join(f'{name}/' for name in splits)} beside "
+                           f"the class folder(s) {shown}; keep either {root}/CLASS/IMAGE or {root}/train/CLASS/IMAGE "
+                           f"(with {root}/test/CLASS/IMAGE)")
+    if others:
+        if not held_out:
+            raise DatasetError(f"--data-dir {root} holds its class folders directly ({root}/CLASS/IMAGE, "
+                               f"{len(others)} classes) and no test/ to validate on: add --val-fraction 0.2 to hold "
+                               "out 20% of each class for validation")
+        return {"train": root}, FLAT
+    if not splits:
+        raise DatasetError(f"--data-dir {root} has no class folders (expected {root}/CLASS/IMAGE, or "
+                           f"{root}/train/CLASS/IMAGE and {root}/test/CLASS/IMAGE)")
+    found = {split: split_folder(root, split, needed=split == "train" or not held_out) for split in SPLIT_FOLDERS}
+    return {split: folder for split, folder in found.items() if folder is not None}, SPLIT
+
 
 def split_folder(root, split, needed=True):
     """The folder of ``split``: DIR/train, or DIR/test else DIR/val; None when it is missing and
@@ -76,21 +125,10 @@ def class_files(folder, extensions):
     return images, others
 
 
-def scan(root, needs_test=True):
-    """(classes, {split: (files, labels)}, ignored files): what is in the folder; no "test"
-    split when it has no test/ (or val/) and ``needs_test`` is False. A folder or file that
-    cannot be read is one line naming it."""
-    try:
-        return _scan(Path(root).expanduser(), needs_test)
-    except OSError as err:
-        raise DatasetError(f"cannot read {err.filename or root} ({err.strerror or err})") from None
-
-
-def _scan(root, needs_test):
+def _scan(root, held_out):
     if not root.is_dir():
         raise DatasetError(f"--data-dir {root}: no such folder")
-    folders = {split: split_folder(root, split, needed=split == "train" or needs_test) for split in SPLIT_FOLDERS}
-    folders = {split: folder for split, folder in folders.items() if folder is not None}
+    folders, layout = split_folders(root, held_out)
     classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
     if not classes:
         raise DatasetError(f"{folders['train']} has no class folders (expected {folders['train']}/CLASS/IMAGE)")
@@ -114,24 +152,35 @@ def _scan(root, needs_test):
             raise DatasetError(f"{folder} holds no image files in its class folders")
         splits[split] = (files, np.asarray(labels, dtype=np.int64))
         ignored += strays
-    return tuple(classes), splits, ignored
+    return Scanned(tuple(classes), splits, ignored, layout)
 
 
 # ---------------------------------------------------------------------------------------------
 # Decoding.
 
+class Unreadable(DatasetError):
+    """An image file that cannot be read: ``path`` and ``reason`` (Pillow's, in one line)."""
+
+    def __init__(self, path, err):
+        self.path = path
+        # Pillow repeats the path in some messages ("cannot identify image file 'x.jpg'"): once is enough.
+        text = err.strerror if isinstance(err, OSError) and err.strerror else str(err).replace(f" '{path}'", "")
+        self.reason = " ".join(text.split()) or type(err).__name__
+        super().__init__(f"{path}: not a readable image ({self.reason}); remove or replace it")
+
+
+class Header(NamedTuple):
+    mode: str    # Pillow's: RGB, L, P, CMYK, I;16, ...
+    size: tuple  # (height, width)
+
+
 def header(path):
-    """(mode, (height, width)) from the file's header, without decoding the pixels."""
+    """Header of the file (read without decoding the pixels), or Unreadable."""
     try:
         with Image.open(path) as image:
-            return image.mode, (image.height, image.width)
-    except Exception as err:  # Pillow raises many types for damaged files
-        raise _unreadable(path, err) from None
-
-
-def _unreadable(path, err):
-    reason = " ".join(str(err).split()) or type(err).__name__
-    return DatasetError(f"{path}: not a readable image ({reason}); remove or replace it")
+            return Header(image.mode, (image.height, image.width))
+    except Exception as err:  # Pillow raises many types for damaged files; OSError for a broken link
+        raise Unreadable(path, err) from None
 
 
 def choose_size(sizes):
@@ -140,9 +189,33 @@ def choose_size(sizes):
     return max(counts, key=lambda size: (counts[size], -size[0] * size[1]))
 
 
+class FolderStats(NamedTuple):
+    """The training images' sizes, from their headers: what choosing a size looks at."""
+    common_size: tuple      # (H, W), the most common (choose_size)
+    sizes: int              # how many distinct sizes
+    median_short_side: int  # pixels: whether they are photos (recipe.auto_augment)
+
+
+def folder_stats(sizes):
+    """FolderStats of the (height, width) of each training image."""
+    return FolderStats(choose_size(sizes), len(set(sizes)), int(statistics.median_low(min(s) for s in sizes)))
+
+
+def cover_size(height, width, size):
+    """(h, w) an image of ``height`` x ``width`` is resized to so that it covers ``size`` (H, W)
+    with its aspect ratio kept: the binding side exactly, the other rounded down as
+    torchvision's Resize(int) rounds it (so for a square ``size`` this is Resize(S) itself)."""
+    target_h, target_w = size
+    if target_h * width >= target_w * height:  # target_h / height >= target_w / width: the height binds
+        return target_h, max(target_w, int(target_h * width / height))
+    return max(target_h, int(target_w * height / width)), target_w
+
+
 def decode(path, size, mode):
-    """One image as uint8 (H, W, C): converted to ``mode`` (RGB or L), scaled to cover
-    ``size`` (height, width) and centre-cropped to it (no distortion)."""
+    """One image as uint8 (H, W, C): converted to ``mode`` (RGB or L), resized to cover ``size``
+    (height, width) and centre-cropped to it (no distortion) with torchvision's resize and
+    center_crop on the PIL image: for a square size, v2.Resize(S) then v2.CenterCrop(S).
+    Unreadable when it cannot be read."""
     try:
         with Image.open(path) as image:
             if image.mode == "P" and "transparency" in image.info:
@@ -150,13 +223,14 @@ def decode(path, size, mode):
             if image.mode in WIDE_GRAY_MODES:  # convert() would clip 16-bit values at 255
                 image = Image.fromarray(_to_8_bits(np.asarray(image), image.mode))
             image = image.convert(mode)  # decodes: a truncated file fails here
-            if (image.height, image.width) != size:
-                image = ImageOps.fit(image, (size[1], size[0]), Image.Resampling.BILINEAR)
+            if (image.height, image.width) != tuple(size):
+                image = TF.resize(image, list(cover_size(image.height, image.width, size)))  # bilinear
+                image = TF.center_crop(image, list(size))
             array = np.asarray(image, dtype=np.uint8)
     except MemoryError:  # the node's memory, not the file: engine/image_cache.py says so
         raise
     except Exception as err:
-        raise _unreadable(path, err) from None
+        raise Unreadable(path, err) from None
     return array[:, :, None] if array.ndim == 2 else array
 
 
@@ -172,16 +246,71 @@ def _to_8_bits(pixels, mode):
     return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
 
 
+# ---------------------------------------------------------------------------------------------
+# What was read: classes left without an image, the start-up block's lines.
+
+def check_left(labels, classes, split, skipped):
+    """Once the unreadable images (``skipped``) are left out: every training class still has
+    an image, and a test split has any. Else one line naming the class and an unreadable file."""
+    if split == "train":
+        empty = [name for label, name in enumerate(classes) if not np.any(labels == label)]
+        if empty:
+            example = next((err for err in skipped if empty[0] in Path(err.path).parts), skipped[0])
+            raise DatasetError(f"class {empty[0]} has no readable image ({example.path}: {example.reason}; "
+                               f"{count(len(skipped), 'unreadable image', 'unreadable images')} in all)")
+    elif not len(labels):
+        raise DatasetError(f"none of the {split} images can be read (e.g. {skipped[0].path}: {skipped[0].reason})")
+
+
+def image_notes(headers, size, mode, why, ignored, splits):
+    """The start-up block's lines on the images decoded (``headers``: split -> their
+    image_folder.Header) at ``size`` in ``mode`` (``why``: that size's reason), the files
+    ``ignored`` as not images, and file names that are not UTF-8."""
+    decoded = [h for split_headers in headers.values() for h in split_headers]
+    resized = sum(h.size != size for h in decoded)
+    converted = sum(h.mode != mode for h in decoded)
+    notes = [f"Images: {size[0]}x{size[1]} ({why}; {resized} resized: scaled to cover, centre-cropped), "
+             + ("gray (every image is gray)" if mode == "L" else f"RGB ({converted} converted from other modes)")]
+    if ignored:
+        notes.append(f"Ignored {count(len(ignored), 'file that is not an image', 'files that are not images')}, "
+                     f"e.g. {ignored[0]}")
+    undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
+    if undecodable:
+        notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
+                     "read all the same")
+    return notes
+
+
+def _utf8(path):
+    try:
+        str(path).encode()
+        return True
+    except UnicodeEncodeError:  # bytes of another encoding, kept by Python as surrogates
+        return False
+
+
 def decode_all(files, size, mode, out, workers, log=None):
-    """Decode ``files`` into ``out`` (N, H, W, C), in order. Pillow releases the GIL while it
-    decodes and resizes, so threads use several cores without worker processes. A line at
-    most every PROGRESS_S seconds says how far it is."""
-    last = time.perf_counter()
-    for i, array in enumerate(map_threads(lambda p: decode(p, size, mode), files, workers)):
-        out[i] = array
+    """Decode ``files`` into the first rows of ``out`` (N, H, W, C), in order, leaving out those
+    that cannot be read; returns [(index in ``files``, Unreadable)] of those. Pillow releases
+    the GIL while it decodes and resizes, so threads use several cores without worker
+    processes. A line at most every PROGRESS_S seconds says how far it is."""
+    def attempt(path):
+        try:
+            return decode(path, size, mode)
+        except Unreadable as err:
+            return err
+
+    last, row, failed = time.perf_counter(), 0, []
+    for i, result in enumerate(map_threads(attempt, files, workers)):
+        if isinstance(result, Unreadable):
+            failed.append((i, result))
+        else:
+            out[row] = result
+            row += 1
         if log and time.perf_counter() - last >= PROGRESS_S:
             last = time.perf_counter()
             log(f"  {i + 1} of {len(files)} images decoded")
+    return failed
 
 
 def channel_stats(images, scale=255):

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from engine.disk_space import space_problem
 
@@ -50,18 +51,31 @@ def eta_seconds(epoch_walls, remaining_epochs):
 
 @dataclass
 class RunClock:
-    """This process's wall time (perf_counter seconds), for the epoch lines' elapsed time and ETA."""
-    start: float = field(default_factory=time.perf_counter)
-    epoch_walls: list = field(default_factory=list)  # seconds from one epoch's end to the next's
+    """This process's wall time (seconds of ``now``), for the epoch lines' elapsed time and ETA."""
+    now: Callable = time.perf_counter
+    start: float = None
+    epoch_walls: list = field(default_factory=list)  # seconds per whole epoch, from the training loop's start
     last: float = None
 
-    def epoch_done(self):
-        now = time.perf_counter()
-        self.epoch_walls.append(now - (self.start if self.last is None else self.last))
+    def __post_init__(self):
+        self.start = self.now() if self.start is None else self.start
+
+    def loop_started(self):
+        """The training loop starts now: the first epoch's wall leaves out the start-up before it
+        (the data, the model, a checkpoint read), which is no epoch's pace."""
+        self.last = self.now()
+
+    def epoch_done(self, fraction=1.0):
+        """An epoch ended; this process trained ``fraction`` of it (less in an epoch resumed
+        midway), so its wall scales to a whole one. An epoch of no steps here adds nothing."""
+        now = self.now()
+        wall = now - (self.start if self.last is None else self.last)
+        if fraction > 0:
+            self.epoch_walls.append(wall / fraction)
         self.last = now
 
     def elapsed(self):
-        return time.perf_counter() - self.start
+        return self.now() - self.start
 
 
 class RunLogger:
@@ -197,6 +211,11 @@ def count(n, one, many):
     return f"{n} {one if n == 1 else many}"
 
 
+def flag_value(value):
+    """A flag's value as it is typed on the command line: 64x64 for an image size (H, W)."""
+    return "x".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+
+
 def rank_list(ranks) -> str:
     """[0, 1, 2, 3, 8] -> '[0-3, 8]'; [2, 3] -> '[2, 3]'."""
     ranks, parts, start = sorted(ranks), [], 0
@@ -215,10 +234,12 @@ def processes(ctx, n):
 
 def describe_evaluation(args, ctx, name, precision, channels_last, task):
     """The start-up block of --eval-only: what is evaluated where, no training recipe."""
-    return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} test set "
+    split = "held-out images" if task.data.held_out else "test set"
+    return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} {split} "
             f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
             describe_device(ctx, name, precision, channels_last, False),
             f"Data: {describe_data(task.data, None, task.test_loader)}",
+            *task.data.notes,
             *size_warning(task.data)]
 
 
@@ -295,18 +316,20 @@ def throughput(records):
     return sum(r["train_images"] for r in records) / seconds if seconds else math.nan
 
 
-def accuracy_scope(record, test_size):
-    """'on 320 of 10000 test images' (with why, when it is not all of them)."""
-    seen = record.get("val_samples")
+def accuracy_scope(record, test_size, held_out=False):
+    """'on 320 of 10000 test images' (with why, when it is not all of them); 'held-out images'
+    for --val-fraction's."""
+    seen, images = record.get("val_samples"), "held-out images" if held_out else "test images"
     if seen is None or test_size is None or seen == test_size:
-        return f"on all {seen if seen is not None else '?'} test images"
-    return f"on {seen} of {test_size} test images (--limit-batches)"
+        return f"on all {seen if seen is not None else '?'} {images}"
+    return f"on {seen} of {test_size} {images} (--limit-batches)"
 
 
-def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
+def summarize(records, ctx, test_size=None, wall_s=None, resumed=False, held_out=False):
     """The guide's final summary: accuracy and on how many images, training, evaluation and
     wall time apart, and throughput with the warm-up epoch separated from the steady state.
-    ``resumed``: this process continued a run, so some epochs ran before it."""
+    ``resumed``: this process continued a run, so some epochs ran before it; ``held_out``:
+    validation ran on training images held out (--val-fraction), not a test set."""
     if not records:
         return []
     last = records[-1]
@@ -315,7 +338,7 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False):
     train_s = sum(r["epoch_time_s"] for r in records)
     eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
     lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
-             f"{accuracy_scope(last, test_size)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
+             f"{accuracy_scope(last, test_size, held_out)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
              f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
              f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
              + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading "

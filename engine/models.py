@@ -8,13 +8,14 @@ models) is an RGB network: it gets none, and gray data is refused in one line.
 """
 
 import inspect
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from engine.errors import UserError
 from engine.plugins import call_user_code, load_plugin
-from engine.weights import load_weights
+from engine.weights import MODEL_FILE, MODEL_FILE_NEAR, load_weights
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
 
@@ -97,3 +98,20 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
                         f"(2, {num_classes}) for the data's {num_classes} classes")
 
 
+
+
+def recorded_model(metadata, weights_path, flag="--weights"):
+    """The --model a weights file (or checkpoint) records, as a reference that loads from here:
+    its module:NAME, or its FILE.py:NAME where the file was (absolute), else where it is
+    relative to the weights file as it was then (the folder moved as a whole). None when the
+    file records no model; one line naming --model when the file is in neither place."""
+    key, file = metadata.get("model"), metadata.get(MODEL_FILE)
+    if not key or not file:
+        return key
+    name = key.rpartition(":")[2]
+    near = Path(weights_path).resolve().parent / metadata.get(MODEL_FILE_NEAR, Path(file).name)
+    for candidate in (Path(file), near):
+        if candidate.is_file():
+            return f"{candidate}:{name}"
+    raise UserError(f"{flag} {weights_path} were trained with --model {file}:{name}, which is no longer there (nor at "
+                    f"{near}); pass --model path/to/{Path(file).name}:{name}")

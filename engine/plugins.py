@@ -4,6 +4,7 @@ a traceback of ours: a missing file or name, and an exception raised inside the 
 are each one line, the last naming the line of their file it came from.
 """
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -45,9 +46,10 @@ def load_plugin(ref, flag):
         return getattr(module, name)
     except AttributeError:
         public = sorted(n for n in vars(module) if not n.startswith("_"))
+        close = difflib.get_close_matches(name, public, n=3)
         shown = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
-        raise UserError(f"{flag} {ref}: {getattr(module, '__file__', source)} has no {name} "
-                        f"(it defines: {shown or 'nothing'})") from None
+        hint = (f"did you mean {' or '.join(close)}?" if close else f"it defines: {shown or 'nothing'}")
+        raise UserError(f"{flag} {ref}: {getattr(module, '__file__', source)} has no {name} ({hint})") from None
 
 
 def import_file(path, flag, ref):
@@ -84,6 +86,13 @@ def call_user_code(call, what, ref):
         raise
     except Exception as err:
         raise user_error(err, what, plugin_file(ref)) from None
+
+
+def own_file(ref):
+    """The absolute path of FILE.py in FILE.py:NAME, as a string; None for module:NAME (found
+    by its import name wherever it runs)."""
+    source = ref.rpartition(":")[0]
+    return str(Path(source).expanduser().resolve()) if is_file(source) else None
 
 
 def plugin_file(ref):

@@ -7,6 +7,7 @@ fraction and --seed: the same on every rank, and the same after a resume, which 
 flags (a resume with others is refused).
 """
 
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -52,3 +53,25 @@ def describe_split(split, fraction, seed, classes):
     return (f"Validation: {len(split.val)} of the {len(split.train) + len(split.val)} training images held out "
             f"(--val-fraction {fraction:g} of each of the {classes} classes, chosen by --seed {seed}); training on "
             f"the other {len(split.train)}")
+
+
+def held_out_record(fraction, seed, labels, skipped=()):
+    """What weights files and checkpoints record of --val-fraction ``fraction`` with --seed
+    ``seed`` over training images with ``labels`` (all of them, before the split; ``skipped``:
+    the paths of unreadable ones left out before that): enough to find the same held-out
+    images again (held_out_again), and to tell when the folder has changed since."""
+    labels = np.asarray(labels, dtype=np.int64)
+    return {"fraction": fraction, "seed": seed, "images": len(labels),
+            "labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest(), "skipped": list(skipped)}
+
+
+def held_out_again(labels, record, what):
+    """The indices (ascending) of the images ``record`` (held_out_record) held out, among
+    training images with ``labels``, read again: one line when they are not the images it
+    was made of (``what``: the folder, for the line)."""
+    labels = np.asarray(labels, dtype=np.int64)
+    if len(labels) != record["images"] or hashlib.sha256(labels.tobytes()).hexdigest() != record["labels_sha256"]:
+        raise UserError(f"{what} is not the folder the weights were trained on, or it has changed since ("
+                        f"{len(labels)} training images now, {record['images']} then, or other labels): the images "
+                        "validation held out cannot be found again")
+    return stratified_split(labels, record["fraction"], record["seed"]).val

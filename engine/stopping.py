@@ -7,6 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
+from engine.checkpoints import checkpoint_paths
 from engine.errors import TrainingStopped
 from engine.processes import PendingMax, group_active, launcher_gone, max_over_ranks
 
@@ -61,8 +62,13 @@ class StopRequests:
             # Stopping after a signal: a repeat (Slurm signals every process of the step, and torchrun passes
             # its own on) must not turn exit status 75 into 143 while the process tears down. Leaving with an
             # error: torchrun's SIGTERM, sent as soon as a rank dies, must not cut this rank's line (or the
-            # one naming a lost rank). A handler that does nothing, not SIG_IGN, which children would inherit.
-            repeat_ignored = (self.received or exc_type is not None) and sig != signal.SIGINT
+            # one naming a lost rank). Ctrl-C stays a way out, but for a stop whose checkpoint is written: a
+            # second Ctrl-C then would only turn its status 75 into 130. A handler that does nothing, not
+            # SIG_IGN, which children would inherit.
+            if sig == signal.SIGINT:
+                repeat_ignored = exc_type is not None and issubclass(exc_type, TrainingStopped)
+            else:
+                repeat_ignored = self.received or exc_type is not None
             signal.signal(sig, _repeat_ignored if repeat_ignored else handler)
 
     def _watch_stop_file(self):
@@ -75,10 +81,17 @@ class StopRequests:
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.received == "SIGINT":
             # Ctrl-C twice: the user does not want to wait.
-            raise KeyboardInterrupt("a second Ctrl-C: " + (f"nothing saved since the last checkpoint in "
-                                                           f"{self.checkpoint_dir}" if self.checkpoint_dir
-                                                           else "the model is lost (no --checkpoint-dir)"))
+            raise KeyboardInterrupt(f"a second Ctrl-C: {self.what_is_kept()}")
         self.received = self.received or signal.Signals(signum).name
+
+    def what_is_kept(self):
+        """What a run that quits now leaves behind, for the line that says it quit."""
+        if not self.checkpoint_dir:
+            return "the model is lost (no --checkpoint-dir)"
+        newest = checkpoint_paths(self.checkpoint_dir)
+        if not newest:
+            return f"no checkpoint was written yet (--checkpoint-dir {self.checkpoint_dir})"
+        return f"nothing saved since {newest[0]}"
 
     def _local(self):
         if not self.received and launcher_gone(self.ctx):  # an orphan: nobody would see its output or exit

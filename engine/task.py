@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch.nn as nn
 
+from engine.weights import MODEL_FILE
+
+
 @dataclass(frozen=True)
 class DataInfo:
     """What the engine knows of the data: names and numbers for the log, checkpoints and
@@ -23,16 +26,26 @@ class DataInfo:
     expected_sizes: dict = None  # official images per split, for a warning when a copy differs
     notes: tuple = ()      # how the data was prepared, for the start-up block
     read_sizes: dict = None  # images per split as read, before --val-fraction held any out
-    held_out: bool = False  # the test loader serves training images held out (--val-fraction)
+    split: dict = None     # --val-fraction: which training images the test loader serves (held_out_record)
+    data_dir: str = None   # an image folder's absolute path
+    skipped: tuple = ()    # training images left out as unreadable, paths within data_dir
+
+    @property
+    def held_out(self):
+        """The test loader serves training images held out (--val-fraction)."""
+        return self.split is not None
 
     def weights_metadata(self):
         """What saved weights carry beside the tensors, so an evaluation or predict.py maps labels
-        and prepares images the same way: images are scaled to cover ``stored_size`` (H, W),
-        centre-cropped to it, then to ``image_size``, and normalized with ``mean`` and ``std``."""
+        and prepares images the same way (images are scaled to cover ``stored_size`` (H, W),
+        centre-cropped to it, then to ``image_size``, and normalized with ``mean`` and ``std``),
+        and finds the images validation held out (``split``, ``data_dir``)."""
         height, width, channels = self.prep.image_shape
+        optional = {"split": self.split, "data_dir": self.data_dir}
         return {"dataset": self.key, "classes": list(self.classes), "image_size": [height, width],
                 "stored_size": list(self.prep.stored), "in_channels": channels, "mean": list(self.prep.mean),
-                "std": list(self.prep.std)}
+                "std": list(self.prep.std), "augment": self.prep.augment,
+                **{key: value for key, value in optional.items() if value is not None}}
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,13 @@ class Task:
     loader: str            # device or torchvision, as chosen
     loader_reason: str     # why, for the start-up block
     weights_note: str = ""  # where the initial weights come from, when not --weights or random (--finetune)
+    model_file: str = None  # --model FILE.py:NAME's file, absolute (None for module:NAME)
+
+    def weights_metadata(self):
+        """What weights files and checkpoints record beside the tensors: the model (its key and
+        file) and the data's DataInfo.weights_metadata."""
+        own = {MODEL_FILE: self.model_file} if self.model_file else {}
+        return {"model": self.model_key, **own, **self.data.weights_metadata()}
 
 
 def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None):

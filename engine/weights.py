@@ -18,6 +18,8 @@ from engine.files import atomic_save
 
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 WRITTEN_FROM = "checkpoint_dir"  # in that metadata: the checkpoint folder of the run that wrote it, resolved
+MODEL_FILE = "model_file"  # in that metadata: the absolute path of --model FILE.py:NAME's file
+MODEL_FILE_NEAR = "model_file_near"  # and that path relative to the weights file's folder
 
 
 class SavedWeights(NamedTuple):
@@ -31,7 +33,7 @@ def save_weights(model, path, metadata=None, what="--save-weights"):
     and load_state_dict ignores it, so the file loads strictly into the model as the guide's did."""
     state = model.state_dict()
     if metadata is not None:
-        state._metadata[""] = {**state._metadata.get("", {}), WEIGHTS_METADATA: metadata}
+        state._metadata[""] = {**state._metadata.get("", {}), WEIGHTS_METADATA: with_model_file(metadata, path)}
     atomic_save(state, path, what)
 
 
@@ -111,11 +113,12 @@ def rescue_folders():
     return list(dict.fromkeys(Path(folder) for folder in folders if folder))
 
 
-def read_weights(path, flag="--weights"):
+def read_weights(path, flag="--weights", mmap=False):
     """SavedWeights of a state_dict file or a checkpoint, read without running any pickled
-    code (weights_only). One line, naming ``flag`` and the file, when it is not one."""
+    code (weights_only). One line, naming ``flag`` and the file, when it is not one.
+    ``mmap``: the tensors stay in the file until used (for the metadata alone)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"{flag} {path}: no such file", same_on_every_rank=False) from None
     except IsADirectoryError:
@@ -125,6 +128,8 @@ def read_weights(path, flag="--weights"):
             raise UserError(f"{flag} {path} holds pickled Python objects (a whole model saved with "
                             "torch.save(model)?), not a state_dict; save one with torch.save(model.state_dict(), PATH)",
                             same_on_every_rank=False) from None
+        if mmap:  # a file of the legacy format (before PyTorch 1.6) cannot be memory-mapped: read it whole
+            return read_weights(path, flag)
         raise UserError(f"{flag} {path} is not a readable state_dict ({type(err).__name__})",
                         same_on_every_rank=False) from None
     metadata = {}
@@ -139,11 +144,20 @@ def read_weights(path, flag="--weights"):
     return SavedWeights(_strip_prefixes(state), dict(metadata))
 
 
+def with_model_file(metadata, path):
+    """``metadata`` of a file written to ``path``, with where its --model FILE.py lies relative
+    to that file (MODEL_FILE_NEAR): found again when the folder moves as a whole."""
+    if not metadata.get(MODEL_FILE):
+        return metadata
+    near = os.path.relpath(metadata[MODEL_FILE], Path(path).resolve().parent)
+    return {**metadata, MODEL_FILE_NEAR: near}
+
+
 def load_weights(model, path, model_name=None, expected=None):
     """Load a state_dict file (or the model of a checkpoint) into ``model``. One line when it
     is not one, does not fit ``model``, or was trained on other classes than ``expected``'s."""
     saved = read_weights(path)
-    check_state_fits(model, saved.state, f"--weights {path}", model_name)
+    check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=path)
     classes, wanted = saved.metadata.get("classes"), (expected or {}).get("classes")
     if classes is not None and wanted is not None and list(classes) != list(wanted):
         if len(classes) == len(wanted):
@@ -166,13 +180,24 @@ def _strip_prefixes(state):
     return {clean(key): value for key, value in state.items()}
 
 
-def check_state_fits(model, state, source, model_name=None):
-    """One clear line instead of load_state_dict's multi-line error for another model shape."""
+def check_state_fits(model, state, source, model_name=None, finetune_path=None):
+    """One clear line instead of load_state_dict's multi-line error for another model shape.
+    ``finetune_path``: the file of --weights, named in the line when only the last layers
+    differ in shape (weights for other classes: --finetune starts from them with a new head)."""
     own = model.state_dict()
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     reshaped = [k for k in own.keys() & state.keys() if tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or reshaped:
-        example = sorted(missing or unexpected or reshaped)[0]
-        raise UserError(f"{source} does not fit {model_name or type(model).__name__}: "
-                        f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
-                        f"differently shaped tensors (e.g. {example}): weights of another --model or --dataset?")
+    if not (missing or unexpected or reshaped):
+        return
+    order = list(own)
+    if finetune_path and not missing and not unexpected and min(map(order.index, reshaped)) > max(
+            (order.index(k) for k in own if k not in reshaped), default=-1):
+        first = min(reshaped, key=order.index)
+        raise UserError(f"{source} does not fit {model_name or type(model).__name__}: its last layers have other "
+                        f"shapes ({first} is {tuple(state[first].shape)} there, {tuple(own[first].shape)} here: "
+                        f"weights for other classes); to start from them with a new head for your classes, use "
+                        f"--finetune {finetune_path} instead of --weights")
+    example = sorted(missing or unexpected or reshaped)[0]
+    raise UserError(f"{source} does not fit {model_name or type(model).__name__}: "
+                    f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
+                    f"differently shaped tensors (e.g. {example}): weights of another --model or --dataset?")

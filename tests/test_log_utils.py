@@ -85,6 +85,19 @@ def test_eta_leaves_out_this_processs_first_epoch():
     assert run_log.eta_seconds([30.0, 10.0], 0) == 0.0
 
 
+def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epoch():
+    """A resumed process: 20 s of start-up (the data, a checkpoint read) before the loop, then the
+    second half of an epoch in 4 s: the pace is 8 s per epoch, not 24 s."""
+    ticks = iter([0.0, 20.0, 24.0, 32.0, 33.0])
+    clock = run_log.RunClock(now=lambda: next(ticks))
+    clock.loop_started()
+    clock.epoch_done(0.5)
+    assert clock.epoch_walls == [8.0] and run_log.eta_seconds(clock.epoch_walls, 2) == 16.0
+    clock.epoch_done()
+    assert clock.epoch_walls == [8.0, 8.0] and clock.elapsed() == 33.0
+    assert run_log.RunClock(now=lambda: 5.0).epoch_walls == []
+
+
 def test_epoch_line_starts_with_a_timestamp_and_ends_with_elapsed_and_eta():
     record = {"epoch": 3, "epoch_time_s": 9.8191, "train_loss": 3.12341, "val_loss": 2.6997, "val_accuracy": 0.3386,
               "images_per_sec": 5084.21, "lr": 0.0099, "eval_time_s": 1.04}

@@ -19,7 +19,7 @@ import torch
 from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, start, wait_for,
                       write_image_folder)
 from engine import folder_lock, image_cache, splits, stopping
-from engine.errors import ResourceProblem, UserError
+from engine.errors import ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.log import reconcile_metrics
 from tools import gpu_report, report
@@ -371,3 +371,26 @@ def test_a_repeated_stop_signal_cannot_turn_exit_75_into_143(tmp_path):
     with stopping.StopRequests(Ctx()):
         pass
     assert {sig: signal.getsignal(sig) for sig in stop.SIGNALS} == before  # no stop: the handlers as they were
+
+
+def test_a_second_ctrl_c_names_what_is_kept_and_after_the_stop_checkpoint_changes_nothing(tmp_path):
+    class Ctx:
+        is_main = True
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt, match=f"^a second Ctrl-C: no checkpoint was written yet "
+                                                    f"\\(--checkpoint-dir {tmp_path}\\)$"):
+            with stopping.StopRequests(Ctx(), checkpoint_dir=tmp_path):
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)  # before any checkpoint: quits at once, and says so
+        (tmp_path / "checkpoint_000000008.pt").write_bytes(b"")
+        stop = stopping.StopRequests(Ctx(), checkpoint_dir=tmp_path)
+        assert stop.what_is_kept() == f"nothing saved since {tmp_path / 'checkpoint_000000008.pt'}"
+        with pytest.raises(TrainingStopped):
+            with stop:
+                os.kill(os.getpid(), signal.SIGINT)
+                raise stop.stopped(stopping.STOP_SIGNAL, "after step 8 of epoch 1", tmp_path / "checkpoint_x.pt")
+        os.kill(os.getpid(), signal.SIGINT)  # 0.3 s later, while exiting with status 75: nothing happens
+    finally:
+        signal.signal(signal.SIGINT, before)

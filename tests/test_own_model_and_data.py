@@ -6,9 +6,12 @@ import json
 import os
 import signal
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
 import dataset_utils as du
@@ -170,15 +173,28 @@ def test_gray_folders_stay_gray_and_image_size_resizes(tmp_path):
     assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == (32, 32)  # a tie: the smaller
 
 
-def test_a_corrupt_image_is_one_line_naming_it(tmp_path, capsys):
-    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2)
+def test_unreadable_images_are_left_out_and_named_and_a_class_of_none_is_one_line(tmp_path, capsys):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=6, n_test=2, stray=False)
     jpeg = root / "train" / "class_1" / "image_1.jpg"
-    jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated
-    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "cache",
-                    *SMALL) == 2
+    jpeg.write_bytes(jpeg.read_bytes()[:200])  # truncated: its header reads, its pixels do not
+    (root / "test" / "class_0" / "image_9.png").write_bytes(b"\x89PNG no more")
+    said = []
+    data = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "cache", log=said.append))
+    assert data.train[1].tolist() == [0] * 6 + [1] * 5 and len(data.train[0]) == 11  # rows and labels still paired
+    clean = np.asarray(Image.open(root / "train" / "class_1" / "image_2.png").convert("RGB"))
+    assert np.array_equal(data.train[0][6 + 1], clean)  # the image after the bad one moved up a row
+    assert data.skipped == {"train": ("train/class_1/image_1.jpg",), "test": ("test/class_0/image_9.png",)}
+    assert data.test[1].tolist() == [0, 0, 1, 1] and "Decoded 15 images" in said[-1]
+    warning = [note for note in data.notes if note.startswith(("WARNING: skipped", "  "))]
+    assert warning[0].startswith("WARNING: skipped 2 unreadable images, not trained or validated on")
+    assert warning[1].startswith(f"  {jpeg}: ") and "truncated" in warning[1].lower() and len(warning) == 3
+    for bad in (root / "train" / "class_0").glob("*"):  # no readable image left in a class
+        bad.write_bytes(b"")
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *SMALL) == 2
     [line] = error_lines(capsys.readouterr().err)
-    assert line.startswith(f"error: {jpeg}: not a readable image (") and line.endswith("; remove or replace it")
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-written kept
+    assert line.startswith(f"error: class class_0 has no readable image ({root}/train/class_0/image_0.png: ")
+    assert line.endswith("; 7 unreadable images in all)")
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]  # nothing half-written kept
 
 
 @pytest.mark.parametrize("layout, expected", [
@@ -294,6 +310,9 @@ BAD_MODELS = {
     "missing file": ("", "nothing.py:Net", "error: --model nothing.py:Net: no such file {tmp}/nothing.py"),
     "missing name": ("class Other: pass\n", "my_net.py:Net",
                      "error: --model my_net.py:Net: {tmp}/my_net.py has no Net (it defines: Other)"),
+    "a typo": ("", "torchvision.models:resnet19",
+               "error: --model torchvision.models:resnet19: {torchvision}/models/__init__.py has no resnet19 (did you "
+               "mean resnet18 or "),
     "no module": ("", "nosuchmodule:Net",
                   "error: --model nosuchmodule:Net: no module named nosuchmodule (for a file give its path: "
                   "nosuchmodule.py:Net)"),
@@ -327,7 +346,7 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     assert run_main("train.py", "--synthetic", "--model", ref, "--epochs", "1", *FAST) == 2
     err = capsys.readouterr().err
     [line] = error_lines(err)
-    assert line.startswith(expected.format(tmp=tmp_path)), line
+    assert line.startswith(expected.format(tmp=tmp_path, torchvision=Path(torchvision.__file__).parent)), line
     assert "Traceback" not in err
 
 
@@ -387,22 +406,31 @@ def test_a_job_script_takes_your_model_and_folder_relative_to_the_submit_directo
     assert "Traceback" not in result.stderr
 
 
-def test_the_cache_can_be_built_ahead_and_other_sizes_are_kept(tmp_path, capsys):
+def test_the_cache_can_be_built_ahead_with_trainings_flags_and_other_sizes_are_kept(tmp_path, capsys):
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
+    (root / "test").rename(tmp_path / "elsewhere")  # a train/ alone: --val-fraction, as train.py takes it
     cache = tmp_path / "cache"
-    assert du.main(["--dataset", "folder", "--data-dir", str(root), "--cache-dir", str(cache),
-                    "--image-size", "16"]) == 0
+    data_flags = ("--dataset", "folder", "--data-dir", root, "--cache-dir", cache, "--val-fraction", "0.25",
+                  "--image-size", "16", "--augment", "resized-crop")
+    assert du.main(list(map(str, data_flags))) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[-1].startswith(f"Image folder {root} ready in {cache}/images-") and \
-        out.endswith(": 8 training and 4 test images of 2 classes\n")
-    [built] = (cache).glob("images-*/16x16-*")
-    # train.py at the same size finds it: nothing decoded again.
-    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", cache, "--image-size",
-                    "16x16", "--model", "model:WideResNet", "--epochs", "1", "--batch-size", "4", *FAST) == 0
+    assert out.splitlines()[2].startswith("Images: 18x18 (8/7 of --image-size 16x16 for resized-crop;")  # after
+    # Decoding ... and Decoded ...
+    assert out.splitlines()[-1] == (f"Image folder {root} ready in {next(cache.glob('images-*/18x18-*'))}: 8 "
+                                    "training images (2 of them held out for validation by --val-fraction 0.25) of "
+                                    "2 classes")
+    # train.py with the same flags finds it: nothing decoded again.
+    assert run_main("train.py", *data_flags, "--model", "model:WideResNet", "--epochs", "1", "--batch-size", "2",
+                    *FAST) == 0
     assert "Decoding" not in capsys.readouterr().out
-    # The size chosen from the data is another cache; the one at 16x16 stays.
-    image_cache.prepare_folder(root, cache, log=lambda _: None)
-    assert built.exists() and len(list(cache.glob("images-*/auto-*"))) == 1
+    # The size chosen from the data is another cache; the one at 18x18 stays.
+    image_cache.prepare_folder(root, cache, log=lambda _: None, held_out=True)
+    assert len(list(cache.glob("images-*/18x18-*"))) == 1 and len(list(cache.glob("images-*/auto-*"))) == 1
+    assert du.main(["--dataset", "folder", "--data-dir", str(root)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --data-dir {root}: no {root}/test/ or {root}/val/ (expected {root}/train/CLASS/IMAGE and "
+        f"{root}/test/CLASS/IMAGE, or val/ for test/); to validate on part of {root}/train/ instead, add "
+        "--val-fraction 0.2 (20% of each class held out)"]
 
 
 def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
@@ -415,9 +443,3 @@ def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
     assert data.train[0].shape == (1, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
 
 
-def test_a_broken_link_among_the_images_is_one_line(tmp_path, capsys):
-    root = write_image_folder(tmp_path / "images", classes=2, n_train=2, n_test=1, stray=False)
-    (root / "train" / "class_0" / "gone.png").symlink_to(tmp_path / "nowhere.png")
-    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *SMALL) == 2
-    assert error_lines(capsys.readouterr().err) == [
-        f"error: cannot read {root}/train/class_0/gone.png (No such file or directory)"]

@@ -2,6 +2,8 @@
 photo augmentation (resized-crop, the same in both loaders), fine-tuning an ImageNet-style
 network with a new head, and the checks that keep each of them one line when misused."""
 
+import csv
+import shutil
 import subprocess
 import sys
 
@@ -10,34 +12,78 @@ import pytest
 import torch
 import torchvision
 import torchvision.transforms.functional as TF
+from torchvision.transforms import v2
+from PIL import Image
 
 import dataset_utils as du
 import recipe
 from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
 from engine.errors import UserError
 from engine.finetune import finetune, load_fitting
+from engine.image_cache import read_folder_cache
+from engine.image_folder import cover_size, decode, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
-from engine.splits import stratified_split
+from engine.splits import held_out_again, held_out_record, stratified_split
 from tools.benchmark import TorchvisionResizedCrops
-from tools.demo_data import PHOTO_CLASSES as CLASSES, write_photo_folder
+from tools.demo_data import write_photo_folder
 
 RESNET18 = "torchvision.models:resnet18"
 
 
+# Every pixel position has its own weight (no pooling): an input cropped, scaled or normalized
+# otherwise than validation's changes the outputs, and so the accuracy.
+PIXEL_NET = """
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Conv2d(in_channels, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                    nn.Flatten(), nn.Linear(4 * image_size[0] * image_size[1], num_classes))
+
+    def forward(self, x):
+        return self.layers(x)
+"""
+# Three files of the folder that cannot be read, each in its own way: pixels cut short (the header
+# reads), text named .jpg, a link to nothing.
+BAD_FILES = {"cat/IMG_9001.JPG": "image file is truncated", "dog/notes.jpg": "cannot identify image file",
+             "red panda/gone.png": "No such file or directory"}
+
+
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory):
-    """A photo folder of train/ alone and a 1000-class resnet18 state_dict (ImageNet's shape)."""
+    """A photo folder in the everyday layout (photos/CLASS/IMAGE, 61 readable images of 60x80 to
+    500x333 pixels) with BAD_FILES among them, and a 1000-class resnet18 state_dict (ImageNet's
+    shape)."""
     root = tmp_path_factory.mktemp("photos")
-    write_photo_folder(root / "photos")
+    folder = write_photo_folder(root / "photos")
+    jpeg = next((folder / "cat").glob("*.JPG"))
+    (folder / "cat" / "IMG_9001.JPG").write_bytes(jpeg.read_bytes()[:2000])
+    (folder / "dog" / "notes.jpg").write_text("not a photo\n")
+    (folder / "red panda" / "gone.png").symlink_to(root / "nowhere.png")
     torch.manual_seed(0)
     torch.save(torchvision.models.resnet18().state_dict(), root / "resnet18.pt")
+    (root / "pixel_net.py").write_text(PIXEL_NET)
     return root
 
 
 def photo_args(*extra):
     return ("--dataset", "folder", "--data-dir", "photos", "--cache-dir", "cache", "--val-fraction", "0.2",
             "--batch-size", "16", *extra)
+
+
+@pytest.fixture(scope="module")
+def trained(photos):
+    """(the start-up output, the run's metrics) of 2 epochs of PIXEL_NET, named by its absolute
+    path, at --image-size 32 on the photos: w.pt, ck/, m.jsonl in the photos' folder."""
+    result = run(python_cmd("train.py", *photo_args("--model", f"{photos}/pixel_net.py:Net", "--image-size", "32",
+                                                    "--epochs", "2", "--save-weights", "w.pt", "--checkpoint-dir",
+                                                    "ck", "--metrics-file", "m.jsonl", "--log-interval", "0")),
+                 cwd=photos)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, read_metrics(photos / "m.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,11 +105,34 @@ def test_the_split_is_stratified_disjoint_and_a_function_of_the_seed():
     assert out.stdout.strip() == str(split.val.tolist())
 
 
-def test_a_folder_without_test_split_names_the_flag(photos, capsys, monkeypatch):
+def test_the_held_out_images_are_found_again_only_in_the_same_images():
+    labels = np.repeat(np.arange(3), [20, 21, 20])
+    record = held_out_record(0.2, 7, labels, skipped=["cat/x.jpg"])
+    assert np.array_equal(held_out_again(labels, record, "--held-out photos"), stratified_split(labels, 0.2, 7).val)
+    with pytest.raises(UserError, match=r"^--held-out photos is not the folder the weights were trained on, or it has "
+                                        r"changed since \(62 training images now, 61 then"):
+        held_out_again(np.append(labels, 2), record, "--held-out photos")  # a photo added
+    relabelled = labels.copy()
+    relabelled[[0, 20]] = relabelled[[20, 0]]  # as many, of other classes: a renamed folder
+    with pytest.raises(UserError, match="or other labels"):
+        held_out_again(relabelled, record, "--held-out photos")
+
+
+def test_a_folder_of_class_folders_needs_the_split_and_mixed_layouts_are_one_line(photos, tmp_path, capsys,
+                                                                                   monkeypatch):
     monkeypatch.chdir(photos)
     assert run_main("train.py", "--dataset", "folder", "--data-dir", "photos", "--cache-dir", "cache") == 2
-    (line,) = error_lines(capsys.readouterr().err)
-    assert "no photos/test/ or photos/val/" in line and "add --val-fraction 0.2" in line
+    assert error_lines(capsys.readouterr().err) == [
+        "error: --data-dir photos holds its class folders directly (photos/CLASS/IMAGE, 3 classes) and no test/ to "
+        "validate on: add --val-fraction 0.2 to hold out 20% of each class for validation"]
+    mixed = tmp_path / "mixed"
+    for name in ("train/cat/a.png", "cat/b.png", "dog/c.png"):
+        (mixed / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(mixed / name)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", mixed, "--val-fraction", "0.2") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --data-dir {mixed} mixes two layouts: train/ beside the class folder(s) cat, dog; keep either "
+        f"{mixed}/CLASS/IMAGE or {mixed}/train/CLASS/IMAGE (with {mixed}/test/CLASS/IMAGE)"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +187,7 @@ def test_both_loaders_serve_the_same_resized_crops_and_centre_crops_of_larger_im
 
 
 def test_augment_auto_picks_resized_crop_for_photos_only():
-    assert recipe.auto_augment((65, 200)) == "resized-crop" and recipe.auto_augment((64, 200)) == "flip-crop"
+    assert recipe.auto_augment(65) == "resized-crop" and recipe.auto_augment(64) == "flip-crop"
     assert recipe.stored_size("resized-crop", (224, 224)) == (256, 256)
     assert recipe.training_size("resized-crop", (256, 256)) == (224, 224)
     assert recipe.stored_size("flip-crop", (32, 48)) == (32, 48)
@@ -163,52 +232,169 @@ def test_torchvision_models_get_no_in_channels_and_refuse_gray_data():
 # ---------------------------------------------------------------------------------------------
 # The whole way, as a user goes it.
 
-def test_photos_train_with_the_default_model_and_resume_with_the_same_split(photos):
-    first = run(python_cmd("train.py", *photo_args("--augment", "resized-crop", "--image-size", "40", "--epochs", "1",
-                                                   "--limit-batches", "1", "--checkpoint-dir", "ck",
-                                                   "--metrics-file", "m.jsonl")), cwd=photos)
-    assert first.returncode == 0, first.stderr
-    out = first.stdout
-    assert "Decoding 61 images of 3 classes" in out  # 20 per class and the CMYK print; README.txt, Thumbs.db ignored
+def test_every_unreadable_photo_is_named_in_one_run_and_left_out(photos, trained):
+    out, records = trained
+    assert "Decoding 64 images of 3 classes" in out  # 61 photos, BAD_FILES; README.txt, Thumbs.db ignored
     assert "Ignored 4 files that are not images" in out
-    assert "(3 classes: cat, dog, red panda), 49 training / 12 held-out images" in out
-    split_line = next(line for line in out.splitlines() if line.startswith("Validation: "))
-    assert split_line == ("Validation: 12 of the 61 training images held out (--val-fraction 0.2 of each of the 3 "
-                          "classes, chosen by --seed 0); training on the other 49")
-    assert "Augmentation: resized-crop (resized_crop, flip; stored 46x46, trained on 40x40 crops" in out
-    resumed = run(python_cmd("train.py", *photo_args("--augment", "resized-crop", "--image-size", "40", "--epochs",
-                                                     "2", "--limit-batches", "1", "--checkpoint-dir", "ck",
-                                                     "--metrics-file", "m.jsonl", "--resume")), cwd=photos)
-    assert resumed.returncode == 0, resumed.stderr
-    assert split_line in resumed.stdout and "Decoding" not in resumed.stdout
-    assert [r["val_samples"] for r in read_metrics(photos / "m.jsonl")] == [12, 12]
-    other = run(python_cmd("train.py", *photo_args("--augment", "resized-crop", "--image-size", "40", "--epochs", "3",
-                                                   "--limit-batches", "1", "--checkpoint-dir", "ck", "--resume",
-                                                   "--seed", "1", "--val-fraction", "0.3")), cwd=photos)
-    assert other.returncode == 2 and error_lines(other.stderr) == [
+    warning = out.index("WARNING: skipped 3 unreadable images, not trained or validated on")
+    named = sorted(out[warning:].splitlines()[1:4])
+    for line, (path, why) in zip(named, sorted(BAD_FILES.items())):  # each, with why
+        assert line.startswith(f"  photos/{path}: {why}"), line
+    cache = next(line for line in out.splitlines() if line.startswith("Cache: ")).split()[1]
+    listed = (photos / cache / "unreadable.txt").read_text().splitlines()
+    assert sorted(line.split("\t")[0] for line in listed) == sorted(f"photos/{path}" for path in BAD_FILES)
+    # The 61 readable photos are what the split and training see.
+    assert ("Validation: 12 of the 61 training images held out (--val-fraction 0.2 of each of the 3 classes, chosen "
+            "by --seed 0); training on the other 49") in out
+    assert [r["val_samples"] for r in records] == [12, 12] and [r["train_images"] for r in records] == [48, 48]
+    assert f"Final Accuracy: {records[-1]['val_accuracy']:.4f} on all 12 held-out images" in out
+
+
+def test_augment_auto_looks_at_the_photos_not_at_the_image_size(trained):
+    out, _ = trained
+    assert ("--augment auto: resized-crop, as the images are photos (median shorter side 96 pixels, larger than 64)"
+            in out)  # trained at 32 pixels all the same
+    assert "Images: 37x37 (8/7 of --image-size 32x32 for resized-crop; 61 resized" in out
+    assert "Augmentation: resized-crop (resized_crop, flip; stored 37x37, trained on 32x32 crops" in out
+
+
+def test_held_out_predictions_are_validations_own(photos, trained, tmp_path):
+    """predict.py --held-out classifies exactly the images validation held out, from another
+    folder and without --model (the absolute path of pixel_net.py is in the weights), with
+    training's validation accuracy."""
+    _, records = trained
+    result = run(python_cmd("predict.py", "--weights", photos / "w.pt", "--held-out", photos / "photos", "--output",
+                            "val.csv"), cwd=tmp_path)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    with open(tmp_path / "val.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == records[-1]["val_samples"] == 12
+    assert all(row["label"] == row["path"].split("/")[-2] for row in rows)  # each photo's own class folder
+    accuracy = sum(row["label"] == row["prediction"] for row in rows) / len(rows)
+    assert accuracy == pytest.approx(records[-1]["val_accuracy"], abs=1e-9) and 0 < accuracy < 1
+    assert f"Accuracy: {accuracy:.4f} ({round(accuracy * 12)} of 12) on the 12 images --val-fraction 0.2 (--seed 0) " \
+           f"held out of {photos / 'photos'}" in result.stdout
+    # Exactly those training held out: of the readable photos in the order training read them, its split.
+    files, labels = scan(photos / "photos", held_out=True).splits["train"]
+    readable = [i for i, path in enumerate(files) if str(path.relative_to(photos / "photos")) not in BAD_FILES]
+    cached = read_folder_cache(next((photos / "cache").glob("*/32x32-auto-*"))).train[1]
+    assert np.array_equal(labels[readable], cached)
+    held = stratified_split(cached, 0.2, 0).val
+    assert [row["path"] for row in rows] == [str(files[readable[i]]) for i in held]
+
+
+def test_eval_only_takes_everything_from_the_weights(photos, trained, tmp_path, capsys, monkeypatch):
+    """--eval-only --weights W alone, elsewhere: the model, the folder, the image size, the
+    augment (the stored size), the normalization and the split come from W, and the
+    accuracy is validation's. A flag that contradicts W is one line."""
+    _, records = trained
+    monkeypatch.chdir(tmp_path)
+    assert run_main("train.py", "--eval-only", "--weights", photos / "w.pt", "--cache-dir", photos / "cache",
+                    "--metrics-file", "e.jsonl") == 0
+    out = capsys.readouterr().out
+    assert "Decoding" not in out  # training's cache
+    assert (f"Preprocessing: from --weights {photos / 'w.pt'}: 32x32 input, stored 37x37, trained with --augment "
+            "resized-crop; normalization mean") in out
+    [record] = read_metrics(tmp_path / "e.jsonl")
+    assert (record["val_accuracy"], record["val_samples"]) == (records[-1]["val_accuracy"], 12)
+    assert record["val_loss"] == pytest.approx(records[-1]["val_loss"], abs=1e-6)
+    assert run_main("train.py", "--eval-only", "--weights", photos / "w.pt", "--image-size", "48") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"train.py: error: --image-size 48x48 contradicts --weights {photos / 'w.pt'}, trained with --image-size "
+        "32x32: leave it out, the weights say how their images were prepared (see --help)"]
+
+
+def test_two_processes_evaluate_the_same_held_out_photos(photos, trained):
+    _, records = trained
+    two = run(torchrun_cmd(2, "train_ddp.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache",
+                           "--metrics-file", "eval2.jsonl"), cwd=photos)
+    assert two.returncode == 0, two.stderr
+    [record] = read_metrics(photos / "eval2.jsonl")
+    assert record["world_size"] == 2 and record["val_samples"] == 12  # each held-out photo once
+    assert record["val_accuracy"] == records[-1]["val_accuracy"]
+    assert record["val_loss"] == pytest.approx(records[-1]["val_loss"], abs=1e-6)
+
+
+def test_a_moved_model_file_is_found_beside_the_weights_or_named(photos, trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", sys.path[:])  # predict.py imports pixel_net.py in this process: not for others
+    monkeypatch.setitem(sys.modules, "pixel_net", None)
+    state = torch.load(photos / "w.pt", weights_only=True)
+    task = state._metadata[""]["task"]
+    assert task["model"] == "pixel_net:Net" and task["model_file"] == str(photos / "pixel_net.py")
+    assert task["model_file_near"] == "pixel_net.py"
+    task["model_file"] = "/gone/pixel_net.py"  # the project folder moved, with the weights beside the model
+    torch.save(state, tmp_path / "w.pt")
+    shutil.copy(photos / "pixel_net.py", tmp_path / "pixel_net.py")
+    assert run_main("predict.py", "--weights", tmp_path / "w.pt", photos / "photos" / "cat") == 0
+    assert "Classified 21 images with Net" in capsys.readouterr().err
+    (tmp_path / "pixel_net.py").unlink()
+    assert run_main("predict.py", "--weights", tmp_path / "w.pt", photos / "photos" / "cat") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --weights {tmp_path / 'w.pt'} were trained with --model /gone/pixel_net.py:Net, which is no longer "
+        f"there (nor at {tmp_path / 'pixel_net.py'}); pass --model path/to/pixel_net.py:Net"]
+
+
+def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, trained, tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.chdir(photos)
+    shutil.copytree(photos / "ck", tmp_path / "ck")
+    common = photo_args("--model", "pixel_net.py:Net", "--checkpoint-dir", tmp_path / "ck", "--resume")
+    assert run_main("train.py", *common, "--image-size", "40", "--epochs", "3") == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no start-up block, nothing decoded at 40
+    assert error_lines(captured.err) == [
+        "error: --resume needs the checkpoint's recipe, but it had --image-size 32x32 (now 40x40); rerun with its "
+        "values or start a new --checkpoint-dir"]
+    assert run_main("train.py", *common, "--image-size", "32", "--epochs", "3", "--seed", "1",
+                    "--val-fraction", "0.3") == 2
+    assert error_lines(capsys.readouterr().err) == [
         "error: --resume needs the checkpoint's recipe, but it had --seed 0 (now 1), --val-fraction 0.2 (now 0.3); "
         "rerun with its values or start a new --checkpoint-dir"]
+    resumed = run(python_cmd("train.py", *common, "--image-size", "32", "--epochs", "3", "--metrics-file",
+                             tmp_path / "m.jsonl"), cwd=photos)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Decoding" not in resumed.stdout and "Validation: 12 of the 61 training images held out" in resumed.stdout
+    assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
 
 
-def test_photos_finetune_a_resnet18_under_one_and_two_processes(photos):
+def test_weights_for_other_classes_name_finetune(photos, trained, capsys, monkeypatch):
+    monkeypatch.chdir(photos)
+    assert run_main("train.py", *photo_args("--model", RESNET18, "--weights", "resnet18.pt", "--image-size", "32",
+                                            "--epochs", "1")) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: --weights resnet18.pt does not fit resnet18(num_classes=3) from torchvision.models: its last layers "
+        "have other shapes (fc.weight is (1000, 512) there, (3, 512) here: weights for other classes); to start from "
+        "them with a new head for your classes, use --finetune resnet18.pt instead of --weights"]
+
+
+@pytest.mark.oldest_torch  # torchvision 0.22's resize and crop of PIL images, as README's transform uses them
+def test_decoding_is_torchvisions_resize_and_centre_crop(tmp_path):
+    """What README promises: for a square size, a photo's stored pixels are exactly v2.Resize
+    then v2.CenterCrop; for any size, the image covers it undistorted."""
+    rng = np.random.default_rng(0)
+    for height, width in ((333, 500), (500, 333), (90, 120), (37, 37)):
+        path = tmp_path / f"{height}x{width}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        for size in (37, 64):
+            expected = v2.CenterCrop(size)(v2.Resize(size)(Image.open(path)))
+            assert np.array_equal(decode(path, (size, size), "RGB"), np.asarray(expected))
+        for size in ((48, 64), (64, 48)):
+            covering = cover_size(height, width, size)
+            assert covering[0] >= size[0] and covering[1] >= size[1]  # covers it
+            assert covering[0] == size[0] or covering[1] == size[1]  # and no more than needed
+            assert abs(covering[1] / covering[0] - width / height) < 2 / min(covering)  # the aspect ratio kept
+            assert decode(path, size, "RGB").shape == (*size, 3)
+
+
+def test_photos_finetune_a_resnet18_on_two_processes(photos):
     args = photo_args("--model", RESNET18, "--finetune", "resnet18.pt", "--image-size", "72", "--epochs", "1",
                       "--limit-batches", "2", "--base-lr", "0.05")
-    result = run(python_cmd("train.py", *args, "--save-weights", "r18-photos.pt"), cwd=photos)
-    assert result.returncode == 0, result.stderr
-    assert "--augment auto: resized-crop, for images larger than 64 pixels" in result.stdout
-    assert ("Weights: fine-tuning from resnet18.pt: 120 of 122 tensors loaded; new: fc.weight, fc.bias (1000 -> 3 "
-            "classes)") in result.stdout
-    saved = torch.load(photos / "r18-photos.pt", weights_only=True)
-    assert saved._metadata[""]["task"]["classes"] == list(CLASSES)
-    assert saved._metadata[""]["task"]["stored_size"] == [82, 82] and saved["fc.weight"].shape == (3, 512)
-    # The saved weights load into the model the user named, in plain PyTorch.
-    torchvision.models.resnet18(num_classes=3).load_state_dict(saved)
-
     two = run(torchrun_cmd(2, "train_ddp.py", *args, "--freeze-backbone", "--metrics-file", "two.jsonl"), cwd=photos)
     assert two.returncode == 0, two.stderr
-    assert "--freeze-backbone: only fc.weight, fc.bias train" in two.stdout
+    assert ("Weights: fine-tuning from resnet18.pt: 120 of 122 tensors loaded; new: fc.weight, fc.bias (1000 -> 3 "
+            "classes); --freeze-backbone: only fc.weight, fc.bias train") in two.stdout
     (record,) = read_metrics(photos / "two.jsonl")
-    assert record["world_size"] == 2 and record["val_samples"] == 12  # the same split on both ranks, counted once
+    assert record["world_size"] == 2 and record["val_samples"] == 12
 
 
 def test_a_data_set_of_your_code_without_test_split_is_held_out_from(tmp_path, capsys, monkeypatch):

@@ -81,14 +81,17 @@ def shell_blocks(markdown):
 
 
 def documented_commands():
-    """(page, script, its arguments) of every python or torchrun command in README's and docs/'s
-    shell blocks (continuation lines joined; comments, shell variables and pipes dropped)."""
+    """(page, script, its arguments) of every python, torchrun or tools/torchrun.py command in
+    README's and docs/'s shell blocks (continuation lines joined; comments, shell variables
+    and pipes dropped)."""
     for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for block in shell_blocks(page.read_text()):
             for line in block.replace("\\\n", " ").splitlines():
                 command = line.split(" #")[0].split("&&")[-1].split(" | ")[0]
                 words = command.split()
                 scripts = [i for i, word in enumerate(words) if re.fullmatch(r"(tools/)?\w+\.py", word)]
+                if len(scripts) > 1 and words[scripts[0]] == "tools/torchrun.py":  # torchrun, as the job scripts run it
+                    words[scripts[0]], scripts = "torchrun", scripts[1:]
                 launchers = {word.rpartition("/")[2] for word in words[:scripts[0]]} if scripts else set()
                 if launchers & {"python", "torchrun"}:
                     args = [word.strip("'\"") for word in words[scripts[0] + 1:] if "$" not in word]
@@ -122,23 +125,34 @@ def test_every_documented_command_names_a_script_that_takes_its_flags(capsys, mo
     assert {"train.py", "train_ddp.py", "tools/benchmark.py", "tools/demo_data.py", "check_network.py"} <= seen
 
 
-def test_the_photos_walk_runs_as_written_and_the_weights_load_in_plain_pytorch(tmp_path):
+def test_the_photos_walk_runs_as_written_and_the_weights_classify_in_plain_pytorch(tmp_path):
     """docs/photos.md's commands, in order, on the demo photos with a smaller image size and
-    fewer steps (and random stand-in ImageNet weights: no internet here); then README's five
-    lines load the saved weights in a fresh Python."""
+    fewer steps (and random stand-in ImageNet weights: no internet here); then README's lines
+    load the saved weights in a fresh Python and classify a photo with torchvision's
+    transforms exactly as predict.py did."""
     page = (REPO / "docs" / "photos.md").read_text()
     block = re.search(r"## 3\. Train, predict\n\n```bash\n(.*?)```", page, re.S).group(1)
     commands = [shlex.split(line) for line in block.splitlines()]
-    assert [c[1] for c in commands] == ["tools/demo_data.py", "train.py", "predict.py"]
+    assert [c[1] for c in commands] == ["tools/demo_data.py", "train.py", "predict.py", "predict.py"]
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "resnet18.pt")
-    faster = {"train.py": ["--image-size", "72", "--epochs", "1", "--limit-batches", "2", "--cache-dir", "cache"]}
+    faster = {"train.py": ["--image-size", "72", "--epochs", "1", "--limit-batches", "2", "--cache-dir", "cache",
+                           "--metrics-file", "m.jsonl"]}
+    results = []
     for command in commands:
-        result = run(python_cmd(*command[1:], *faster.get(command[1], [])), cwd=tmp_path)
-        assert result.returncode == 0, f"{command}: {result.stderr}"
-        assert "Traceback" not in result.stderr
+        results.append(run(python_cmd(*command[1:], *faster.get(command[1], [])), cwd=tmp_path))
+        assert results[-1].returncode == 0, f"{command}: {results[-1].stderr}"
+        assert "Traceback" not in results[-1].stderr
     rows = (tmp_path / "predictions.csv").read_text().splitlines()
     assert rows[0] == "path,prediction,probability,top_k" and len(rows) == 1 + 61  # every demo photo
+    held_out = (tmp_path / "held_out.csv").read_text().splitlines()
+    assert held_out[0] == "path,label,prediction,probability,top_k" and len(held_out) == 1 + 12
+    accuracy = read_metrics(tmp_path / "m.jsonl")[-1]["val_accuracy"]
+    assert f"Accuracy: {accuracy:.4f} (" in results[-1].stdout
+
     snippet = re.search(r"```python\n(import torch, torchvision\n.*?)```", README, re.S).group(1)
-    loaded = run([sys.executable, "-c", snippet + "print(sorted(task), model.fc.out_features)"], cwd=tmp_path)
-    assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.split("]")[-1].strip() == "3" and "'classes'" in loaded.stdout
+    classified = run([sys.executable, "-c", snippet], cwd=tmp_path)
+    assert classified.returncode == 0, classified.stderr
+    photo = re.search(r'Image\.open\("(.*?)"\)', snippet).group(1)
+    [row] = [row.split(",") for row in rows if row.startswith(f"{photo},")]
+    name, probability = classified.stdout.strip().rsplit(" ", 1)  # a class name may have spaces
+    assert name == row[1] and abs(float(probability) - float(row[2])) <= 2e-6, (classified.stdout, row)

@@ -403,8 +403,8 @@ class _TinyRun:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
         self.args = tu.parse_args("x", ["--checkpoint-dir", str(directory)])
-        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}, weights_metadata=dict),
-                                    model_key="test:linear")
+        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear",
+                                    weights_metadata=lambda: {"model": "test:linear"})
         self.ctx = DistContext(device=torch.device("cpu"))
 
 

@@ -16,7 +16,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import device_loader, lr_schedule, optimizers, precision, processes
+from engine import device_loader, flags, lr_schedule, optimizers, precision, processes
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -81,7 +81,8 @@ BAD_FLAGS = {
     "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
     "--dataset imagenet": "--dataset: 'imagenet' is not a data set: cifar100, cifar10, fashion-mnist, mnist, folder "
                           "or FILE.py:NAME",
-    "--dataset folder": "--dataset folder needs --data-dir DIR, the folder holding train/CLASS/IMAGE",
+    "--dataset folder": "--dataset folder needs --data-dir DIR, the folder of class folders (DIR/CLASS/IMAGE) or of "
+                        "train/ and test/ holding them",
     "--image-size 64": "--image-size applies to --dataset folder",
     "--cache-dir c": "--cache-dir applies to --dataset folder",
     "--dataset folder --data-dir d --image-size 0": "--image-size: '0' is not a size in pixels",
@@ -116,11 +117,11 @@ def test_bad_flags_are_printed_by_rank_0_only(capsys, monkeypatch):
 
 
 def test_global_batch_must_split_evenly():
-    assert du.per_process_batch(1024, 4) == 256 and du.per_process_batch(256, 1) == 256
+    assert flags.per_process_batch(1024, 4) == 256 and flags.per_process_batch(256, 1) == 256
     with pytest.raises(UserError, match=r"--batch-size 1000 does not split evenly over 3 processes.*999 or 1002"):
-        du.per_process_batch(1000, 3)
+        flags.per_process_batch(1000, 3)
     with pytest.raises(UserError, match=r"e\.g\. 8\)"):
-        du.per_process_batch(3, 8)
+        flags.per_process_batch(3, 8)
 
 
 def test_warmup_then_cosine():
@@ -193,7 +194,13 @@ def test_weights_round_trip_and_wrapped_prefixes(tmp_path):
 def test_weights_that_do_not_fit_are_refused(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(WideResNet(num_classes=10).state_dict(), path)
-    with pytest.raises(UserError, match="does not fit WideResNet.*2 differently shaped tensors .e.g. fc.bias"):
+    with pytest.raises(UserError, match=r"does not fit WideResNet: its last layers have other shapes \(fc.weight is "
+                                        r"\(10, 640\) there, \(100, 640\) here: weights for other classes\); to start "
+                                        rf"from them with a new head for your classes, use --finetune {path} instead"):
+        weights_file.load_weights(WideResNet(num_classes=100), path)
+    torch.save(WideResNet(num_classes=100, in_channels=1).state_dict(), path)  # its first layer differs: no hint
+    with pytest.raises(UserError, match=r"does not fit WideResNet: 0 missing, 0 unexpected and \d+ differently shaped "
+                                        r"tensors \(e.g. [\w.]+\): weights of another --model or --dataset\?$"):
         weights_file.load_weights(WideResNet(num_classes=100), path)
     path.write_bytes(b"not a torch file")
     with pytest.raises(UserError, match="is not a readable state_dict"):

@@ -2,7 +2,7 @@
 (CIFAR-100 and the others cannot always be downloaded; a compute node has no internet):
 
     python tools/demo_data.py --dataset folder my_images    # my_images/train/CLASS/*.png|jpg, my_images/test/...
-    python tools/demo_data.py --dataset photos my_photos    # photos of varied sizes in my_photos/train/ alone
+    python tools/demo_data.py --dataset photos my_photos    # photos of varied sizes in my_photos/CLASS/
     python tools/demo_data.py --dataset cifar100 demo       # demo/cifar-100-python/{train,test,meta}
 
 Each class is a colour plus noise, so a network learns it in a few epochs: a check that
@@ -150,9 +150,9 @@ def write_image_folder(root, classes=4, n_train=32, n_test=8, seed=0, sizes=((32
     return root
 
 
-# A folder of photos as users have them: only train/, JPEGs and PNGs of varied sizes (60x80 to
-# 500x333), some gray, one CMYK, upper-case .JPG endings, a class name with a space, and stray
-# files that are not images.
+# A folder of photos as users have them: one folder per class and nothing else (no train/ or
+# test/), JPEGs and PNGs of varied sizes (60x80 to 500x333), some gray, one CMYK, upper-case .JPG
+# endings, a class name with a space, and stray files that are not images.
 PHOTO_SIZES = ((60, 80), (333, 500), (120, 90), (96, 128), (200, 150))  # (height, width)
 PHOTO_CLASSES = ("cat", "dog", "red panda")
 PHOTO_COLOURS = ((200, 60, 40), (40, 180, 70), (50, 70, 210))
@@ -169,11 +169,11 @@ def photo(rng, label, height, width):
 
 
 def write_photo_folder(root, per_class=20, seed=0, classes=PHOTO_CLASSES):
-    """root/train/CLASS/NAME for ``per_class`` images of each class; returns root."""
+    """root/CLASS/NAME for ``per_class`` images of each class; returns root."""
     rng = np.random.default_rng(seed)
     root = Path(root)
     for label, name in enumerate(classes):
-        folder = root / "train" / name
+        folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             height, width = PHOTO_SIZES[i % len(PHOTO_SIZES)]
@@ -185,8 +185,8 @@ def write_photo_folder(root, per_class=20, seed=0, classes=PHOTO_CLASSES):
             else:
                 image.save(folder / f"img {i}.png")
         (folder / "Thumbs.db").write_bytes(b"\0" * 16)
-    Image.fromarray(photo(rng, 0, 90, 120)).convert("CMYK").save(root / "train" / classes[0] / "print.jpg")
-    (root / "train" / "README.txt").write_text("photos from the field trip\n")
+    Image.fromarray(photo(rng, 0, 90, 120)).convert("CMYK").save(root / classes[0] / "print.jpg")
+    (root / "README.txt").write_text("photos from the field trip\n")
     return root
 
 
@@ -197,7 +197,8 @@ def build_parser():
                                                  "format, or for folder an image folder of 4 classes with PNG and "
                                                  "JPEG, RGB and gray images of two sizes.")
     parser.add_argument("--dataset", choices=(*DATASETS, "folder", "photos"), default="cifar100",
-                        help="which format (photos: an image folder of train/ alone, photos of varied sizes)")
+                        help="which format (folder: DIR/train/CLASS/IMAGE and DIR/test/CLASS/IMAGE; photos: "
+                             "DIR/CLASS/IMAGE, photos of varied sizes)")
     parser.add_argument("directory", metavar="DIR", type=Path,
                         help="where to write it (must not hold that data set already)")
     return parser
@@ -208,15 +209,16 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     root, dataset = args.directory, args.dataset
-    target = root / ("train" if dataset in ("folder", "photos") else DATASETS[dataset].folder)
+    first = {"folder": "train", "photos": PHOTO_CLASSES[0]}  # what a copy there already would have
+    target = root / (first[dataset] if dataset in first else DATASETS[dataset].folder)
     if target.exists():
         print(f"error: {target} exists already; give another folder", file=sys.stderr)
         return 2
     if dataset == "photos":
         write_photo_folder(root)
         print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, JPEG and PNG, "
-              f"60x80 to 500x333 pixels) into {root}/train: train with --dataset folder --data-dir {root} "
-              "--val-fraction 0.2")
+              f"60x80 to 500x333 pixels) into {root}, one folder per class: train with --dataset folder --data-dir "
+              f"{root} --val-fraction 0.2")
     elif dataset == "folder":
         write_image_folder(root, classes=4, n_train=64, n_test=16)
         print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
