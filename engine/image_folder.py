@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
 from engine.data_formats import DatasetError
@@ -211,11 +210,23 @@ def cover_size(height, width, size):
     return max(target_h, int(target_w * height / width)), target_w
 
 
+def resize_and_crop(image, size):
+    """The PIL ``image`` resized to cover ``size`` (H, W) and centre-cropped to it, as
+    torchvision's resize and center_crop do it to a PIL image (Pillow's bilinear resize, the
+    offsets rounded as Python rounds): for a square size exactly v2.Resize(S), v2.CenterCrop(S)
+    (tests/test_photos.py compares them). Pillow itself, not torchvision, which would add 2 s
+    of imports to every process."""
+    height, width = cover_size(image.height, image.width, size)
+    if (height, width) != (image.height, image.width):
+        image = image.resize((width, height), Image.Resampling.BILINEAR)
+    top, left = int(round((height - size[0]) / 2)), int(round((width - size[1]) / 2))
+    return image.crop((left, top, left + size[1], top + size[0]))
+
+
 def decode(path, size, mode):
     """One image as uint8 (H, W, C): converted to ``mode`` (RGB or L), resized to cover ``size``
-    (height, width) and centre-cropped to it (no distortion) with torchvision's resize and
-    center_crop on the PIL image: for a square size, v2.Resize(S) then v2.CenterCrop(S).
-    Unreadable when it cannot be read."""
+    (height, width) and centre-cropped to it (no distortion), as torchvision's Resize and
+    CenterCrop do (resize_and_crop). Unreadable when it cannot be read."""
     try:
         with Image.open(path) as image:
             if image.mode == "P" and "transparency" in image.info:
@@ -224,8 +235,7 @@ def decode(path, size, mode):
                 image = Image.fromarray(_to_8_bits(np.asarray(image), image.mode))
             image = image.convert(mode)  # decodes: a truncated file fails here
             if (image.height, image.width) != tuple(size):
-                image = TF.resize(image, list(cover_size(image.height, image.width, size)))  # bilinear
-                image = TF.center_crop(image, list(size))
+                image = resize_and_crop(image, size)
             array = np.asarray(image, dtype=np.uint8)
     except MemoryError:  # the node's memory, not the file: engine/image_cache.py says so
         raise
