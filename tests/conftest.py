@@ -32,6 +32,8 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 FAST = ("--num-workers", "0")
 # For the machinery around training (checkpoints, stops, resume), not the model: tests/tiny_net.py.
 TINY_MODEL = ("--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net")
+# For a run that must learn in a few steps, in seconds (the Wide ResNet takes minutes on a CPU).
+SMALL_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
 
 
 def pytest_configure(config):
@@ -124,6 +126,24 @@ def wait_for(path, text, process, timeout=120):
         assert process.poll() is None, f"exited before {text!r}:\n" + Path(path).read_text()
         time.sleep(0.1)
     raise AssertionError(f"{text!r} did not appear in {path}")
+
+
+def unavailable(switch, reason):
+    """A test whose tier this machine cannot run: skipped, or failed where the environment
+    variable ``switch`` is "required" (.ci/run sets SLURM_TESTS and MOUNT_TESTS so)."""
+    if os.environ.get(switch) == "required":
+        pytest.fail(f"{switch}=required, but {reason}")
+    pytest.skip(reason)
+
+
+def wait_held(go, process=None, rank=0, timeout=120):
+    """Wait until a run started with HOLD_AT=N:GO (tests/tiny_net.py) is held at its N-th
+    training step: rank ``rank`` wrote GO.held<rank>. Then act on it, and create GO."""
+    marker, deadline = Path(f"{go}.held{rank}"), time.time() + timeout
+    while not marker.exists():
+        assert process is None or process.poll() is None, f"exited before it was held (HOLD_AT ...:{go})"
+        assert time.time() < deadline, f"not held at HOLD_AT ...:{go} after {timeout} s"
+        time.sleep(0.05)
 
 
 def python_cmd(script, *args):

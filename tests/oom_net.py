@@ -1,8 +1,9 @@
 """A small network without BatchNorm or dropout (so micro-batches change nothing but rounding)
-that can run out of memory on purpose: OOM_AT=train:N or eval:N raises at its N-th training or
-evaluation forward in this process (OOM_RANK=R: in global rank R's alone); OOM_KIND=cuda raises
-torch.OutOfMemoryError as CUDA's allocator does, cpu the CPU allocator's RuntimeError
-(--model tests/oom_net.py:Net)."""
+that records the size of the last batch it trained on (the buffer last_batch: what
+--accumulate made of the batch) and can run out of memory on purpose: OOM_AT=train:N or
+eval:N raises at its N-th training or evaluation forward in this process (OOM_RANK=R: in
+global rank R's alone); OOM_KIND=cuda raises torch.OutOfMemoryError as CUDA's allocator
+does, cpu the CPU allocator's RuntimeError (--model tests/oom_net.py:Net)."""
 
 import os
 
@@ -16,9 +17,12 @@ class Net(nn.Module):
         self.layers = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
                                     nn.Flatten(), nn.Linear(128, num_classes))
         self.calls = {"train": 0, "eval": 0}
+        self.register_buffer("last_batch", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x):
         phase = "train" if self.training else "eval"
+        if self.training:
+            self.last_batch.fill_(x.shape[0])
         self.calls[phase] += bool(x.abs().sum() > 0)  # not the two zero images that probe the model at start
         this_rank = os.environ.get("OOM_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0")
         if os.environ.get("OOM_AT") == f"{phase}:{self.calls[phase]}" and this_rank:

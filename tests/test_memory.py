@@ -4,6 +4,7 @@ memory anywhere is one line with what to change and the command that continues."
 
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -29,31 +30,40 @@ def train_args(data, *extra):
             "--epochs", "1", "--precision", "fp32", "--augment", "none", "--label-smoothing", "0", *extra)
 
 
-@pytest.mark.oldest_torch
-def test_accumulated_micro_batches_give_the_weights_of_the_whole_batch(data, tmp_path):
-    runs = {"whole": python_cmd("train.py", *train_args(data, "--save-weights", "whole.pt")),
-            "two micro-batches": python_cmd("train.py", *train_args(data, "--accumulate", "2", "--save-weights",
-                                                                     "micro.pt")),
-            "two processes, two micro-batches each": torchrun_cmd(2, "train_ddp.py", *train_args(
-                data, "--accumulate", "2", "--save-weights", "ddp.pt"))}
-    for what, command in runs.items():
-        result = run(command, cwd=tmp_path)
-        assert result.returncode == 0, f"{what}: {result.stderr}"
+@pytest.fixture(scope="module")
+def accumulated(data, tmp_path_factory):
+    """The folder of four 2-epoch runs of the same recipe, their weights in NAME.pt: whole (one
+    step of 16 images, checkpoints in ck/), micro (two micro-batches of 8), ddp (2 processes,
+    two micro-batches of 4 each), and resumed (the whole run's checkpoint of epoch 1 continued
+    with micro-batches of 4)."""
+    folder = tmp_path_factory.mktemp("accumulate")
+    runs = {"whole": python_cmd("train.py", *train_args(data, "--checkpoint-dir", "ck", "--checkpoint-interval", "0")),
+            "micro": python_cmd("train.py", *train_args(data, "--accumulate", "2")),
+            "ddp": torchrun_cmd(2, "train_ddp.py", *train_args(data, "--accumulate", "2"))}
+    for name, command in runs.items():
+        result = run([*command, "--epochs", "2", "--save-weights", f"{name}.pt"], cwd=folder)
+        assert result.returncode == 0, f"{name}: {result.stderr}"
     assert "Batch Size: 16 (4 per micro-batch x 2 accumulated x 2 CPU processes" in result.stdout
-    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
-    for name in ("micro.pt", "ddp.pt"):
-        other = torch.load(tmp_path / name, weights_only=True)
-        assert all(torch.allclose(whole[k], other[k], atol=1e-5) for k in whole), name
+    checkpoints = sorted((folder / "ck").glob("checkpoint_*.pt"))
+    (folder / "after-epoch-1").mkdir()
+    shutil.copy(checkpoints[0], folder / "after-epoch-1")
+    resumed = run(python_cmd("train.py", *train_args(data, "--checkpoint-dir", "after-epoch-1", "--resume", "--epochs",
+                                                     "2", "--accumulate", "4", "--save-weights", "resumed.pt")),
+                  cwd=folder)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming from after-epoch-1/{checkpoints[0].name}" in resumed.stdout and "Epoch 2/2" in resumed.stdout
+    return folder
 
 
-def test_a_run_resumes_with_another_accumulate(data, tmp_path):
-    first = run(python_cmd("train.py", *train_args(data, "--checkpoint-dir", "ck")), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    second = run(python_cmd("train.py", *train_args(data, "--checkpoint-dir", "ck", "--resume", "--epochs", "2",
-                                                     "--accumulate", "4", "--metrics-file", "m.jsonl")),
-                 cwd=tmp_path)
-    assert second.returncode == 0, second.stderr
-    assert "Resuming from ck/checkpoint_" in second.stdout and "Epoch 2/2" in second.stdout
+@pytest.mark.oldest_torch
+@pytest.mark.parametrize("name, micro_batch", [("micro", 8), ("ddp", 4), ("resumed", 4)])
+def test_accumulated_micro_batches_give_the_weights_of_the_whole_batch(accumulated, name, micro_batch):
+    """Each run trained on its micro-batches (the model saw batches of that size), and ends in
+    the weights of the whole batch's run, within rounding: one process, two processes, and a
+    resume that changed --accumulate."""
+    whole, other = (torch.load(accumulated / f"{run_name}.pt", weights_only=True) for run_name in ("whole", name))
+    assert (int(whole.pop("last_batch")), int(other.pop("last_batch"))) == (16, micro_batch)
+    assert whole.keys() == other.keys() and all(torch.allclose(whole[k], other[k], atol=1e-5) for k in whole), name
 
 
 def test_micro_batches_must_split_the_batch_evenly(data, tmp_path):

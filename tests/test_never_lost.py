@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, start, wait_for,
-                      write_image_folder)
+from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
+                      unavailable, wait_held, write_image_folder)
 from engine import folder_lock, image_cache, splits, stopping
 from engine.errors import ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
@@ -38,7 +38,7 @@ def small_disk(tmp_path):
         folder.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kb}k", "tmpfs", folder],
                           capture_output=True).returncode:
-            pytest.skip("needs mount (root) to make a small file system")
+            unavailable("MOUNT_TESTS", "needs mount (root) to make a small file system")
         mounts.append(folder)
         return folder
 
@@ -277,10 +277,10 @@ def test_a_file_name_that_is_not_utf8_trains(tmp_path):
 def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_path):
     ck = tmp_path / "ck"
     log = tmp_path / "first.log"
-    job = python_cmd("train.py", *RUN, "--epochs", "3", "--limit-batches", "30", "--checkpoint-dir", ck,
-                     "--resume=auto")  # what the job scripts run, twice
-    first = start(job, tmp_path, log)
-    wait_for(log, "Training", first)
+    job = python_cmd("train.py", *RUN, "--checkpoint-dir", ck, "--resume=auto")  # what the job scripts run, twice
+    go = tmp_path / "go"
+    first = start(job, tmp_path, log, env=clean_env(HOLD_AT=f"1:{go}"))  # held in its first step
+    wait_held(go, first)
     second = run(job, cwd=tmp_path)
     assert second.returncode == 1
     line = one_error(second.stderr)
@@ -288,6 +288,7 @@ def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_pat
                            f"{socket.gethostname()}, since ")
     assert "Training" not in second.stdout
     first.send_signal(signal.SIGTERM)
+    go.touch()
     assert first.wait(60) == stopping.EXIT_STOPPED
     resumed = run(job, cwd=tmp_path)
     assert resumed.returncode == 0 and "Resuming from" in resumed.stdout  # the kernel released the lock

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torchvision
 import torchvision.transforms.functional as TF
+from torchvision.ops import roi_align
 from torchvision.transforms import v2
 from PIL import Image
 
@@ -151,6 +152,32 @@ def test_crop_resize_is_torchvisions_resized_crop():
         assert (ours.int() - theirs.int()).abs().max() <= 1  # both round a float; ties may differ
 
 
+def test_crop_resize_of_fractional_boxes_is_torchvisions_roi_align():
+    """Training's boxes are fractional (recipe.resized_crop draws them continuously): each output
+    pixel samples the box bilinearly at its centre, which is torchvision.ops.roi_align with
+    aligned=True and one sample per bin. Boxes that shrink compare whole; boxes that enlarge
+    compare inside their first and last rows and columns, which crop_resize keeps within the
+    box (roi_align samples half a pixel outside it)."""
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (64, 40, 50, 3), dtype=torch.uint8, generator=generator)
+    size = (12, 15)
+    shrink = torch.rand(64, generator=generator, dtype=torch.float64) < 0.5
+    low = torch.where(shrink, torch.tensor(12.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64))
+    height = low + torch.rand(64, generator=generator, dtype=torch.float64) * (40 - low)
+    width = low + 3 + torch.rand(64, generator=generator, dtype=torch.float64) * (50 - low - 3)
+    top = torch.rand(64, generator=generator, dtype=torch.float64) * (40 - height)
+    left = torch.rand(64, generator=generator, dtype=torch.float64) * (50 - width)
+    assert (height.frac() > 0).all() and (top.frac() > 0).all()  # fractional boxes, as training draws them
+    ours = recipe.crop_resize(images, top, left, height, width, size).int()  # (B, h, w, C)
+    boxes = torch.stack([torch.arange(64, dtype=torch.float64), left, top, left + width, top + height], 1).float()
+    theirs = roi_align(images.permute(0, 3, 1, 2).float(), boxes, size, spatial_scale=1.0, sampling_ratio=1,
+                       aligned=True).round().int().permute(0, 2, 3, 1)
+    enlarged = (height < size[0]) | (width < size[1])
+    assert enlarged.any() and (~enlarged).any()
+    assert (ours[~enlarged] - theirs[~enlarged]).abs().max() <= 1  # both round a float; ties may differ
+    assert (ours[enlarged, 1:-1, 1:-1] - theirs[enlarged, 1:-1, 1:-1]).abs().max() <= 1
+
+
 def test_resized_crops_cover_the_scale_and_ratio_range():
     """Each crop's box, recovered from an image whose pixels are their own coordinates, has an
     area of 1/4 to all of the image and an aspect ratio of 3/4 to 4/3 (clamped at the edges)."""
@@ -178,6 +205,7 @@ def test_both_loaders_serve_the_same_resized_crops_and_centre_crops_of_larger_im
         for loader, _ in loaders.values():
             du.set_loader_epoch(loader, epoch)
         served = [list(loader) for loader, _ in loaders.values()]
+        assert len(served[0]) == len(served[1]) == 3  # 24 images, batches of 8
         assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(*served))
         assert served[0][0][0].shape == (8, 3, 32, 32)
     tests = [torch.cat([x for x, _ in test]) for _, test in loaders.values()]
@@ -419,12 +447,18 @@ def test_a_data_set_of_your_code_without_test_split_is_held_out_from(tmp_path, c
 
 
 def test_the_benchmarks_reference_is_torchvisions_random_resized_crop():
-    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
-    images = np.zeros((4, 37, 37, 3), dtype=np.uint8)
-    images[:, :, 18:] = 255  # left half black, right half white
+    """tools/benchmark.py's baseline is torchvision's own RandomResizedCrop of the documented
+    recipe (1/4 to all of the area, aspect 3/4 to 4/3), flip, ToTensor and Normalize: the same
+    tensor as those calls make with the same random numbers."""
+    prep = du.preprocessing((32, 32, 3), (0.5, 0.4, 0.3), (0.25, 0.2, 0.3), "resized-crop", stored_size=(37, 37))
+    images = np.random.default_rng(0).integers(0, 256, (4, 37, 37, 3), dtype=np.uint8)
     reference = TorchvisionResizedCrops(du.InMemoryImages(images, np.arange(4), prep))
-    transform = reference.transform.transforms
-    assert transform[0].scale == recipe.RESIZED_CROP_SCALE and transform[0].size == (32, 32)
-    image, label = reference[2]
-    assert image.shape == (3, 32, 32) and label == 2
-    assert image.min() >= -2.0 and image.max() <= 2.0  # 0 and 255, normalized with mean 0.5 and std 0.25
+    for seed in range(8):
+        torch.manual_seed(seed)
+        image, label = reference[2]
+        torch.manual_seed(seed)
+        pil = Image.fromarray(images[2])
+        top, left, height, width = torchvision.transforms.RandomResizedCrop.get_params(pil, (0.25, 1.0), (3 / 4, 4 / 3))
+        expected = TF.resized_crop(pil, top, left, height, width, [32, 32])
+        expected = TF.hflip(expected) if torch.rand(1) < 0.5 else expected
+        assert label == 2 and torch.equal(image, TF.normalize(TF.to_tensor(expected), prep.mean, prep.std))

@@ -105,8 +105,8 @@ def test_predictions_agree_with_the_accuracy_training_reported(trained):
     assert "images/s" in summary
     assert "Skipped 0 unreadable images; ignored 1 file that is not an image" in summary  # notes.txt
     predicted = next(line for line in summary.splitlines() if line.startswith("Predicted (images per class): "))
-    for name in {row["prediction"] for row in rows}:
-        assert f"{name} {sum(row['prediction'] == name for row in rows)}" in predicted
+    counted = dict(pair.rsplit(" ", 1) for pair in predicted.split(": ", 1)[1].split(", "))
+    assert counted == {name: str(n) for name, n in Counter(row["prediction"] for row in rows).items()}
     assert "Predictions written to preds.csv" in summary
 
     # Other batch sizes (a last batch of 4, and the next batch decoded ahead) give the same rows, to stdout.

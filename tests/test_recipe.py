@@ -16,7 +16,7 @@ import torch
 
 import dataset_utils as du
 import recipe
-from conftest import REPO, TINY_MODEL, error_lines, read_metrics, run, start, torchrun_cmd, wait_for
+from conftest import REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd, wait_held
 from test_resilience import _rank_pid
 from train_utils import parse_args
 
@@ -71,13 +71,17 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
 
-    process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log")
-    wait_for(stopped / "log", "Epoch 1/3:", process)
+    go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
+    process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
+    rank = 0 if launcher is single else 1
+    wait_held(go, process, rank)
     os.kill(process.pid if launcher is single else _rank_pid(process.pid, 1), signal.SIGUSR1)  # DDP: rank 1 only
+    go.touch()
     process.wait(timeout=120)
     log = (stopped / "log").read_text()
     resumed = run(launcher(*RUN, *outputs[1], "--resume"), cwd=stopped)
-    assert re.search(r"Stopped after step \d of epoch [23] \((SIGUSR1|a signal to another rank)\)", log), log
+    step = 2 if launcher is single else 3  # DDP: the ranks agree during the next step
+    assert re.search(rf"Stopped after step {step} of epoch 2 \((SIGUSR1|a signal to another rank)\)", log), log
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming from" in resumed.stdout and f"Recipe: {names[optimizer]} (" in resumed.stdout
     a, b = (torch.load(folder / "w.pt", weights_only=True) for folder in (reference, stopped))
@@ -111,8 +115,9 @@ def test_an_augmentation_added_to_recipe_py_is_served_alike_by_both_loaders(proj
     data = du.InMemoryImages(images, np.arange(16), prep)
     device, torchvision = (du.build_loaders(data, data, 8, loader=kind, seed=5)[0]
                            for kind in ("device", "torchvision"))
-    batches = [(x, y) for x, y in device]
-    assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(batches, torchvision))
+    batches, reference = list(device), list(torchvision)
+    assert len(batches) == len(reference) == 2  # 16 images, batches of 8
+    assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(batches, reference))
     pixels = torch.cat([x for x, _ in batches]) * 0.25 + 0.5  # back to 0..1
     assert ((pixels == 0).all(dim=1).flatten(1).sum(dim=1) >= 8 * 8).all()  # each image has its hole (or more)
 

@@ -8,6 +8,7 @@ with the reason, except where SLURM_TESTS=required (.ci/run), where that is a fa
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, clean_env, host_libraries, read_metrics
+from conftest import REPO, TINY_MODEL, clean_env, host_libraries, read_metrics, unavailable, wait_held
 
 CLUSTER_SCRIPT = REPO / "tests" / "slurm_cluster.sh"
 STUBS = REPO / "tests" / "stubs"
 # 3 epochs of 40 steps of the tiny network (50 ms a forward): epoch 2 lasts seconds, long
 # enough for the signal to land in it, without the CPU time of the 17 M-parameter model.
-TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "40", "--num-workers", "0",
+STEPS_PER_EPOCH = 40
+TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", str(STEPS_PER_EPOCH), "--num-workers", "0",
               "--metrics-file", "metrics.jsonl", *TINY_MODEL)
 
 
@@ -54,11 +56,6 @@ def why_slurm_cannot_start():
         return f"the real-Slurm tests need {', '.join(missing)} (apt-get install slurm-wlm munge)"
     return None
 
-
-def unavailable(reason):
-    if os.environ.get("SLURM_TESTS") == "required":
-        pytest.fail(f"SLURM_TESTS=required, but {reason}")
-    pytest.skip(reason)
 
 
 @dataclass
@@ -94,14 +91,14 @@ class Cluster:
 def cluster(tmp_path_factory):
     reason = why_slurm_cannot_start()
     if reason:
-        unavailable(reason)
+        unavailable("SLURM_TESTS", reason)
     directory = tmp_path_factory.mktemp("slurm")
     env = clean_env(SLURM_TEST_PORT=free_ports(3))
     started = subprocess.run(["bash", CLUSTER_SCRIPT, "start", directory], env=env, capture_output=True, text=True,
                              timeout=120)
     try:
         if started.returncode != 0:
-            unavailable(f"Slurm did not start: {(started.stderr.strip().splitlines() or ['?'])[-1]}")
+            unavailable("SLURM_TESTS", f"Slurm did not start: {(started.stderr.strip().splitlines() or ['?'])[-1]}")
         yield Cluster(directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")})
     finally:
         env_conf = {**env, "SLURM_CONF": str(directory / "slurm.conf")}
@@ -135,29 +132,32 @@ def sbatch(cluster, tmp_path, env, script, *args):
     return result.stdout.strip().split(";")[0]
 
 
-def wait_for_text(path, text, timeout=180):
+def wait_for_path(path, timeout=60):
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists() and text in path.read_text():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n" + (path.read_text() if path.exists() else ""))
+    while not path.exists():
+        assert time.time() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.05)
 
 
 def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
-    """Submit ``script``; once epoch 1 is done, deliver the time-limit warning as Slurm does
-    (USR1 to the batch shell); the job checkpoints, requeues itself (same ID, restart 1),
-    resumes and completes. Returns the .out text."""
-    job_id = sbatch(cluster, tmp_path, env, script, *TRAIN_ARGS)
+    """Submit ``script``; while its training is held at the first step of epoch 2, deliver the
+    time-limit warning as Slurm does (USR1 to the batch shell) and let training go on once the
+    script has asked it to stop (its stop file); the job checkpoints, requeues itself (same
+    ID, restart 1), resumes and completes. Returns the .out text."""
+    go = tmp_path / "go"
+    job_id = sbatch(cluster, tmp_path, {**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"}, script, *TRAIN_ARGS)
     out, err = tmp_path / f"{prefix}_{job_id}.out", tmp_path / f"{prefix}_{job_id}.err"
-    wait_for_text(out, "Epoch 1/3:")
+    wait_held(go, timeout=240)
     cluster.command("scancel", "--signal=USR1", "--batch", job_id)
+    wait_for_path(tmp_path / f".{prefix}_{job_id}.stop")
+    go.touch()  # the rest of epoch 2 and epoch 3 are left: the stop comes before the end
     assert cluster.wait_until_done(job_id) == "COMPLETED", out.read_text() + err.read_text()
     text, errors = out.read_text(), err.read_text()
     assert cluster.job_field(job_id, "Restarts") == "1"
     [stop_line] = [line for line in text.splitlines() if line.startswith("Stopped ")]
     checkpoint_dir = f"checkpoints/{prefix}_{job_id}"
-    assert " of epoch 2 (--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
+    assert re.search(r" of epoch [23] \(--stop-file ", stop_line) and f"checkpoint {checkpoint_dir}/checkpoint_" in (
+        stop_line)
     assert f"Requeueing job {job_id} before its time limit: it continues from {checkpoint_dir}" in text
     assert text.count("Training Net(") == 2  # both runs' output, appended to one file
     assert f"Resuming from {checkpoint_dir}/checkpoint_" in text and "Training complete." in text

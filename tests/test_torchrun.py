@@ -1,14 +1,17 @@
 """tools/torchrun.py, the launcher the job scripts run: PyTorch's torchrun, ending in the ranks'
 own lines and the failed rank's exit status, not in torchrun's ChildFailedError traceback."""
 
+import signal
+import socket
 import sys
+import time
 
 import pytest
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
-from conftest import REPO, run
+from conftest import REPO, error_lines, run, start
 from tools import torchrun as launcher
 
 pytestmark = pytest.mark.oldest_torch  # torchrun's exceptions and their fields differ between versions
@@ -34,6 +37,63 @@ def test_a_rank_killed_by_a_signal_is_128_plus_the_signal(tmp_path):
     result = launch(tmp_path, script)
     assert result.returncode == 128 + 9 and "Traceback" not in result.stderr, result.stderr
     assert launcher.exit_status(-15) == 143 and launcher.exit_status(3) == 3
+
+
+def test_a_signal_to_the_launcher_reaches_every_rank_and_its_status_is_128_plus_it(tmp_path):
+    """scancel or Ctrl-C reaching the launcher while the ranks run (torchrun's SignalException):
+    each rank gets it and says so, and the launcher exits 128 + 15, without a traceback."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "def stop(signum, frame):\n"
+                      "    print(f'rank {os.environ[\"RANK\"]} stopped by {signal.Signals(signum).name}', flush=True)\n"
+                      "    sys.exit(75)\n"
+                      "signal.signal(signal.SIGTERM, stop)\n"
+                      "open(f'started{os.environ[\"RANK\"]}', 'w').close()\n"
+                      "time.sleep(120)\n")
+    process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
+                    tmp_path, tmp_path / "log")
+    deadline = time.time() + 60
+    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):  # both ranks run
+        assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    log = (tmp_path / "log").read_text()
+    assert "rank 0 stopped by SIGTERM" in log and "rank 1 stopped by SIGTERM" in log
+    assert "Traceback" not in log and "SignalException" not in log
+
+
+def test_a_rendezvous_that_cannot_be_reached_or_completed_is_one_line(tmp_path):
+    """torchrun's own exceptions of this PyTorch, not ones the test builds: a store nobody
+    listens on (connection refused until read_timeout), and a rendezvous the second node never
+    joins (join_timeout)."""
+    port, other = free_port(), free_port()
+    refused = launch_multinode(tmp_path, f"127.0.0.1:{port}", "is_host=0,read_timeout=3")
+    [line] = error_lines(refused.stderr)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert line.startswith("error: torchrun on ") and f"could not join the rendezvous at 127.0.0.1:{port} (c10d): " in (
+        line) and line.endswith("check that the head node is reachable from here and its port free (RDZV_HOST and "
+                                "RDZV_PORT in multinode_job.sh)")
+    alone = launch_multinode(tmp_path, f"127.0.0.1:{other}", "join_timeout=3")
+    [line] = error_lines(alone.stderr)
+    assert alone.returncode == 1 and "Traceback" not in alone.stderr, alone.stderr
+    assert f"not every node joined the rendezvous at 127.0.0.1:{other} (c10d) in time (RendezvousTimeoutError: " in (
+        line)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_multinode(tmp_path, endpoint, rdzv_conf):
+    """tools/torchrun.py as the first of 2 nodes, with a rendezvous at ``endpoint``."""
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the rendezvous completed')\n")
+    return run([sys.executable, REPO / "tools" / "torchrun.py", "--nnodes=2", "--nproc_per_node=1",
+                "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_conf={rdzv_conf}", script],
+               cwd=tmp_path, timeout=120)
 
 
 def test_a_finished_run_is_status_0(tmp_path):

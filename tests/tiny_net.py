@@ -1,8 +1,14 @@
 """A network for tests of the machinery around training (checkpoints, stops, resume): small,
 with BatchNorm and dropout like the real one, and a forward that sleeps 50 ms, so that an
 epoch lasts long enough to be interrupted in without spending CPU time (--model
-tests/tiny_net.py:Net)."""
+tests/tiny_net.py:Net).
 
+HOLD_AT=N:PATH holds each process at its N-th training forward until the file PATH exists,
+having written PATH.held<RANK>: a test then acts on a run that is surely still running (a
+signal, a second run on its folder) and creates PATH to let it go on. A run that finds PATH
+there already (resumed, requeued) is not held."""
+
+import os
 import time
 
 import torch.nn as nn
@@ -15,7 +21,21 @@ class Net(nn.Module):
         super().__init__()
         self.layers = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                     nn.Dropout(0.1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+        self.forwards = 0  # in training, in this process
 
     def forward(self, x):
+        if self.training:
+            self.forwards += 1
+            hold(self.forwards)
         time.sleep(FORWARD_S)
         return self.layers(x)
+
+
+def hold(forwards):
+    """Wait, at the HOLD_AT'th training forward, until its file exists (see the module's text)."""
+    at, _, path = os.environ.get("HOLD_AT", "").partition(":")
+    if not at or int(at) != forwards or os.path.exists(path):
+        return
+    open(f"{path}.held{os.environ.get('RANK', '0')}", "w").close()
+    while not os.path.exists(path):  # a signal's handler runs meanwhile: it only sets a flag
+        time.sleep(0.01)
