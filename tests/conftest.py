@@ -36,10 +36,28 @@ TINY_MODEL = ("--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net")
 SMALL_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
 
 
+# Under `pytest -n 2 --dist loadgroup` (pytest-xdist: README's command) each of these files runs
+# whole in one worker: what its tests share would otherwise be built twice or collide.
+ONE_WORKER = {
+    "test_slurm.py": "one Slurm cluster for the module",
+    "test_job_scripts.py": "one job ID, and the rendezvous port derived from it",
+    "test_memory.py": "the accumulate runs, trained once", "test_photos.py": "the photo runs, trained once",
+    "test_predict.py": "the trained project", "test_recipe.py": "the project copy and its reference runs",
+    "test_report.py": "the metrics of two runs", "test_resilience.py": "the uninterrupted reference run",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "oldest_torch: guards what differs between PyTorch versions (gloo, "
                             "torchrun, DDP, the process group's store, TF32 switches, library variables); .ci/run "
                             "runs these again under the oldest PyTorch users run (2.7.1)")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs in one worker")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture
@@ -146,6 +164,15 @@ def wait_held(go, process=None, rank=0, timeout=120):
         time.sleep(0.05)
 
 
+def wait_for_path(path, process=None, timeout=60):
+    """Wait until ``path`` exists (a stop file a job script's signal handler writes, say)."""
+    deadline = time.time() + timeout
+    while not Path(path).exists():
+        assert process is None or process.poll() is None, f"exited before {path} appeared"
+        assert time.time() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.05)
+
+
 def python_cmd(script, *args):
     return [sys.executable, REPO / script, *args]
 
@@ -177,8 +204,9 @@ def read_metrics(path):
 
 
 def error_lines(text):
-    """Our one-line errors: 'error: ...', 'train.py: error: ...' or '[rank 1] error: ...'."""
-    return [line for line in text.splitlines() if re.match(r"^(\[rank \d+\] |[\w.]+: )?error: ", line)]
+    """Our one-line errors: 'error: ...', 'train.py: error: ...' (argparse's program name: '-c' in
+    a pytest-xdist worker) or '[rank 1] error: ...'."""
+    return [line for line in text.splitlines() if re.match(r"^(\[rank \d+\] |[\w.-]+: )?error: ", line)]
 
 
 def host_libraries(root):

@@ -15,7 +15,7 @@ import pytest
 
 from engine import monitor
 from tools import gpu_report
-from conftest import REPO, error_lines, run_main
+from conftest import REPO, SMALL_MODEL, error_lines, run_main
 
 REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "precision", "loader"}
 
@@ -23,7 +23,7 @@ REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "prec
 def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, capsys):
     rows_path = tmp_path / "rows.json"
     assert run_main("tools/benchmark.py", "--quick", "--data-dir", tmp_path / "no-data", "--json", rows_path,
-                    "--profile", "1") == 0
+                    "--profile", "1", *SMALL_MODEL) == 0  # a small convolutional network: the rows, not figures
     out = capsys.readouterr().out
     profile = out[out.index("== torch.profiler: 1 training steps of the project recipe, by CPU time"):]
     assert "aten::convolution_backward" in profile and "Self CPU time total" in profile

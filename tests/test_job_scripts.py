@@ -7,16 +7,21 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, host_libraries, read_metrics, run, start, wait_for
+from engine.stopping import STOP_FILE_POLL_S
+from conftest import (REPO, TINY_MODEL, clean_env, host_libraries, read_metrics, run, start, wait_for, wait_for_path,
+                      wait_held)
 
 STUBS = REPO / "tests" / "stubs"
 JOB_SCRIPTS = ("singlegpu_job.sh", "multigpu_job.sh", "multinode_job.sh")
-TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", "2", "--num-workers", "0",
-              "--metrics-file", "metrics.jsonl")
+# The scripts, not the model: tests/tiny_net.py (50 ms a step).
+STEPS_PER_EPOCH = 4
+TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", str(STEPS_PER_EPOCH), "--num-workers", "0",
+              "--metrics-file", "metrics.jsonl", *TINY_MODEL)
 SMALL_CHECK = "--max-size 64K --iters 2 --warmup-iters 1"  # NETWORK_CHECK_ARGS: 7 sizes, about a second
 
 
@@ -71,18 +76,24 @@ def run_job(script, tmp_path, env, *args):
 
 def stopped_requeued_and_resumed(script, tmp_path, env, *extra_args, checkpoint_dir=None):
     """The life of a job that meets its time limit: Slurm's USR1 warning arrives during
-    epoch 2, training checkpoints and stops, the script requeues the job; the requeued job
+    epoch 2 (training is held at its first step until the signal is sent: HOLD_AT), training
+    checkpoints and stops, the script requeues the job; the requeued job
     (SLURM_RESTART_COUNT=1) resumes by itself from the folder training used and finishes.
     Neither run prints a traceback. Returns both runs' output and the metrics."""
     checkpoint_dir = checkpoint_dir or f"checkpoints/{script.removesuffix('_job.sh')}_{JOB_ID}"
     args = (*TRAIN_ARGS, *extra_args)
-    job = start(["bash", REPO / script, *args], tmp_path, tmp_path / "first.log", env=env)
-    wait_for(tmp_path / "first.log", "Epoch 1/3:", job)
+    go = tmp_path / "go"
+    job = start(["bash", REPO / script, *args], tmp_path, tmp_path / "first.log",
+                env={**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"})
+    wait_held(go, job)  # at step 1 of epoch 2
     job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 does
+    wait_for_path(tmp_path / f".{script.removesuffix('_job.sh')}_{JOB_ID}.stop", job)  # the script's handler
+    time.sleep(STOP_FILE_POLL_S * 1.5)  # still held: training's watcher thread sees the file meanwhile
+    go.touch()
     assert job.wait(timeout=120) == 0
     first = (tmp_path / "first.log").read_text()
     [stop_line] = [line for line in first.splitlines() if line.startswith("Stopped ")]
-    assert "(--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
+    assert " of epoch 2 (--stop-file " in stop_line and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line
     assert f"Requeueing job {JOB_ID} before its time limit: it continues from {checkpoint_dir}" in first
     # The whole log on failure: the one failure seen (a c10d DistNetworkError at shutdown of the
     # 2-node run, under heavy CPU load) was cut short by pytest's diff.
@@ -148,7 +159,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
         rows = [line.split() for line in run_output.splitlines() if re.match(r"^ +\d+ +\d+ KiB ", line)]
         assert [row[0] for row in rows] == [str(1024 * 2**k) for k in range(7)] and {row[-1] for row in rows} == {"0"}
         verdict = run_output.index("Network check passed: 7 sizes x (1+2) all-reduces exact; busbw at 64 KiB: ")
-        assert verdict < run_output.index("Training WideResNet")
+        assert verdict < re.search(r" Training .+ M parameters, on ", run_output).start()  # the start-up block
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in second
     assert all(r["world_size"] == 2 for r in records)
     log = (tmp_path / "stub.log").read_text()

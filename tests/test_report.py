@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from tools import report
-from conftest import FAST, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
+from conftest import FAST, SMALL_MODEL, python_cmd, read_metrics, run, torchrun_cmd, write_cifar100
 
 # 2 epochs of 2 steps, 4 images per process: the same per-process batch at 1 and 2 processes.
-COMMON = ("--epochs", "2", "--limit-batches", "2", "--warmup-epochs", "1", *FAST)
+COMMON = ("--epochs", "2", "--limit-batches", "2", "--warmup-epochs", "1", *FAST, *SMALL_MODEL)
 
 
 @pytest.fixture(scope="module")

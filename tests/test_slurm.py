@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_MODEL, clean_env, host_libraries, read_metrics, unavailable, wait_held
+from engine.stopping import STOP_FILE_POLL_S
+from conftest import (REPO, TINY_MODEL, clean_env, host_libraries, read_metrics, unavailable, wait_for_path,
+                      wait_held)
 
 CLUSTER_SCRIPT = REPO / "tests" / "slurm_cluster.sh"
 STUBS = REPO / "tests" / "stubs"
-# 3 epochs of 40 steps of the tiny network (50 ms a forward): epoch 2 lasts seconds, long
-# enough for the signal to land in it, without the CPU time of the 17 M-parameter model.
-STEPS_PER_EPOCH = 40
+# 3 epochs of 4 steps of the tiny network (50 ms a forward), without the CPU time of the
+# 17 M-parameter model; training is held in epoch 2 while the signal lands (HOLD_AT).
+STEPS_PER_EPOCH = 4
 TRAIN_ARGS = ("--synthetic", "--epochs", "3", "--limit-batches", str(STEPS_PER_EPOCH), "--num-workers", "0",
               "--metrics-file", "metrics.jsonl", *TINY_MODEL)
 
@@ -132,13 +134,6 @@ def sbatch(cluster, tmp_path, env, script, *args):
     return result.stdout.strip().split(";")[0]
 
 
-def wait_for_path(path, timeout=60):
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert time.time() < deadline, f"{path} did not appear in {timeout} s"
-        time.sleep(0.05)
-
-
 def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
     """Submit ``script``; while its training is held at the first step of epoch 2, deliver the
     time-limit warning as Slurm does (USR1 to the batch shell) and let training go on once the
@@ -150,13 +145,14 @@ def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
     wait_held(go, timeout=240)
     cluster.command("scancel", "--signal=USR1", "--batch", job_id)
     wait_for_path(tmp_path / f".{prefix}_{job_id}.stop")
-    go.touch()  # the rest of epoch 2 and epoch 3 are left: the stop comes before the end
+    time.sleep(STOP_FILE_POLL_S * 1.5)  # still held: training's watcher thread sees the file meanwhile
+    go.touch()
     assert cluster.wait_until_done(job_id) == "COMPLETED", out.read_text() + err.read_text()
     text, errors = out.read_text(), err.read_text()
     assert cluster.job_field(job_id, "Restarts") == "1"
     [stop_line] = [line for line in text.splitlines() if line.startswith("Stopped ")]
     checkpoint_dir = f"checkpoints/{prefix}_{job_id}"
-    assert re.search(r" of epoch [23] \(--stop-file ", stop_line) and f"checkpoint {checkpoint_dir}/checkpoint_" in (
+    assert re.search(r" of epoch 2 \(--stop-file ", stop_line) and f"checkpoint {checkpoint_dir}/checkpoint_" in (
         stop_line)
     assert f"Requeueing job {job_id} before its time limit: it continues from {checkpoint_dir}" in text
     assert text.count("Training Net(") == 2  # both runs' output, appended to one file
