@@ -26,7 +26,8 @@ def test_quick_benchmark_measures_both_recipes_and_writes_the_rows(tmp_path, cap
                     "--profile", "1", *SMALL_MODEL) == 0  # a small convolutional network: the rows, not figures
     out = capsys.readouterr().out
     profile = out[out.index("== torch.profiler: 1 training steps of the project recipe, by CPU time"):]
-    assert "aten::convolution_backward" in profile and "Self CPU time total" in profile
+    # The table's top rows, by CPU time: which operators lead varies from run to run for a small network.
+    assert len(re.findall(r"^ *aten::\w+ ", profile, re.M)) >= 5 and "Self CPU time total" in profile
     rows = json.loads(rows_path.read_text())
     assert all(REQUIRED <= row.keys() for row in rows)
     found = {(row["recipe"], row["measure"], row["loader"]): row for row in rows}
