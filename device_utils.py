@@ -19,6 +19,7 @@ import torch.distributed as dist
 from engine.errors import RunAborted, UserError, first_line
 from engine.interfaces import DOCS, NetworkSetupError, check_interfaces
 from engine.log import count
+from engine.nccl_log import refused_network
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
 from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, env_int,
                               group_active, launcher_pid)
@@ -145,9 +146,10 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
         # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
         control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
     except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError, gloo's and NCCL's own
-        raise NetworkSetupError(f"the process group did not start on rank {rank} ({first_line(err)}); check "
-                                f"MASTER_ADDR/MASTER_PORT (the rendezvous) and the interfaces, see {DOCS}",
-                                same_on_every_rank=False) from None
+        why = refused_network(str(err), platform.node()) or (
+            f"the process group did not start on rank {rank} ({first_line(err)}); check MASTER_ADDR/MASTER_PORT (the "
+            f"rendezvous) and the interfaces, see {DOCS}")
+        raise NetworkSetupError(why, same_on_every_rank=False) from None
     return DistContext(device=device, rank=rank, local_rank=local_rank, world_size=world_size,
                        local_world_size=local_world_size, process_group=True, control_group=control_group,
                        launcher_pid=launcher_pid())

@@ -20,6 +20,8 @@
 # below (on a cluster other than Olivia: docs/network.md, "On another cluster"), and:
 #   HOST_BINDS=1          1 (default): bind the host's libfabric, NCCL and aws-ofi-nccl (HOST_*_PATH) into
 #                         the container; 0: use the container's own NCCL (InfiniBand, Ethernet)
+#   NCCL_NET="AWS Libfabric"  with HOST_BINDS=1: the network NCCL must use (the plugin) or stop
+#   NCCL_NET_PLUGIN=      NAME: NCCL loads lib/libnccl-net-NAME.so of HOST_NCCL_PATH, not libnccl-net.so
 # and for the network check (export them before sbatch):
 #   NETWORK_CHECK=1       1 (default): run check_network.py on every node before training; 0: skip it
 #   NETWORK_MIN_BUSBW=    GB/s the check's largest all-reduce must reach (--min-busbw); empty: no minimum
@@ -132,9 +134,17 @@ if [[ "$HOST_BINDS" == 1 ]]; then
             "library bound into the container); set $variable to this cluster's path, or HOST_BINDS=0 to use the" \
             "container's own NCCL"
     done
-    compgen -G "$HOST_NCCL_PATH/lib/libnccl-net*.so*" >/dev/null || site_error "HOST_NCCL_PATH=$HOST_NCCL_PATH:" \
-        "no lib/libnccl-net*.so (the aws-ofi-nccl plugin NCCL needs for Slingshot) on $(hostname); set" \
-        "HOST_NCCL_PATH to the folder holding it, or HOST_BINDS=0 (NCCL then uses its own transports)"
+    # The plugin file NCCL opens: libnccl-net.so, or libnccl-net-NAME.so with NCCL_NET_PLUGIN=NAME.
+    plugin="libnccl-net${NCCL_NET_PLUGIN:+-$NCCL_NET_PLUGIN}.so"
+    named="${NCCL_NET_PLUGIN:+, as NCCL_NET_PLUGIN=$NCCL_NET_PLUGIN names it}"
+    [[ -e "$HOST_NCCL_PATH/lib/$plugin" ]] || site_error "HOST_NCCL_PATH=$HOST_NCCL_PATH: no lib/$plugin (the" \
+        "aws-ofi-nccl plugin NCCL needs for Slingshot$named) on $(hostname); set HOST_NCCL_PATH to the folder" \
+        "holding it, or HOST_BINDS=0 (NCCL then uses its own transports)"
+    # With the plugin bound in, NCCL uses it or stops: unset, NCCL falls back to TCP sockets
+    # without a word when the plugin does not load (~5 instead of ~100 GB/s between nodes).
+    # "AWS Libfabric": the plugin's name up to aws-ofi-nccl 1.11, still accepted by the later
+    # ones that call themselves "Libfabric". A value exported before sbatch wins.
+    export APPTAINERENV_NCCL_NET="${NCCL_NET:-AWS Libfabric}"
     binds=(--bind "$HOST_LIBFABRIC_LIB_PATH:/opt/libfabric/lib"
         --bind "$HOST_LIBFABRIC_INCLUDE_PATH:/opt/libfabric/include"
         --bind "$HOST_NCCL_PATH:/opt/nccl"

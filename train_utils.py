@@ -36,7 +36,7 @@ from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, ch
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
-from engine.device_loader import choose_loader
+from engine.device_loader import batch_temporaries, choose_loader
 from engine.finetune import finetune
 from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
@@ -206,13 +206,13 @@ def train_steps(run, batches, state):
             raise run_out_of_memory(run, state, f"step {step} of epoch {state.epoch} (training)",
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
-            check_every_parameter_learns(run.model, run.module, f"--model {run.args.model}")
+            check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
         # Reads the running loss (a GPU sync) only when a line is shown.
         progress.update(step, books.images * run.ctx.world_size,
-                        lambda: f"loss {books.loss_sum.item() / books.images:.4f}")
+                        lambda: f"loss {books.sums[0].item() / books.images:.4f}")
         if run.args.check_sync_every and run.scheduler.last_epoch % run.args.check_sync_every == 0:
             check_replicas_in_sync(run.module, f"after step {step} of epoch {state.epoch}")
         # All ranks stop after the same step; the agreement runs on the CPU during the next step.
@@ -233,8 +233,8 @@ def evaluate(run, loader, label="Evaluation"):
     """
     model, device, precision = run.module, run.ctx.device, run.precision
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [correct, loss sum]
-    count = 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # [correct, loss sum, images]
+    count = 0  # images, on the host too: for progress lines
     batches = min(len(loader), run.args.limit_batches or len(loader))
     progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
     for batch, (x, y) in enumerate(islice(loader, batches), start=1):
@@ -248,13 +248,13 @@ def evaluate(run, loader, label="Evaluation"):
                 raise
             raise run_out_of_memory(run, None, f"batch {batch} of {label.lower()}", True) from None
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
-        sums += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
+        sums[:2] += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
+        sums[2] += y.size(0)  # no host-to-device copy, no sync
         count += y.size(0)
         # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
         progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
     progress.close()
-    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64, device=device)]))
-    return eval_summary(*totals.tolist())
+    return eval_summary(*all_reduce(sums).tolist())  # the one host sync of an evaluation
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,8 +280,11 @@ def build_task(args, ctx):
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
-    training = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
-    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device), training)
+    measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
+    stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
+    temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
+    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
+                                   measured, temporaries)
     workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
                if loader == "torchvision" else 0)
     train_loader, test_loader = build_loaders(

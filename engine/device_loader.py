@@ -140,6 +140,34 @@ def normalize_float(images, mean, std):
     return images.float().sub(mean).div(std).permute(0, 3, 1, 2)
 
 
+def normalizer(prep, dtype, device):
+    """The function that makes stored images (B, H, W, C) of ``dtype`` on ``device`` the
+    model's input (B, C, H, W) float32: normalize with its table for uint8, normalize_float else."""
+    if dtype == torch.uint8:
+        table = normalization_table(prep.mean, prep.std).to(device)  # float32 (256, C)
+        return lambda images: normalize(images, table)
+    stats = float_stats(prep, device)
+    return lambda images: normalize_float(images, *stats)
+
+
+def batch_temporaries(prep, batch, dtype, device):
+    """Bytes of the GPU ``device`` that the device loader takes, beyond the batch it returns, to
+    make one training batch of ``batch`` stored images: the gathered images, the augmentation's
+    intermediates, the normalization's int64 index (0.3 GB alone for 256 photos at 224 px).
+    Measured on zeros by the allocator's peak (host-side counts: no sync). 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    images = torch.zeros((batch, *prep.stored, prep.image_shape[2]), dtype=dtype, device=device)
+    rand = prep.randoms(batch, 0, 1).to(device) if prep.ops else None
+    out = normalizer(prep, dtype, device)(model_view(images, rand, prep))
+    peak = torch.cuda.max_memory_allocated(device) - before - out.nbytes
+    del images, rand, out
+    torch.cuda.empty_cache()
+    return peak
+
+
 class DeviceLoader:
     """Batches of (images float32 (B, C, H, W), labels int64 (B,)) cut from a data set that
     lives on ``device`` as uint8 (or float). Indices come from ``sampler`` (a
@@ -157,12 +185,7 @@ class DeviceLoader:
         self.device, self.drop_last, self.seed = device, drop_last, seed
         self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
         self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
-        if self.images.dtype == torch.uint8:
-            table = normalization_table(self.prep.mean, self.prep.std).to(device)  # float32 (256, C)
-            self.normalize = lambda images: normalize(images, table)
-        else:  # float images: no lookup table
-            stats = float_stats(self.prep, device)
-            self.normalize = lambda images: normalize_float(images, *stats)
+        self.normalize = normalizer(self.prep, self.images.dtype, device)
 
     def __len__(self):
         full, rest = divmod(len(self.sampler), self.batch_size)
@@ -181,21 +204,24 @@ class DeviceLoader:
             yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64
 
 
-def choose_loader(requested, data_bytes, memory_bytes, training_bytes=None):
+def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_bytes=0):
     """(loader, why) for --loader. auto puts the data set on the device when it fits beside
-    training (``training_bytes``, measured by engine.memory.training_bytes) in HEADROOM of the
-    device's memory, or, where training is not measured (the CPU), in DEVICE_DATA_FRACTION of
-    it; else the DataLoader streams it from host memory."""
+    training and the device loader's own ``loader_bytes`` per batch (batch_temporaries) in
+    HEADROOM of the device's free memory (``measured``: engine.memory.Measured), or, where
+    nothing is measured (the CPU), in DEVICE_DATA_FRACTION of its ``memory_bytes``; else the
+    DataLoader streams it from host memory."""
     if requested != "auto":
         return requested, f"--loader {requested}"
-    data, memory = size_text(data_bytes), size_text(memory_bytes)
-    if training_bytes is None:
+    data = size_text(data_bytes)
+    if measured is None:
         fits = data_bytes <= DEVICE_DATA_FRACTION * memory_bytes
         return ("device" if fits else "torchvision",
                 f"auto: the data set ({data}) {'fits' if fits else 'does not fit'} in {DEVICE_DATA_FRACTION:.0%} "
-                f"of the device's {memory}")
-    fits = data_bytes + training_bytes <= HEADROOM * memory_bytes
-    training = "out of memory on its own" if math.isinf(training_bytes) else f"{size_text(training_bytes)}, measured"
+                f"of the device's {size_text(memory_bytes)}")
+    fits = data_bytes + measured.training + loader_bytes <= HEADROOM * measured.free
+    training = ("out of memory on its own" if math.isinf(measured.training)
+                else f"{size_text(measured.training)}, measured")
     return ("device" if fits else "torchvision",
-            f"auto: the data set ({data}) and training ({training}) {'fit' if fits else 'do not fit'} together "
-            f"in {HEADROOM:.0%} of the device's {memory}")
+            f"auto: the data set ({data}), training ({training}) and the device loader's batch "
+            f"({size_text(loader_bytes)}) {'fit' if fits else 'do not fit'} together in {HEADROOM:.0%} of the "
+            f"device's free {size_text(measured.free)} (of {size_text(measured.total)})")

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import RunAborted, first_line
+from engine.interfaces import NetworkSetupError
+from engine.nccl_log import refused_network
 from engine.processes import DistContext, cleanup_distributed, group_active
 from engine.stopping import ignore_stop_signals
 
@@ -220,8 +222,11 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
         register(ctx)
         yield
     except RuntimeError as err:
-        if not group_active() or not is_collective_failure(err):
+        refused = refused_network(str(err), socket.gethostname())  # NCCL_NET's network: a lazily made NCCL group
+        if refused or not group_active() or not is_collective_failure(err):
             cleanup_distributed()
+            if refused:
+                raise NetworkSetupError(refused, same_on_every_rank=False) from None
             raise
         ignore_stop_signals()  # torchrun signals the ranks left when one dies: the roll call and its line first
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None

@@ -16,6 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -38,10 +39,24 @@ class OutOfMemory(UserError):
     rank0_first = True
 
 
+# What an out-of-memory says where it is not an OutOfMemoryError: the CPU allocator; CUDA itself
+# (a context, a kernel's launch); cuDNN's and cuBLAS's workspaces and handles, allocated outside
+# the caching allocator; and the caching allocator's own message inside another error, as
+# torch.compile's BackendCompilerFailed ("backend='inductor' raised:\nOutOfMemoryError: CUDA out
+# of memory. ...") carries it.
+OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "CUDA out of memory", "CUDA error: out of memory",
+                          "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(err):
-    """CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, or Python's MemoryError."""
-    return (isinstance(err, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)))
+    """Whether ``err``, or an error it was raised from, ran out of memory: OutOfMemoryError,
+    MemoryError, or a RuntimeError (CUDA's AcceleratorError is one) saying so above."""
+    while err is not None:
+        if isinstance(err, (torch.OutOfMemoryError, MemoryError)) or (
+                isinstance(err, RuntimeError) and any(text in str(err) for text in OUT_OF_MEMORY_MESSAGES)):
+            return True
+        err = err.__cause__  # `raise ... from err` only: an error raised while handling one is its own
+    return False
 
 
 def memory_figures(device):
@@ -58,6 +73,14 @@ def device_memory(device):
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return host_memory()
+
+
+def free_device_memory(device):
+    """Bytes of the GPU ``device`` this process can still use: what the driver reports free
+    (the CUDA context, NCCL's buffers so far and other processes on the GPU are not) plus what
+    this process's allocator holds (the model, its cached blocks), which training reuses."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def host_memory(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
@@ -204,7 +227,7 @@ def training_bytes(model, shape, precision, device, memory_format):
     probed micro-batch step (the model, the input, activations, gradients; under DDP the
     gradients are its buckets' views, gradient_as_bucket_view), the rest of the batch's input
     (float32) and the optimizer's state (OPTIMIZER_STATE_VALUES per trainable parameter). Not
-    counted, and left to HEADROOM's 15%: the CUDA context, NCCL's buffers and the allocator's
+    counted, and left to HEADROOM's 15%: NCCL's buffers allocated later and the allocator's
     fragmentation. None on the CPU (nothing to measure: the data set stays where it is);
     infinity when the step alone runs out of memory (the first real step then says so)."""
     if device.type != "cuda":
@@ -232,11 +255,19 @@ def training_bytes(model, shape, precision, device, memory_format):
     return peak + rest_of_input + OPTIMIZER_STATE_VALUES * trainable
 
 
+class Measured(NamedTuple):
+    """What --loader auto weighs the data set against, in bytes, the tightest over the ranks."""
+    training: float   # training_bytes: the most of any rank (infinity: out of memory on its own)
+    free: int         # free_device_memory: the least of any rank
+    total: int        # the GPU's memory
+
+
 def measured_training(model, args, ctx, image_shape, batch, memory_format):
-    """What --loader auto weighs against the data set: ``training_bytes`` of this rank's GPU, the
-    most of any rank (every rank must choose the same loader). None where nothing is measured:
-    a loader chosen by flag, --eval-only, the CPU. An error of the model's own in the probed
-    step is one line naming its code (engine/plugins.py), as in training."""
+    """``Measured`` for --loader auto, after a probed training step on this rank's GPU (every
+    rank must choose the same loader, so the most needed and the least free of any rank). None
+    where nothing is measured: a loader chosen by flag, --eval-only, the CPU. An error of the
+    model's own in the probed step is one line naming its code (engine/plugins.py), as in
+    training."""
     if args.loader != "auto" or args.eval_only or ctx.device.type != "cuda":
         return None
     shape = StepShape(batch, args.accumulate, image_shape)
@@ -244,4 +275,5 @@ def measured_training(model, args, ctx, image_shape, batch, memory_format):
     needed = call_user_code(lambda: training_bytes(model, shape, precision, ctx.device, memory_format),
                             f"--model {args.model} in a training step (measured for --loader auto)", args.model)
     most = max_over_ranks(min(needed, NO_FIT), ctx.control_group)  # an all-reduce of integers: no infinity
-    return math.inf if most >= NO_FIT else most
+    least_free = -max_over_ranks(-free_device_memory(ctx.device), ctx.control_group)
+    return Measured(math.inf if most >= NO_FIT else most, least_free, device_memory(ctx.device))

@@ -126,6 +126,25 @@ def describe_network(backend: str, logs: list, num_nodes: int, environ) -> list:
     return lines
 
 
+# NCCL's words when NCCL_NET names a network it cannot open (src/net.cc), which PyTorch's
+# error carries after "Last error:".
+NETWORK_NOT_FOUND = re.compile(r"Error: network (.*?) not found")
+
+
+def refused_network(text: str, host: str) -> str | None:
+    """The line for an NCCL that did not start on ``host`` because NCCL_NET (multinode_job.sh
+    sets "AWS Libfabric") names a network it cannot open: the plugin did not load. None for
+    any other error ``text``."""
+    match = NETWORK_NOT_FOUND.search(text)
+    if match is None:
+        return None
+    return (f"NCCL_NET={match[1]}: NCCL cannot open this network on {host}: the aws-ofi-nccl plugin "
+            "(lib/libnccl-net.so of HOST_NCCL_PATH, with the host's libfabric and libcxi) did not load, and NCCL_NET stops the job here "
+            f"instead of letting NCCL fall back to TCP sockets (~{SOCKETS_BUSBW_GBPS} instead of "
+            f"~{SLINGSHOT_BUSBW_GBPS} GB/s); check HOST_NCCL_PATH, HOST_LIBFABRIC_LIB_PATH and HOST_CXI_LIB_PATH, "
+            "or export another NCCL_NET before sbatch (see docs/network.md)")
+
+
 def nccl_debug_file(template: str, host: str, pid: int) -> str:
     """NCCL_DEBUG_FILE's name for this process: NCCL replaces %h (the host name up to its
     first dot) and %p (the process ID)."""

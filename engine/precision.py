@@ -42,14 +42,10 @@ def configure_precision(requested, device):
 
 
 def set_tf32(matmuls, convolutions):
-    """Allow TF32 for fp32 matmuls and cuDNN convolutions, or not. PyTorch 2.9 added
-    ``fp32_precision`` and refuses to read the older ``allow_tf32`` once both were used (as
-    torch.compile does), so the newer is used where it exists; 2.7 has only ``allow_tf32``."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = "tf32" if matmuls else "ieee"
-        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = "tf32" if convolutions else "ieee"
-    else:
-        matmul.allow_tf32, cudnn.allow_tf32 = matmuls, convolutions
-
-
+    """Allow TF32 for fp32 matmuls and cuDNN convolutions, or not, through the setters every
+    supported PyTorch has. From 2.9 on they set ``fp32_precision`` too, so that the older
+    reads (``allow_tf32``, ``get_float32_matmul_precision``: TunableOp, a user's code) and the
+    newer (``fp32_precision``: inductor) agree; setting ``fp32_precision`` instead makes the
+    older reads raise ("a mix of the legacy and new APIs")."""
+    torch.set_float32_matmul_precision("high" if matmuls else "highest")  # "high": TF32 on CUDA
+    torch.backends.cudnn.allow_tf32 = convolutions

@@ -26,18 +26,21 @@ class LossBooks:
     NONE = 2**62  # "no non-finite loss yet": larger than any step, so the minimum over ranks works
 
     def __init__(self, device):
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # [loss times images, images]: float64 counts images exactly (up to 2**53).
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
         self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self.images = 0
+        self.images = 0  # the same count on the host, for progress lines
 
     def add(self, loss, images, step):
-        self.loss_sum += loss * images
+        self.sums[0] += loss * images
+        self.sums[1] += images  # a Python number into a kernel's arguments: no copy, no sync
         self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, torch.clamp(self.first_bad, max=step))
         self.images += images
 
     def totals(self, lr, stop):
-        """Summed over all ranks: one host sync, once per epoch (or stop)."""
-        images = torch.tensor(float(self.images), dtype=torch.float64, device=self.loss_sum.device)
-        loss_total, images_total = all_reduce(torch.stack([self.loss_sum, images])).tolist()
-        first_bad = int(all_reduce(self.first_bad, op="min"))
+        """Summed over all ranks: both all-reduces are queued, then one host sync reads them,
+        once per epoch (or stop). NONE (2**62) and step numbers are exact in float64."""
+        first_bad = all_reduce(self.first_bad.clone(), op="min").double()
+        loss_total, images_total, first_bad = torch.cat([all_reduce(self.sums.clone()), first_bad[None]]).tolist()
+        first_bad = int(first_bad)
         return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)

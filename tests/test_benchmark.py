@@ -187,8 +187,8 @@ def _figures(eager, compiled, split):
             for recipe, loader, values in (("guide", "torchvision", (5000.0, 5100.0)),
                                            ("project", "device", (90000.0, eager)))
             for measure, value in zip(("pipeline", "train"), values, strict=True)]
-    versions = {"gpu": "NVIDIA H100 80GB HBM3, 79.1 GiB", "driver": "570.1", "torch": "2.8.0", "cuda": "12.9",
-                "cudnn": 91000, "nccl": "2.27.3", "torchvision": "0.23.0", "python": "3.12.3", "machine": "aarch64"}
+    versions = {"gpu": "NVIDIA H100 80GB HBM3, 79.1 GiB", "gpus": 1, "driver": "570.1", "torch": "2.8.0",
+                "cuda": "12.9", "cudnn": 91000, "nccl": "2.27.3", "torchvision": "0.23.0", "python": "3.12.3", "machine": "aarch64"}
     return gpu_report.Figures(versions=versions, rows=rows, compiled={"images_per_sec": compiled, "warmup_s": 95.0},
                               split=split, peaks={256: 5.5, 1024: 21.0}, tier="30 passed, 1 skipped in 250.0s",
                               seconds=500.0)
@@ -203,6 +203,10 @@ def test_report_block_and_its_recommendation():
     assert "| pipeline | 5,000 | 90,000 | - |" in lines
     assert "Peak GPU memory of training steps: batch 256: 5.50 GiB, batch 1024: 21.00 GiB" in lines
     assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): 30 passed, 1 skipped in 250.0s" in lines
+    assert f"Not verified on one GPU: {gpu_report.ONE_GPU_LEAVES}" in lines  # its NCCL runs had one rank
+    two = _figures(20000.0, 26000.0, split)
+    two.versions["gpus"] = 2
+    assert "Not verified on one GPU" not in gpu_report.markdown(two, "python tools/benchmark.py --report r.md")
     assert "- --compile trains 1.30x as fast as the eager defaults (20,000 -> 26,000 img/s)" in text
     assert "make it the default on CUDA" in text
     assert "- Largest part of a step: convolutions and matmuls (45% of its wall time)" in text

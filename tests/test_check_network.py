@@ -16,6 +16,9 @@ from engine import bandwidth, exact_sums, nccl_log
 from engine import log as run_log
 import device_utils
 from engine import errors
+from engine.interfaces import NetworkSetupError
+from engine.lost_ranks import process_group_scope
+from engine.processes import DistContext
 from conftest import clean_env, descendants, error_lines, run, run_main, start, torchrun_cmd, wait_for
 
 SMALL = ("--max-size", "64K", "--iters", "3", "--warmup-iters", "1")  # 7 sizes x 4 all-reduces: seconds
@@ -177,6 +180,24 @@ def test_sockets_between_nodes_are_a_plain_warning():
         "Network (NCCL): unknown (no 'Using network' line in /tmp/x/nccl.log) on all 2 ranks"]
     assert nccl_log.describe_network("gloo", [None] * 2, 2, {"GLOO_SOCKET_IFNAME": "hsn0"}) == [
         "Network (gloo): TCP sockets between the processes, over GLOO_SOCKET_IFNAME=hsn0"]
+
+
+def test_a_forced_network_nccl_cannot_open_is_one_line_naming_nccl_net():
+    """NCCL_NET="AWS Libfabric" (multinode_job.sh) without the plugin loaded: NCCL refuses to
+    start, in PyTorch's words around NCCL's own; the line names the setting and what to check."""
+    pytorch_error = ("NCCL error in: /opt/pytorch/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, "
+                     "invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.27.3\nncclInvalidUsage: "
+                     "This usually reflects invalid usage of NCCL library.\nLast error:\nError: network AWS "
+                     "Libfabric not found.")
+    line = nccl_log.refused_network(pytorch_error, "x1000c0s0b0n1")
+    assert line.startswith("NCCL_NET=AWS Libfabric: NCCL cannot open this network on x1000c0s0b0n1: the aws-ofi-nccl "
+                           "plugin (lib/libnccl-net.so of HOST_NCCL_PATH")
+    assert "fall back to TCP sockets (~5 instead of ~100 GB/s)" in line and "\n" not in line
+    assert nccl_log.refused_network("NCCL error in: ..., unhandled system error, NCCL version 2.27.3", "n1") is None
+    # Where NCCL's communicator is made at the first collective instead of at start-up:
+    with pytest.raises(NetworkSetupError, match="^NCCL_NET=AWS Libfabric: NCCL cannot open this network on "):
+        with process_group_scope(DistContext(device=torch.device("cpu")), 1.0):
+            raise RuntimeError(pytorch_error)
 
 
 def test_nccl_logs_into_a_private_file_unless_the_user_chose_one():

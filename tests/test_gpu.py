@@ -21,6 +21,7 @@ import math
 import os
 import re
 import signal
+from itertools import islice
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ import dataset_utils as du
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine.memory import StepShape, training_bytes
+from engine.device_loader import Preprocessing, batch_temporaries
+from engine.memory import StepShape, device_memory, free_device_memory, training_bytes
 from engine.precision import Precision
 from engine import monitor, optimizers, tensorboard_log
 from conftest import clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for, write_cifar100
@@ -99,29 +101,50 @@ def test_a_training_step_runs_in_the_layout_and_precision_it_reports(precision, 
     assert len(convs) > 10 and seen == [(channels_last, dtype)] * len(convs)
 
 
-def _sync_warnings(run_, batches, state, steps):
-    """The synchronizing CUDA calls that ``steps`` training steps make (sync debug mode)."""
+def _sync_warnings(work):
+    """The synchronizing CUDA calls that ``work()`` makes (sync debug mode)."""
     import warnings
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            tu.train_steps(run_, [next(batches) for _ in range(steps)], state)
+            work()
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
 
 
 def test_no_host_sync_inside_a_training_step():
-    """20 steps wait for the GPU exactly as often as 2 do, twice: when the epoch's sums are read
-    at the end (LossBooks.totals: the loss and image sums, then the first non-finite step),
-    never per step."""
+    """20 steps wait for the GPU exactly as often as 2 do, once: when the epoch's sums are read
+    at the end (LossBooks.totals: the loss and image sums and the first non-finite step, in one
+    read), never per step; no host-to-device copy of a Python number either."""
     run_, batches, state = _prepared_run()
     tu.train_steps(run_, [next(batches) for _ in range(3)], state)  # warm-up: autotuning, first allocations
-    few = _sync_warnings(run_, batches, state, 2)
-    many = _sync_warnings(run_, batches, state, 20)
-    assert len(many) == len(few) == 2, many
+    few = _sync_warnings(lambda: tu.train_steps(run_, [next(batches) for _ in range(2)], state))
+    many = _sync_warnings(lambda: tu.train_steps(run_, [next(batches) for _ in range(20)], state))
+    assert len(many) == len(few) == 1, many
+
+
+def test_an_evaluation_waits_for_the_gpu_once():
+    """The correct count, loss and images stay on the GPU until the end of an evaluation."""
+    run_, _, _ = _prepared_run()
+    batches = [(x.cuda(), y.cuda()) for x, y in islice(run_.task.test_loader, 6)]
+    tu.evaluate(run_, batches[:1])  # warm-up
+    few, many = (_sync_warnings(lambda: tu.evaluate(run_, batches[:n])) for n in (2, 6))
+    assert len(many) == len(few) == 1, many
+
+
+def test_loader_auto_counts_the_device_loaders_batch_and_free_memory():
+    """--loader auto's figures on a real GPU: the device loader's temporaries for 256 photos at
+    224 px (stored 256 px, resized crop) exceed the normalization's int64 index alone, and the
+    free memory is at most the total."""
+    cuda = torch.device("cuda", 0)
+    prep = Preprocessing(image_shape=(224, 224, 3), mean=(0.5,) * 3, std=(0.25,) * 3, augment="resized-crop",
+                         ops=recipe.AUGMENTATIONS["resized-crop"], stored_size=(256, 256), per_op=recipe.RANDOM_PER_OP)
+    temporaries = batch_temporaries(prep, 256, torch.uint8, cuda)
+    assert 256 * 224 * 224 * 3 * 8 < temporaries < 4 * 2**30
+    assert 0 < free_device_memory(cuda) <= device_memory(cuda)
 
 
 def test_cudnn_autotuning_and_the_current_device_are_set():
@@ -199,6 +222,18 @@ def test_network_check_on_nccl(tmp_path):
     rows = [TABLE_ROW.match(line) for line in out.splitlines() if TABLE_ROW.match(line)]
     assert len(rows) == 13 and all(float(row[4]) > 0 for row in rows)  # the time (us) of every size
     assert not list((tmp_path / "tmp").glob("check_network_*"))  # its NCCL logs are gone (torchrun's stay)
+
+
+def test_a_network_nccl_cannot_open_is_one_line_naming_nccl_net(tmp_path):
+    """NCCL_NET naming a network NCCL does not have (multinode_job.sh's "AWS Libfabric" without
+    the plugin): NCCL refuses at start-up, and the check ends in the one line that names the
+    setting, before any all-reduce, instead of NCCL's error in a traceback."""
+    result = run(torchrun_cmd(1, "check_network.py", "--max-size", "4M", "--iters", "5"), cwd=tmp_path,
+                 env=clean_env(NCCL_NET="No Such Network"))
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error: " in line]
+    assert lines and lines[0].startswith("error: NCCL_NET=No Such Network: NCCL cannot open this network on "), lines
+    assert "Network check passed" not in result.stdout
 
 
 def test_network_check_on_nccl_names_a_killed_rank(tmp_path):
@@ -306,10 +341,28 @@ def test_evaluation_under_autocast_agrees_with_fp32(tmp_path):
         assert result.returncode == 0, result.stderr
         [results[precision]] = read_metrics(metrics)
     assert results["fp32"]["val_accuracy"] > 0.5  # learned: a disagreement would show
+    ties = _near_ties(tmp_path / "w.pt", data)
     for precision in ("bf16", "fp16"):
         assert results[precision]["val_samples"] == 256
         assert results[precision]["val_loss"] == pytest.approx(results["fp32"]["val_loss"], rel=0.05, abs=0.01)
-        assert abs(results[precision]["val_accuracy"] - results["fp32"]["val_accuracy"]) <= 2 / 256
+        # Only images whose two best classes are near a tie may change their prediction.
+        assert abs(results[precision]["val_accuracy"] - results["fp32"]["val_accuracy"]) <= max(ties, 2) / 256
+
+
+def _near_ties(weights, data_dir):
+    """How many test images the fp32 model gives two best logits closer than 2% of the best's
+    size (bf16 keeps 8 bits of mantissa, 0.4%, and a network adds its roundings up): those
+    whose prediction bf16 or fp16 may flip."""
+    args = tu.parse_args("x", ["--data-dir", str(data_dir), "--eval-only", "--weights", str(weights),
+                               "--precision", "fp32", "--batch-size", "64", "--num-workers", "0"])
+    ctx = single_process_context()
+    task = tu.build_task(args, ctx)
+    model, ties = task.model.eval(), 0
+    with torch.no_grad():
+        for x, _ in task.test_loader:
+            best, second = model(x.to(ctx.device)).float().topk(2, dim=1).values.unbind(1)  # (B,) each
+            ties += int((best - second < 0.02 * best.abs() + 1e-3).sum())
+    return ties
 
 
 @pytest.mark.parametrize("layout", ["default", "--channels-last", "--no-channels-last"])
@@ -424,6 +477,6 @@ def test_compile_with_ddp(tmp_path):
     metrics = tmp_path / "m.jsonl"
     gpus = min(torch.cuda.device_count(), 2)
     result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, "--compile", "--metrics-file", metrics), cwd=tmp_path,
-                 timeout=RUN_S * 2)  # the inductor cache of test_compiled_training is warm
+                 timeout=COLD_COMPILE_S)  # a cold inductor cache too: this test may run alone
     finite_run(result, metrics)
     assert "torch.compile" in result.stdout

@@ -175,6 +175,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
            "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO=^LL128"}
     assert hpe <= seen
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in seen
+    assert "NCCL_NET=AWS Libfabric" in seen  # the plugin or a stop, never a silent fall back to sockets
     assert "FI_CXI_DEFAULT_TX_SIZE=1024" in seen and "FI_CXI_DEFAULT_TX_SIZE=2048" not in seen  # override wins
     assert "GLOO_SOCKET_IFNAME=lo" in seen and "GLOO_SOCKET_IFNAME=hsn0" not in seen  # job_env's, for loopback
     assert "Network settings: " in first and "NCCL_PROTO=^LL128" in first and "WARNING: multi-node" not in first
@@ -323,22 +324,33 @@ def test_olivias_interface_on_a_node_without_it_is_one_line_before_any_torchrun(
     assert "--nnodes" not in result.stdout  # no torchrun started
 
 
-@pytest.mark.parametrize("case", ["folder", "plugin"])
+@pytest.mark.parametrize("case", ["folder", "plugin", "named plugin"])
 def test_a_missing_host_library_is_one_line_naming_the_variable(tmp_path, case):
     env = two_node_env(tmp_path, TORCHRUN_PATH="echo")
     if case == "folder":
         env["HOST_CXI_LIB_PATH"] = str(tmp_path / "no-cxi")
         expected = f"error: HOST_CXI_LIB_PATH={tmp_path / 'no-cxi'}: no such folder on "
-    else:
-        (tmp_path / "host" / "nccl" / "lib" / "libnccl-net.so").unlink()
-        expected = f"error: HOST_NCCL_PATH={tmp_path}/host/nccl: no lib/libnccl-net*.so (the aws-ofi-nccl plugin"
+    elif case == "plugin":  # another plugin beside it is not the one NCCL opens
+        (tmp_path / "host" / "nccl" / "lib" / "libnccl-net.so").rename(tmp_path / "host/nccl/lib/libnccl-net-ofi.so")
+        expected = f"error: HOST_NCCL_PATH={tmp_path}/host/nccl: no lib/libnccl-net.so (the aws-ofi-nccl plugin"
+    else:  # NCCL_NET_PLUGIN=ofi: NCCL opens libnccl-net-ofi.so, which is not there
+        env["NCCL_NET_PLUGIN"] = "ofi"
+        expected = (f"error: HOST_NCCL_PATH={tmp_path}/host/nccl: no lib/libnccl-net-ofi.so (the aws-ofi-nccl plugin "
+                    "NCCL needs for Slingshot, as NCCL_NET_PLUGIN=ofi names it)")
     result = run_job("multinode_job.sh", tmp_path, env)
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and result.stderr.startswith(expected)
     assert "HOST_BINDS=0" in result.stderr and result.stderr.rstrip().endswith('"On another cluster"')
-    env.update(HOST_BINDS="0")  # the container's own NCCL: nothing of the host bound
+    env.update(HOST_BINDS="0")  # the container's own NCCL: nothing of the host bound, no plugin forced
     result = run_job("multinode_job.sh", tmp_path, env, "--epochs", "1")
     assert result.returncode == 0, result.stderr
-    assert "--bind" not in (tmp_path / "stub.log").read_text()
+    assert "--bind" not in (log := (tmp_path / "stub.log").read_text()) and "container-env NCCL_NET=" not in log
+
+
+def test_the_users_nccl_net_wins(tmp_path):
+    env = two_node_env(tmp_path, TORCHRUN_PATH="echo", NCCL_NET="Socket")
+    result = run_job("multinode_job.sh", tmp_path, env, "--epochs", "1")
+    assert result.returncode == 0, result.stderr
+    assert "container-env NCCL_NET=Socket\n" in (tmp_path / "stub.log").read_text()
 
 
 def test_a_rendezvous_port_in_use_is_one_line(tmp_path):

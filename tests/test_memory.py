@@ -14,7 +14,8 @@ from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd
 from tools.demo_data import write_image_folder
 from engine import image_cache
 from engine.device_loader import choose_loader
-from engine.memory import OutOfMemory, StepShape, host_memory, probe_step, suggested_accumulate, training_bytes
+from engine.memory import (Measured, OutOfMemory, StepShape, host_memory, is_out_of_memory, probe_step,
+                           suggested_accumulate, training_bytes)
 from engine.precision import Precision
 
 OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
@@ -131,6 +132,42 @@ def test_the_suggested_accumulate_is_estimated_from_the_peak():
     assert suggested_accumulate(1, 3, peak=500 * gib, total=80 * gib, steps_done=True) == 3  # at most the batch
 
 
+def _raised_from(cause, error):
+    try:
+        raise error from cause
+    except Exception as err:
+        return err
+
+
+@pytest.mark.parametrize("error, expected", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (MemoryError(), True),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"), True),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    # torch.compile's BackendCompilerFailed (a RuntimeError) with the allocator's message inside
+    (RuntimeError("backend='inductor' raised:\nOutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB"),
+     True),
+    (_raised_from(torch.OutOfMemoryError("CUDA out of memory."), ValueError("the step failed")), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), False),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"), False),
+    (ValueError("can't allocate memory"), False),  # not an error a library raises for memory
+])
+def test_every_form_of_out_of_memory_is_recognised(error, expected):
+    assert is_out_of_memory(error) is expected
+
+
+def test_an_error_raised_while_handling_an_out_of_memory_is_its_own():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        except torch.OutOfMemoryError:
+            raise KeyError("a bug in the handler")
+    except KeyError as err:
+        assert not is_out_of_memory(err)
+
+
 def test_out_of_memory_in_predict_is_one_line(tmp_path):
     write_image_folder(tmp_path / "images", classes=2, n_train=8, n_test=4, sizes=((16, 16),))
     trained = run(python_cmd("train.py", "--dataset", "folder", "--data-dir", "images", "--cache-dir", "cache",
@@ -143,17 +180,24 @@ def test_out_of_memory_in_predict_is_one_line(tmp_path):
                                           "smaller --batch-size (now 64)"]
 
 
-def test_loader_auto_counts_training_beside_the_data_set():
+def test_loader_auto_counts_training_and_the_loaders_batch_in_the_free_memory():
     gb = 1e9  # 85% of 80 GB is 68 GB
-    assert choose_loader("auto", 10 * gb, 80 * gb, 50 * gb) == (
-        "device", "auto: the data set (10 GB) and training (50 GB, measured) fit together in 85% of the device's "
-                  "80 GB")
+    alone = Measured(training=50 * gb, free=80 * gb, total=80 * gb)
+    assert choose_loader("auto", 10 * gb, 80 * gb, alone, 1 * gb) == (
+        "device", "auto: the data set (10 GB), training (50 GB, measured) and the device loader's batch (1.00 GB) "
+                  "fit together in 85% of the device's free 80 GB (of 80 GB)")
+    # The same on a GPU where another process holds 10 GB: the free memory decides, not the total.
+    shared = alone._replace(free=70 * gb)
+    assert choose_loader("auto", 10 * gb, 80 * gb, shared, 1 * gb) == (
+        "torchvision", "auto: the data set (10 GB), training (50 GB, measured) and the device loader's batch "
+                       "(1.00 GB) do not fit together in 85% of the device's free 70 GB (of 80 GB)")
+    # The loader's own batch tips it: 10 + 50 + 8 fits in 68, 10 + 50 + 8.5 does not.
+    assert choose_loader("auto", 10 * gb, 80 * gb, alone, 8 * gb)[0] == "device"
+    assert choose_loader("auto", 10 * gb, 80 * gb, alone, 8.5 * gb)[0] == "torchvision"
     # The data set alone would fit in a quarter of the memory, not beside training:
-    assert choose_loader("auto", 10 * gb, 80 * gb, 60 * gb) == (
-        "torchvision", "auto: the data set (10 GB) and training (60 GB, measured) do not fit together in 85% of "
-                       "the device's 80 GB")
-    assert choose_loader("auto", 1, 80 * gb, math.inf)[1].endswith("training (out of memory on its own) do not fit "
-                                                                 "together in 85% of the device's 80 GB")
+    assert choose_loader("auto", 10 * gb, 80 * gb, alone._replace(training=60 * gb))[0] == "torchvision"
+    assert "training (out of memory on its own) and the device loader's batch (0.0 kB) do not fit" in choose_loader(
+        "auto", 1, 80 * gb, alone._replace(training=math.inf))[1]
     assert training_bytes(torch.nn.Linear(2, 2), StepShape(4, 1, (2, 2, 1)), Precision("fp32"), torch.device("cpu"),
                           torch.contiguous_format) is None  # the CPU: nothing to measure, a quarter of RAM
 

@@ -242,6 +242,7 @@ def _train_two_steps(extra):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 100))
+    model.register_parameter("spare", torch.nn.Parameter(torch.zeros(2)))  # unused: no gradient (only DDP minds)
     info = DataInfo("cifar100", "test images", "test images", tuple(map(str, range(100))), data.prep, {})
     task = Task(model, "a small CNN", "test:cnn", train_loader, test_loader, info, "device", "--loader")
     run, state, _ = tu.prepare_run(task, args, single_process_context())
@@ -250,7 +251,9 @@ def _train_two_steps(extra):
     return run, done.loss_sum
 
 
-def test_compiled_training_matches_eager():
+def test_compiled_training_matches_eager_with_a_parameter_that_gets_no_gradient():
+    """One process, --compile: the DDP-only check of unused parameters looks at the module
+    under the compiled wrapper, not at the wrapper (which it once took for DDP)."""
     eager, eager_loss = _train_two_steps([])
     compiled, compiled_loss = _train_two_steps(["--compile"])
     assert type(compiled.model).__name__ == "OptimizedModule" and compiled.module is compiled.model._orig_mod
@@ -396,35 +399,41 @@ def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
 
 @pytest.fixture
 def tf32_restored():
-    """The TF32 switches as they were, through the API that set_tf32 uses (PyTorch 2.9 and
-    later refuse to read allow_tf32 once fp32_precision was set)."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    new_api = hasattr(matmul, "fp32_precision")
-    saved = ((matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision) if new_api
-             else (matmul.allow_tf32, cudnn.allow_tf32))
+    """PyTorch's defaults again after the test (TF32 convolutions, IEEE matmuls)."""
     yield
-    if new_api:
-        matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = saved
-    else:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
+    precision.set_tf32(matmuls=False, convolutions=True)
 
 
-def tf32_now():
-    """(matmuls, convolutions) allowed TF32, read through whichever API this torch has."""
+def tf32_reads():
+    """Every read of the TF32 switches, older API and newer (2.9+): each raises on a mix."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    reads = {"matmul.allow_tf32": matmul.allow_tf32, "get_float32_matmul_precision":
+             torch.get_float32_matmul_precision(), "cudnn.allow_tf32": cudnn.allow_tf32}
     if hasattr(matmul, "fp32_precision"):
-        return matmul.fp32_precision == "tf32", cudnn.conv.fp32_precision == "tf32"
-    return matmul.allow_tf32, cudnn.allow_tf32
+        reads.update({"matmul.fp32_precision": matmul.fp32_precision,
+                      "cudnn.conv.fp32_precision": cudnn.conv.fp32_precision})
+    return reads
+
+
+def newer_api_write(mode):
+    """What torch.compile's code or a user's may have set before (PyTorch 2.9+ only)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = mode
 
 
 @pytest.mark.oldest_torch
-@pytest.mark.parametrize("requested, tf32", [("fp32", (False, False)), ("tf32", (True, True))])
-def test_tf32_switches_follow_precision_and_survive_torch_compiles_api(monkeypatch, tf32_restored, requested, tf32):
-    gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        torch.backends.cuda.matmul.fp32_precision = "ieee"  # as torch.compile's code may have left it
-    assert precision.configure_precision(requested, gpu).name == requested
-    assert tf32_now() == tf32
+@pytest.mark.parametrize("before", ["ieee", "tf32"])
+@pytest.mark.parametrize("requested, tf32", [("fp32", False), ("tf32", True), ("bf16", True)])
+def test_tf32_switches_read_alike_through_both_apis(monkeypatch, tf32_restored, before, requested, tf32):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # as on a GH200
+    newer_api_write(before)
+    assert precision.configure_precision(requested, torch.device("cuda", 0)).name == requested
+    reads = tf32_reads()
+    assert reads["matmul.allow_tf32"] is tf32 and reads["cudnn.allow_tf32"] is tf32
+    assert reads["get_float32_matmul_precision"] == ("high" if tf32 else "highest")
+    if "matmul.fp32_precision" in reads:  # what inductor reads
+        assert reads["matmul.fp32_precision"] == ("tf32" if tf32 else "ieee")
+        assert (reads["cudnn.conv.fp32_precision"] == "tf32") is tf32
 
 
 @pytest.mark.oldest_torch

@@ -113,7 +113,8 @@ def attempt(failures, part, measure):
 def versions():
     """The software and hardware the figures belong to."""
     cuda = torch.cuda.is_available()
-    found = {"gpu": device_name(torch.device("cuda", 0)) if cuda else "none", "torch": torch.__version__,
+    found = {"gpu": device_name(torch.device("cuda", 0)) if cuda else "none", "gpus": torch.cuda.device_count(),
+             "torch": torch.__version__,
              "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
              "nccl": nccl_report().removeprefix("NCCL version: ") if cuda else None, "driver": driver_version(),
              "python": platform.python_version(), "machine": platform.machine()}
@@ -203,6 +204,13 @@ def per_s(images_per_sec):
     return "failed" if images_per_sec is None else f"{images_per_sec:,.0f}"
 
 
+# What a tier on one GPU cannot show: its NCCL runs have world size 1.
+ONE_GPU_LEAVES = ("NCCL between processes (each NCCL run had one rank: the replica check compared rank 0 with "
+                  "itself, check_network.py's all-reduce was a local copy), DDP's gradient all-reduce, NVLink "
+                  "between GPUs and Slingshot between nodes; run tests/test_gpu.py on a node with 2+ GPUs and "
+                  "multinode_job.sh's network check for those.")
+
+
 def markdown(figures, command):
     """The block for BENCHMARKS.md."""
     v = figures.versions
@@ -229,6 +237,8 @@ def markdown(figures, command):
             f"batch {batch}: {gib:.2f} GiB" for batch, gib in sorted(peaks.items())))
     if figures.tier:
         lines.append(f"GPU tier (`python -m pytest -q tests/test_gpu.py`): {figures.tier}")
+        if figures.versions.get("gpus", 0) < 2:
+            lines.append(f"Not verified on one GPU: {ONE_GPU_LEAVES}")
     if figures.failures:
         lines += ["", "Failed (tracebacks in the command's output):", *(f"- {failure}" for failure in figures.failures)]
     lines += ["", *(f"- {line}" for line in recommendation(figures))]
