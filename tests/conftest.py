@@ -154,23 +154,20 @@ def unavailable(switch, reason):
     pytest.skip(reason)
 
 
-def wait_held(go, process=None, rank=0, timeout=120):
-    """Wait until a run started with HOLD_AT=N:GO (tests/tiny_net.py) is held at its N-th
-    training step: rank ``rank`` wrote GO.held<rank>. Then act on it, and create GO."""
-    marker, deadline = Path(f"{go}.held{rank}"), time.time() + timeout
-    while not marker.exists():
-        assert process is None or process.poll() is None, f"exited before it was held (HOLD_AT ...:{go})"
-        assert time.time() < deadline, f"not held at HOLD_AT ...:{go} after {timeout} s"
-        time.sleep(0.05)
-
-
 def wait_for_path(path, process=None, timeout=60):
-    """Wait until ``path`` exists (a stop file a job script's signal handler writes, say)."""
+    """Wait until ``path`` exists (a stop file a job script's signal handler writes, say),
+    failing if ``process`` exits first."""
     deadline = time.time() + timeout
     while not Path(path).exists():
         assert process is None or process.poll() is None, f"exited before {path} appeared"
         assert time.time() < deadline, f"{path} did not appear in {timeout} s"
         time.sleep(0.05)
+
+
+def wait_held(go, process=None, rank=0, timeout=120):
+    """Wait until a run started with HOLD_AT=N:GO (tests/tiny_net.py) is held at its N-th
+    training step: rank ``rank`` wrote GO.held<rank>. Then act on it, and create GO."""
+    wait_for_path(f"{go}.held{rank}", process, timeout)
 
 
 def python_cmd(script, *args):
