@@ -146,7 +146,7 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
         # travel over a separate CPU (gloo) group. On the CPU the default group is gloo already.
         control_group = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
     except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError, gloo's and NCCL's own
-        why = refused_network(str(err), platform.node()) or (
+        why = refused_network(str(err), platform.node(), os.environ.get("NCCL_NET")) or (
             f"the process group did not start on rank {rank} ({first_line(err)}); check MASTER_ADDR/MASTER_PORT (the "
             f"rendezvous) and the interfaces, see {DOCS}")
         raise NetworkSetupError(why, same_on_every_rank=False) from None

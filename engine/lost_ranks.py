@@ -222,7 +222,8 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
         register(ctx)
         yield
     except RuntimeError as err:
-        refused = refused_network(str(err), socket.gethostname())  # NCCL_NET's network: a lazily made NCCL group
+        # NCCL_NET's network refused by a lazily made NCCL group:
+        refused = refused_network(str(err), socket.gethostname(), os.environ.get("NCCL_NET"))
         if refused or not group_active() or not is_collective_failure(err):
             cleanup_distributed()
             if refused:

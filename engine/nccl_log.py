@@ -126,19 +126,22 @@ def describe_network(backend: str, logs: list, num_nodes: int, environ) -> list:
     return lines
 
 
-# NCCL's words when NCCL_NET names a network it cannot open (src/net.cc), which PyTorch's
-# error carries after "Last error:".
-NETWORK_NOT_FOUND = re.compile(r"Error: network (.*?) not found")
+# NCCL's last error when NCCL_NET names a network it cannot open, which PyTorch's error carries
+# after "Last error:": "Error: network X not found." (src/net.cc, NCCL up to 2.2x); "Failed to
+# initialize any NET plugin" (plugin/net.cc, NCCL 2.28.9 under torch 2.11 on an H200, 2026-11-26),
+# which does not name the network: NCCL_NET's value does.
+NETWORK_REFUSED = re.compile(r"Error: network (.*?) not found|Failed to initialize any NET plugin")
 
 
-def refused_network(text: str, host: str) -> str | None:
+def refused_network(text: str, host: str, nccl_net: str | None = None) -> str | None:
     """The line for an NCCL that did not start on ``host`` because NCCL_NET (multinode_job.sh
-    sets "AWS Libfabric") names a network it cannot open: the plugin did not load. None for
-    any other error ``text``."""
-    match = NETWORK_NOT_FOUND.search(text)
-    if match is None:
+    sets "AWS Libfabric"; ``nccl_net``: the variable's value) names a network it cannot open:
+    the plugin did not load. None for any other error ``text``."""
+    match = NETWORK_REFUSED.search(text)
+    network = (match[1] or nccl_net) if match else None
+    if network is None:
         return None
-    return (f"NCCL_NET={match[1]}: NCCL cannot open this network on {host}: the aws-ofi-nccl plugin "
+    return (f"NCCL_NET={network}: NCCL cannot open this network on {host}: the aws-ofi-nccl plugin "
             "(lib/libnccl-net.so of HOST_NCCL_PATH, with the host's libfabric and libcxi) did not load, and NCCL_NET stops the job here "
             f"instead of letting NCCL fall back to TCP sockets (~{SOCKETS_BUSBW_GBPS} instead of "
             f"~{SLINGSHOT_BUSBW_GBPS} GB/s); check HOST_NCCL_PATH, HOST_LIBFABRIC_LIB_PATH and HOST_CXI_LIB_PATH, "

@@ -194,6 +194,14 @@ def test_a_forced_network_nccl_cannot_open_is_one_line_naming_nccl_net():
                            "plugin (lib/libnccl-net.so of HOST_NCCL_PATH")
     assert "fall back to TCP sockets (~5 instead of ~100 GB/s)" in line and "\n" not in line
     assert nccl_log.refused_network("NCCL error in: ..., unhandled system error, NCCL version 2.27.3", "n1") is None
+    # NCCL 2.28.9 under torch 2.11 (an H200, 2026-11-26, NCCL_NET="No Such Network"): NCCL_NET's value names it.
+    newer = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with NCCL_DEBUG"
+             "=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects invalid usage of NCCL "
+             "library.\nLast error:\nFailed to initialize any NET plugin")
+    assert nccl_log.refused_network(newer, "n1", "AWS Libfabric").startswith("NCCL_NET=AWS Libfabric: NCCL cannot open")
+    bare = newer.replace("Failed to initialize any NET plugin", "Duplicate GPU detected")  # invalid usage, not NCCL_NET
+    assert nccl_log.refused_network(bare, "n1", "AWS Libfabric") is None
+    assert nccl_log.refused_network(newer, "n1", None) is None
     # Where NCCL's communicator is made at the first collective instead of at start-up:
     with pytest.raises(NetworkSetupError, match="^NCCL_NET=AWS Libfabric: NCCL cannot open this network on "):
         with process_group_scope(DistContext(device=torch.device("cpu")), 1.0):
