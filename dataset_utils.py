@@ -41,8 +41,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.device_loader import (DeviceLoader, Preprocessing, float_stats, model_view, normalization_table, normalize,
-                                  normalize_float, trained_preprocessing)
+from engine.device_loader import (DeviceLoader, Preprocessing, model_view, normalization, normalize,
+                                  trained_preprocessing)
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
@@ -105,7 +105,8 @@ class InMemoryImages(Dataset):
         self.source, self.source_labels, self.prep = images, labels, prep
         self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
         self.labels = labels if rows is None else np.asarray(labels)[rows]
-        self.table = normalization_table(prep.mean, prep.std) if images.dtype == np.uint8 else None  # (256, C)
+        stored = torch.uint8 if images.dtype == np.uint8 else torch.float32
+        self.scale_shift = normalization(prep.mean, prep.std, stored)  # float32 (C,) each
 
     @property
     def images(self):
@@ -134,9 +135,7 @@ class InMemoryImages(Dataset):
         row = index if self.rows is None else self.rows[index]
         image = torch.from_numpy(np.array(self.source[row]))[None]  # (1, H, W, C): a copy, out of the memory map
         image = model_view(image, None if rand is None else torch.tensor(rand, dtype=torch.float64)[None], self.prep)
-        if self.table is None:  # float images
-            return normalize_float(image, *float_stats(self.prep, "cpu"))[0].contiguous(), int(self.labels[index])
-        return normalize(image, self.table)[0].contiguous(), int(self.labels[index])
+        return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
 
 
 class AugmentSampler(Sampler):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from engine.cli import run_cli
-from engine.device_loader import centre_crop, normalization_table, normalize
+from engine.device_loader import centre_crop, normalization, normalize
 from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
@@ -95,7 +95,7 @@ def main(argv=None):
         model, name, meta = load_trained(args.weights, args.model, device)
         labels, what = None, None
     classes = [shown(c) for c in meta["classes"]]
-    table = normalization_table(meta["mean"], meta["std"]).to(device)
+    scale_shift = normalization(meta["mean"], meta["std"], torch.uint8, device)  # float32 (C,) each
     counts, unreadable, correct, start = Counter(), 0, 0, time.perf_counter()
     with csv_destination(args.output) as out, ThreadPoolExecutor(min(MAX_THREADS, available_cores())) as pool:
         writer = csv.writer(out, lineterminator="\n")
@@ -109,7 +109,7 @@ def main(argv=None):
                     print(f"unreadable, skipped: {shown(path)}: {why}", file=sys.stderr)
             if good:
                 try:
-                    probs = classify(model, np.stack([pixels for _, _, pixels in good]), meta, table, device)
+                    probs = classify(model, np.stack([pixels for _, _, pixels in good]), meta, scale_shift, device)
                 except Exception as err:
                     if not is_out_of_memory(err):
                         raise
@@ -252,12 +252,12 @@ def read_image(path, meta):
 
 
 @torch.no_grad()
-def classify(model, pixels, meta, table, device):
+def classify(model, pixels, meta, scale_shift, device):
     """Softmax probabilities float32 (B, classes) of uint8 images (B, H, W, C), prepared as
     training prepared its test images: centre crop to the input size, then normalization."""
     images = torch.from_numpy(pixels).to(device)
     images = centre_crop(images, tuple(meta["image_size"]))
-    return torch.softmax(model(normalize(images, table)).float(), dim=1).cpu()
+    return torch.softmax(model(normalize(images, *scale_shift)).float(), dim=1).cpu()
 
 
 def csv_row(path, probs, classes, k, label=None):

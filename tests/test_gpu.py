@@ -139,13 +139,13 @@ def test_an_evaluation_waits_for_the_gpu_once():
 
 def test_loader_auto_counts_the_device_loaders_batch_and_free_memory():
     """--loader auto's figures on a real GPU: the device loader's temporaries for 256 photos at
-    224 px (stored 256 px, resized crop) exceed the normalization's int64 index alone, and the
-    free memory is at most the total."""
+    224 px (stored 256 px, resized crop) exceed one float32 copy of the batch (the resized crop's
+    intermediates are several), and the free memory is at most the total."""
     cuda = torch.device("cuda", 0)
     prep = Preprocessing(image_shape=(224, 224, 3), mean=(0.5,) * 3, std=(0.25,) * 3, augment="resized-crop",
                          ops=recipe.AUGMENTATIONS["resized-crop"], stored_size=(256, 256), per_op=recipe.RANDOM_PER_OP)
     temporaries = batch_temporaries(prep, 256, torch.uint8, cuda)
-    assert 256 * 224 * 224 * 3 * 8 < temporaries < 4 * 2**30
+    assert 256 * 224 * 224 * 3 * 4 < temporaries < 4 * 2**30
     assert 0 < free_device_memory(cuda) <= device_memory(cuda)
 
 
@@ -201,7 +201,9 @@ def test_device_loader_on_cuda_serves_the_cpu_loaders_batches(tmp_path):
             batches = list(zip(loaders["cpu"][split], loaders["cuda"][split], strict=True))
             assert batches
             for (x_cpu, y_cpu), (x_gpu, y_gpu) in batches:
-                assert x_gpu.is_cuda and torch.equal(x_cpu, x_gpu.cpu()) and torch.equal(y_cpu, y_gpu.cpu())
+                # The same pixels (a grey level apart is 0.014), normalized within float32 rounding.
+                assert x_gpu.is_cuda and torch.equal(y_cpu, y_gpu.cpu())
+                torch.testing.assert_close(x_cpu, x_gpu.cpu(), rtol=0, atol=1e-6)
 
 
 def test_network_check_on_nccl(tmp_path):

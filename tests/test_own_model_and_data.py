@@ -267,9 +267,9 @@ def test_float_images_are_served_alike_by_both_loaders():
     keys = list(du.AugmentSampler(range(6), 6, 3, prep))
     one_at_a_time = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
     rand = torch.tensor([key[1] for key in keys], dtype=torch.float64)
-    on_device = device_loader.normalize_float(device_loader.augment(torch.from_numpy(images), rand, prep.ops, prep),
-                                              *device_loader.float_stats(prep, "cpu"))
-    assert torch.equal(one_at_a_time, on_device)
+    on_device = device_loader.normalize(device_loader.augment(torch.from_numpy(images), rand, prep.ops, prep),
+                                        *device_loader.normalization(prep.mean, prep.std, torch.float32))
+    torch.testing.assert_close(one_at_a_time, on_device, rtol=0, atol=1e-6)
     assert torch.allclose(data[0][0], (torch.from_numpy(images[0]).permute(2, 0, 1) - torch.tensor([0.1, -0.2])[:, None,
                           None]) / torch.tensor([1.5, 0.5])[:, None, None])
 
@@ -291,8 +291,8 @@ def test_augment_chooses_for_any_data_set():
     loader = device_loader.DeviceLoader(du.InMemoryImages(images, np.arange(4), plain), 4, range(4),
                                         torch.device("cpu"), augmented=True, drop_last=True)
     [(batch, _)] = list(loader)
-    table = device_loader.normalization_table(plain.mean, plain.std)
-    assert torch.equal(batch, device_loader.normalize(torch.from_numpy(images), table))
+    reference = (torch.from_numpy(images).permute(0, 3, 1, 2) / 255 - 0.5) / 0.25  # ToTensor + Normalize
+    torch.testing.assert_close(batch, reference, rtol=0, atol=1e-6)
 
 
 def test_a_data_set_that_does_not_fit_is_streamed(tmp_path, capsys, monkeypatch):
