@@ -77,6 +77,34 @@ def make_loss(args):
 
 
 # ---------------------------------------------------------------------------------------------
+# On the whole batch (torchvision's classification references' --mixup-alpha, --cutmix-alpha,
+# --clip-grad-norm): MixUp and CutMix make soft labels (B, classes) for the loss above.
+
+def make_batch_mix(args, num_classes):
+    """torchvision's v2.MixUp and/or v2.CutMix for training batches (x float (B, C, H, W), labels
+    int64 (B,)) -> (mixed x, soft labels float (B, classes)); one of the two per batch when both
+    are on (v2.RandomChoice, as the references do); None when neither. They draw from torch's
+    global CPU generator, which the loop seeds per epoch and rank and keeps in a mid-epoch
+    checkpoint: a resumed run repeats each draw."""
+    if not (args.mixup_alpha or args.cutmix_alpha):
+        return None
+    # Here, not at the top: importing torchvision costs 2 s per process, paid only when asked for.
+    from torchvision.transforms import v2
+    mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes)] if args.mixup_alpha else []) + (
+        [v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes)] if args.cutmix_alpha else [])
+    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+BATCH_SETTINGS = ("mixup_alpha", "cutmix_alpha", "clip_grad_norm")  # named in the start-up block and the metrics
+
+
+def batch_settings(args):
+    """{flag: value} of the batch-level settings that are on: the start-up block's
+    "Regularization" line and a field of every metrics record."""
+    return {name: getattr(args, name) for name in BATCH_SETTINGS if getattr(args, name)}
+
+
+# ---------------------------------------------------------------------------------------------
 # The learning-rate schedule, stepped once per optimizer step.
 
 def lr_factor(step, total_steps, warmup_steps, schedule):
@@ -224,6 +252,17 @@ def add_arguments(parser):
                         help="label smoothing of the training loss (fraction of probability mass); "
                              "the reported validation loss is plain cross-entropy")
     add_augment_argument(recipe)
+    recipe.add_argument("--mixup-alpha", metavar="ALPHA", type=non_negative_float, default=0.0,
+                        help="MixUp: each training batch blended with itself shifted by one image, the weight drawn "
+                             "from Beta(ALPHA, ALPHA) per batch, labels blended alike (torchvision's v2.MixUp; the "
+                             "references use 0.2); 0 = off")
+    recipe.add_argument("--cutmix-alpha", metavar="ALPHA", type=non_negative_float, default=0.0,
+                        help="CutMix: a box of each training image replaced by the next image's, its area fraction "
+                             "from Beta(ALPHA, ALPHA) per batch, labels mixed by area (v2.CutMix; the references use "
+                             "1.0); with --mixup-alpha, one of the two per batch; 0 = off")
+    recipe.add_argument("--clip-grad-norm", metavar="NORM", type=positive_float, default=None,
+                        help="clip the gradients' total L2 norm over all parameters to NORM before each optimizer "
+                             "step (after unscaling under --precision fp16); default: no clipping")
 
 
 def add_augment_argument(group):

@@ -177,6 +177,9 @@ def train_step(run, x, y):
                 loss = loss / parts if parts > 1 else loss  # the mean over all B images (no kernel when N is 1)
             run.scaler.scale(loss).backward()
         total = total + loss.detach()
+    if run.args.clip_grad_norm:  # of the true gradients: unscaled first under fp16 (a no-op otherwise)
+        run.scaler.unscale_(run.optimizer)
+        nn.utils.clip_grad_norm_(run.module.parameters(), run.args.clip_grad_norm)  # no host sync
     run.scaler.step(run.optimizer)     # fp16: skipped when a gradient overflowed
     run.scaler.update()
     run.scheduler.step()
@@ -197,6 +200,10 @@ def train_steps(run, batches, state):
         # (B, C, H, W), (B,). Asynchronous from pinned memory; no-ops for the device loader.
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
+        if run.mix:  # recipe.py's MixUp/CutMix: labels become soft (B, classes)
+            # Drawn from the CPU's global generator: seeded per epoch and rank, and in a mid-epoch checkpoint.
+            x, y = run.mix(x, y)
+            x = x.contiguous(memory_format=run.memory_format)  # the model's layout again
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
         try:
             loss = train_step(run, x, y)
@@ -322,6 +329,8 @@ class Run:
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
     monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
+    mix: object = None     # recipe.make_batch_mix: (x, labels) -> (x, soft labels), or None
+    regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
 
 def prepare_run(task, args, ctx, continuing=False, clock=None):
@@ -342,7 +351,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
               else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
-                                describe_optimizer(optimizer), describe_loss(loss_fn)))
+                                describe_optimizer(optimizer), describe_loss(loss_fn), recipe.batch_settings(args)))
     for line in header:
         log.info(line)
     if ctx.process_group:
@@ -367,7 +376,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
-                               continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps))
+                               continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps),
+              mix=recipe.make_batch_mix(args, len(task.data.classes)), regularization=recipe.batch_settings(args))
     return run, state, rng_state
 
 

@@ -22,6 +22,9 @@ from train_utils import parse_args
 
 RUN = (*TINY_MODEL, "--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "8",
        "--checkpoint-interval", "0", "--num-workers", "0", "--log-interval", "0")
+# The torchvision references' batch-level flags, all together.
+REFERENCES = ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1.0")
+REFERENCES_RECORDED = {"mixup_alpha": 0.2, "cutmix_alpha": 1.0, "clip_grad_norm": 1.0}
 
 
 def recipe_docs_snippet(name):
@@ -56,20 +59,24 @@ def ddp(*args):
 
 # Under DDP AdamW only: the signal to one rank, the agreement and the bitwise resume are the same
 # machinery for every optimizer (SGD under DDP: test_resilience.py), and SGD's own state is sgd-1's.
-@pytest.mark.parametrize("optimizer, launcher", [("sgd", single), ("adamw", single), ("rmsprop", single),
-                                                 ("adamw", ddp)],
-                         ids=["sgd-1", "adamw-1", "rmsprop-1", "adamw-2"])
-def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, tmp_path, optimizer, launcher):
+# AdamW runs with the references' MixUp, CutMix and clipping: each step's draw is resumed too.
+@pytest.mark.parametrize("optimizer, launcher, extra", [("sgd", single, ()), ("adamw", single, REFERENCES),
+                                                        ("rmsprop", single, ()), ("adamw", ddp, REFERENCES)],
+                         ids=["sgd-1", "adamw-1-references", "rmsprop-1", "adamw-2-references"])
+def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, tmp_path, optimizer, launcher,
+                                                                       extra):
     names = {"sgd": "SGD", "adamw": "AdamW", "rmsprop": "RMSprop"}
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     outputs = []
     for folder in (reference, stopped):
         shutil.copytree(project, folder)
-        outputs.append(("--optimizer", optimizer, "--checkpoint-dir", folder / "ckpt", "--metrics-file",
+        outputs.append(("--optimizer", optimizer, *extra, "--checkpoint-dir", folder / "ckpt", "--metrics-file",
                         folder / "m.jsonl", "--save-weights", folder / "w.pt"))
     whole = run(launcher(*RUN, *outputs[0]), cwd=reference)
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
+    said = "Regularization: --mixup-alpha 0.2, --cutmix-alpha 1, --clip-grad-norm 1"
+    assert (said in whole.stdout.splitlines()) == bool(extra)
 
     go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
     process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
@@ -89,9 +96,39 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     records = read_metrics(stopped / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2, 3] and {r["optimizer"] for r in records} == {names[optimizer]}
     assert records[-1]["augment"] == ["flip", "pad_crop"] and records[-1]["loss"] == "CrossEntropyLoss"
+    assert records[-1]["regularization"] == (REFERENCES_RECORDED if extra else {})
     compared = ("train_loss", "val_loss", "val_accuracy", "lr")
     assert [[r[k] for k in compared] for r in records] == [[r[k] for k in compared]
                                                            for r in read_metrics(reference / "m.jsonl")]
+
+
+def test_mixup_and_cutmix_are_torchvisions_and_each_draw_is_its_seeds():
+    """MixUp blends each image with the one before it (v2.MixUp), CutMix pastes a box of it
+    (v2.CutMix), both into soft labels that sum to 1; one of the two per batch when both are
+    on; the global generator's state decides the draw."""
+    def seeded(seed, mix):
+        torch.manual_seed(seed)
+        return mix(x, y)
+
+    x, y = torch.rand(6, 3, 8, 8), torch.arange(6)
+    mixup = recipe.make_batch_mix(parse_args("x", ["--mixup-alpha", "0.2"]), 10)
+    mixed, soft = seeded(5, mixup)
+    lam = soft[0, 0]  # image 0's own label's weight; the rest is image 5's (rolled by one)
+    assert torch.allclose(mixed, lam * x + (1 - lam) * x.roll(1, 0)) and 0 < lam < 1
+    assert torch.allclose(soft.sum(1), torch.ones(6)) and torch.allclose(soft[0, 5], 1 - lam)
+    assert torch.equal(mixed, seeded(5, mixup)[0]) and not torch.equal(mixed, seeded(6, mixup)[0])
+
+    cutmix = recipe.make_batch_mix(parse_args("x", ["--cutmix-alpha", "1.0"]), 10)
+    pasted, soft = seeded(3, cutmix)
+    from_next = (pasted != x).any(1)  # (B, H, W): pixels that came from the image before
+    assert torch.equal(pasted, torch.where(from_next[:, None], x.roll(1, 0), x))
+    assert torch.allclose(from_next.float().mean((1, 2)), 1 - soft[torch.arange(6), y])  # by area
+
+    both = recipe.make_batch_mix(parse_args("x", ["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]), 10)
+    kinds = {bool((seeded(s, both)[0] == x).any()) for s in range(12)}
+    assert kinds == {True, False}  # some batches pasted (pixels of their own left), some blended
+    assert recipe.make_batch_mix(parse_args("x", []), 10) is None
+    assert recipe.batch_settings(parse_args("x", ["--clip-grad-norm", "2"])) == {"clip_grad_norm": 2.0}
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():

@@ -251,6 +251,17 @@ def _train_two_steps(extra):
     return run, done.loss_sum
 
 
+def test_clip_grad_norm_bounds_the_gradients_each_step_applies():
+    """--clip-grad-norm: the gradients the last optimizer step used (kept until the next
+    step's zero_grad) have at most that total norm; without it, far more here."""
+    def norm(run):
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.module.parameters()
+                                                     if p.grad is not None]))
+    clipped, _ = _train_two_steps(["--clip-grad-norm", "0.001"])
+    free, _ = _train_two_steps([])
+    assert norm(clipped) <= 0.001 * (1 + 1e-5) < 0.01 < norm(free)
+
+
 def test_compiled_training_matches_eager_with_a_parameter_that_gets_no_gradient():
     """One process, --compile: the DDP-only check of unused parameters looks at the module
     under the compiled wrapper, not at the wrapper (which it once took for DDP)."""
