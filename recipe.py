@@ -24,11 +24,13 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
 
 RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
 DEFAULT_WARMUP_EPOCHS = 2.0
+DEFAULT_EMA_DECAY, DEFAULT_EMA_STEPS = 0.99, 32  # --model-ema: a half-life of 2,207 steps, 11 CIFAR epochs at 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,13 +97,39 @@ def make_batch_mix(args, num_classes):
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 
+def make_model_ema(model, args):
+    """--model-ema: torch.optim.swa_utils.AveragedModel, an exponential moving average of the
+    weights and buffers of ``model`` (the plain module, not its DDP wrapper), which the loop
+    updates every --model-ema-steps optimizer steps; None without the flag. Validation,
+    checkpoints' weights and --save-weights are then the average's."""
+    if not args.model_ema:
+        return None
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.model_ema_decay), use_buffers=True)
+
+
 BATCH_SETTINGS = ("mixup_alpha", "cutmix_alpha", "clip_grad_norm")  # named in the start-up block and the metrics
+
+
+def describe_regularization(args, steps_per_epoch):
+    """The start-up block's words for the batch-level settings that are on ('' for none), with
+    the model EMA's half-life derived once, in optimizer steps and epochs."""
+    parts = [f"--{name.replace('_', '-')} {value:g}" for name, value in batch_settings(args).items()
+             if not name.startswith("model_ema")]
+    if args.model_ema:
+        half = math.log(0.5) / math.log(args.model_ema_decay) * args.model_ema_steps  # optimizer steps
+        parts.append(f"model EMA (decay {args.model_ema_decay:g} every {args.model_ema_steps} steps: half-life "
+                     f"{half:,.0f} steps, {half / steps_per_epoch:.1f} epochs; validation, checkpoints' weights and "
+                     "--save-weights are the average's)")
+    return ", ".join(parts)
 
 
 def batch_settings(args):
     """{flag: value} of the batch-level settings that are on: the start-up block's
     "Regularization" line and a field of every metrics record."""
-    return {name: getattr(args, name) for name in BATCH_SETTINGS if getattr(args, name)}
+    settings = {name: getattr(args, name) for name in BATCH_SETTINGS if getattr(args, name)}
+    if args.model_ema:
+        settings.update(model_ema_decay=args.model_ema_decay, model_ema_steps=args.model_ema_steps)
+    return settings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +291,17 @@ def add_arguments(parser):
     recipe.add_argument("--clip-grad-norm", metavar="NORM", type=positive_float, default=None,
                         help="clip the gradients' total L2 norm over all parameters to NORM before each optimizer "
                              "step (after unscaling under --precision fp16); default: no clipping")
+    recipe.add_argument("--model-ema", action="store_true",
+                        help="keep an exponential moving average of the weights (torch.optim.swa_utils."
+                             "AveragedModel, as the references): validation, checkpoints' weights and --save-weights "
+                             "are the average's")
+    recipe.add_argument("--model-ema-decay", metavar="DECAY", type=below_one, default=None,
+                        help=f"--model-ema: the average keeps DECAY of itself at each update (default "
+                             f"{DEFAULT_EMA_DECAY:g}; the start-up block gives the half-life in steps and epochs)")
+    recipe.add_argument("--model-ema-steps", metavar="STEPS", type=positive_int, default=None,
+                        help=f"--model-ema: optimizer steps between updates of the average (default "
+                             f"{DEFAULT_EMA_STEPS}, the references'; each update waits for the GPU once: "
+                             "AveragedModel reads its count)")
 
 
 def add_augment_argument(group):
@@ -293,6 +332,15 @@ def check_arguments(args, error):
                 error(f"--{flag} applies to --optimizer sgd, not {args.optimizer}")
     args.base_lr = choice.base_lr if args.base_lr is None else args.base_lr
     args.weight_decay = choice.weight_decay if args.weight_decay is None else args.weight_decay
+    if args.model_ema:
+        args.model_ema_decay = DEFAULT_EMA_DECAY if args.model_ema_decay is None else args.model_ema_decay
+        args.model_ema_steps = args.model_ema_steps or DEFAULT_EMA_STEPS
+        if args.model_ema_decay == 0:
+            error("--model-ema-decay 0 keeps nothing of the average: give a decay between 0 and 1, or drop --model-ema")
+    else:
+        for flag in ("model_ema_decay", "model_ema_steps"):
+            if getattr(args, flag) is not None:
+                error(f"--{flag.replace('_', '-')} applies to --model-ema, which is not given")
     if args.warmup_epochs is None:  # the default: a shorter run (a smoke test) warms up part of the way
         args.warmup_epochs = DEFAULT_WARMUP_EPOCHS
     elif args.warmup_epochs > args.epochs:

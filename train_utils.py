@@ -13,7 +13,6 @@ augmentations from recipe.py. Only global rank 0 prints and writes files.
 from __future__ import annotations  # Run names Precision and friends in its annotations
 
 import argparse
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, rng_snapshot
-from engine.step_totals import LossBooks
+from engine.step_totals import LossBooks, eval_summary
 from engine.stopping import StopRequests
 from engine.task import Task
 from engine.weights import check_state_fits, save_trained_weights
@@ -90,7 +89,7 @@ def fit(task, args, ctx):
                      f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
                      f"run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
-        run.log.info(from_rank0(lambda: save_trained_weights(run.module, args.save_weights, task.weights_metadata(),
+        run.log.info(from_rank0(lambda: save_trained_weights(run.evaluated, args.save_weights, run.weights_metadata(),
                                                              final), ctx.control_group))
     return state.records
 
@@ -143,7 +142,8 @@ def run_epoch(run, state, rng_state=None):
         if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
-    broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
+    for model in dict.fromkeys((run.module, run.evaluated)):  # evaluate exactly the model rank 0 holds (and saves)
+        broadcast_buffers(model)
     result = evaluate(run, run.task.test_loader, f"Evaluation after epoch {state.epoch}")
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
                           time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device))
@@ -214,6 +214,8 @@ def train_steps(run, batches, state):
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
+        if run.ema and run.scheduler.last_epoch % run.args.model_ema_steps == 0:  # every N optimizer steps
+            run.ema.update_parameters(run.module)  # one host sync: AveragedModel reads its count
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
@@ -235,10 +237,11 @@ def train_steps(run, batches, state):
 def evaluate(run, loader, label="Evaluation"):
     """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
 
-    Runs the unwrapped, uncompiled model: a DDP forward may broadcast buffers, a collective
-    that would hang when the shards have different numbers of batches.
+    Runs the unwrapped, uncompiled model (or its --model-ema average): a DDP forward may
+    broadcast buffers, a collective that would hang when the shards have different numbers of
+    batches.
     """
-    model, device, precision = run.module, run.ctx.device, run.precision
+    model, device, precision = run.evaluated, run.ctx.device, run.precision
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [correct, loss sum, images]
     count = 0  # images, on the host too: for progress lines
@@ -330,7 +333,18 @@ class Run:
     stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
     monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
     mix: object = None     # recipe.make_batch_mix: (x, labels) -> (x, soft labels), or None
+    ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
+
+    @property
+    def evaluated(self):
+        """The model that validation evaluates and --save-weights writes: the average with --model-ema."""
+        return self.ema.module if self.ema else self.module
+
+    def weights_metadata(self):
+        """What the evaluated weights were trained on, and (--model-ema) that they are an average."""
+        ema = {"model_ema": recipe.batch_settings(self.args)} if self.ema else {}
+        return {**self.task.weights_metadata(), **ema}
 
 
 def prepare_run(task, args, ctx, continuing=False, clock=None):
@@ -351,7 +365,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
               else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
-                                describe_optimizer(optimizer), describe_loss(loss_fn), recipe.batch_settings(args)))
+                                describe_optimizer(optimizer), describe_loss(loss_fn),
+                                recipe.describe_regularization(args, steps)))
     for line in header:
         log.info(line)
     if ctx.process_group:
@@ -362,8 +377,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
+    ema = None if args.eval_only else recipe.make_model_ema(module, args)
     if continuing:
-        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
+        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor)
     else:
         if args.resume == "auto":
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
@@ -377,11 +393,12 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
                                continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps),
-              mix=recipe.make_batch_mix(args, len(task.data.classes)), regularization=recipe.batch_settings(args))
+              mix=recipe.make_batch_mix(args, len(task.data.classes)), ema=ema,
+              regularization=recipe.batch_settings(args))
     return run, state, rng_state
 
 
-def resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor):
+def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor):
     """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
     continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
     --epochs extends its LR schedule by a warm restart."""
@@ -399,7 +416,7 @@ def resume(task, args, ctx, log, optimizer, scaler, checkpointer, steps, factor)
         log.info(describe_extension(planned, args, Cycle(*cycles[-1]), steps))
     scheduler = make_scheduler(optimizer, cycles, factor)
     kernels = kernel_choices(optimizer)
-    state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx)
+    state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
     state.lr_cycles = [list(c) for c in cycles]
     fit_optimizer_to_params(optimizer, kernels)
     checkpointer.loaded(scheduler.last_epoch)  # that checkpoint need not be written again
@@ -425,16 +442,3 @@ def target_reached(history, target, patience):
     """True when the last ``patience`` validation accuracies are all >= ``target``."""
     return len(history) >= patience and all(acc >= target for acc in history[-patience:])
 
-
-@dataclass(frozen=True)
-class EvalResult:
-    accuracy: float  # fraction of test images classified correctly
-    loss: float      # mean cross-entropy per image
-    samples: int     # test images seen, summed over all ranks
-
-
-def eval_summary(correct, loss_sum, count):
-    """Metrics from sums over all ranks: each image weighs the same, however uneven the shards."""
-    if count <= 0:
-        return EvalResult(math.nan, math.nan, 0)
-    return EvalResult(correct / count, loss_sum / count, int(count))

@@ -27,7 +27,7 @@ from engine.files import atomic_save
 from engine.folder_lock import FolderLock
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
-from engine.weights import check_weights_target, with_model_file
+from engine.weights import MODEL_EMA, check_weights_target, with_model_file
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 
@@ -252,11 +252,14 @@ def smaller_steps_hint(saved_batch, batch, accumulate):
             f"{accumulate * saved_batch // batch}")
 
 
-def restore(checkpoint, module, optimizer, scheduler, scaler, ctx):
-    """Load model, optimizer, schedule and scaler from ``checkpoint``; returns its TrainState
-    and this rank's RNG states (None when it was saved at an epoch boundary or by another
-    number of ranks)."""
+def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):
+    """Load model, optimizer, schedule, scaler and the model's moving average ``ema`` (an
+    AveragedModel, or None) from ``checkpoint``; returns its TrainState and this rank's RNG
+    states (None when it was saved at an epoch boundary or by another number of ranks)."""
     module.load_state_dict(checkpoint["model"])
+    if ema is not None:
+        ema.module.load_state_dict(checkpoint[MODEL_EMA])
+        ema.n_averaged.fill_(checkpoint["model_ema_updates"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])
@@ -318,8 +321,9 @@ class Checkpointer:
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
-                             "task": with_model_file(run.task.weights_metadata(), path),
-                             "world_size": run.ctx.world_size}, path, "checkpoint")
+                             "task": with_model_file(run.weights_metadata(), path), "world_size": run.ctx.world_size,
+                             **({MODEL_EMA: run.ema.module.state_dict(), "model_ema_updates": int(run.ema.n_averaged)}
+                                if run.ema else {})}, path, "checkpoint")
             except ResourceProblem as err:
                 state.checkpoints = [name for name in kept[:-1] if (self.directory / name).exists()]
                 newest = state.checkpoints[-1] if state.checkpoints else None

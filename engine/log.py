@@ -160,11 +160,11 @@ class Progress:
 # Start-up block, epoch lines, summary.
 
 def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
-                 optimizer="", loss="", regularization=None):
+                 optimizer="", loss="", regularization=""):
     """The derived values, printed once at the start of training (``task``: the task.Task;
     ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
     is resumed; ``optimizer``, ``loss``: what runs, described from the objects;
-    ``regularization``: {flag: value} of the recipe's batch-level settings that are on)."""
+    ``regularization``: the recipe's words for its batch-level settings that are on)."""
     data = task.data
     workers = task.train_loader.num_workers
     loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
@@ -183,8 +183,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"Weights: {describe_weights(args, continuing, task.weights_note)}",
         f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
         f"{args.lr_schedule}",
-        *(["Regularization: " + ", ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in
-                                          regularization.items())] if regularization else []),
+        *([f"Regularization: {regularization}"] if regularization else []),
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
           if args.warmup_epochs > args.epochs else []),

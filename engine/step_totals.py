@@ -1,8 +1,10 @@
 """What the training steps of an epoch add up to: the loss and the images, and the first step
 whose loss was not finite, kept on the device so that no step waits for the GPU, and summed
-over the ranks once, at the end of the epoch (or at a stop).
+over the ranks once, at the end of the epoch (or at a stop); and an evaluation's metrics from
+its sums over the ranks.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -44,3 +46,16 @@ class LossBooks:
         loss_total, images_total, first_bad = torch.cat([all_reduce(self.sums.clone()), first_bad[None]]).tolist()
         first_bad = int(first_bad)
         return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)
+
+
+class EvalResult(NamedTuple):
+    accuracy: float  # fraction of test images classified correctly
+    loss: float      # mean cross-entropy per image
+    samples: int     # test images seen, summed over all ranks
+
+
+def eval_summary(correct, loss_sum, count):
+    """Metrics from sums over all ranks: each image weighs the same, however uneven the shards."""
+    if count <= 0:
+        return EvalResult(math.nan, math.nan, 0)
+    return EvalResult(correct / count, loss_sum / count, int(count))

@@ -20,6 +20,7 @@ WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._m
 WRITTEN_FROM = "checkpoint_dir"  # in that metadata: the checkpoint folder of the run that wrote it, resolved
 MODEL_FILE = "model_file"  # in that metadata: the absolute path of --model FILE.py:NAME's file
 MODEL_FILE_NEAR = "model_file_near"  # and that path relative to the weights file's folder
+MODEL_EMA = "model_ema"  # in a checkpoint of a --model-ema run: the average's state_dict, its weights
 
 
 class SavedWeights(NamedTuple):
@@ -137,7 +138,7 @@ def read_weights(path, flag="--weights", mmap=False):
         metadata = state.get("task") or state.get("data") or {}  # "data": checkpoints before "task" existed
         if "model" not in metadata and state.get("model_key"):
             metadata = {**metadata, "model": state["model_key"]}
-        state = state["model"]
+        state = state.get(MODEL_EMA) or state["model"]  # --model-ema: the average is the trained model
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise UserError(f"{flag} {path} holds a {type(state).__name__} that is not a state_dict (names -> tensors)")
     metadata = getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, metadata)

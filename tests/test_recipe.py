@@ -23,8 +23,10 @@ from train_utils import parse_args
 RUN = (*TINY_MODEL, "--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "8",
        "--checkpoint-interval", "0", "--num-workers", "0", "--log-interval", "0")
 # The torchvision references' batch-level flags, all together.
-REFERENCES = ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1.0")
-REFERENCES_RECORDED = {"mixup_alpha": 0.2, "cutmix_alpha": 1.0, "clip_grad_norm": 1.0}
+REFERENCES = ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1.0", "--model-ema",
+              "--model-ema-steps", "3")
+REFERENCES_RECORDED = {"mixup_alpha": 0.2, "cutmix_alpha": 1.0, "clip_grad_norm": 1.0, "model_ema_decay": 0.99,
+                       "model_ema_steps": 3}
 
 
 def recipe_docs_snippet(name):
@@ -59,7 +61,8 @@ def ddp(*args):
 
 # Under DDP AdamW only: the signal to one rank, the agreement and the bitwise resume are the same
 # machinery for every optimizer (SGD under DDP: test_resilience.py), and SGD's own state is sgd-1's.
-# AdamW runs with the references' MixUp, CutMix and clipping: each step's draw is resumed too.
+# AdamW runs with the references' MixUp, CutMix, clipping and model EMA: each step's draw and the
+# average (the weights compared) are resumed too.
 @pytest.mark.parametrize("optimizer, launcher, extra", [("sgd", single, ()), ("adamw", single, REFERENCES),
                                                         ("rmsprop", single, ()), ("adamw", ddp, REFERENCES)],
                          ids=["sgd-1", "adamw-1-references", "rmsprop-1", "adamw-2-references"])
@@ -75,8 +78,10 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     whole = run(launcher(*RUN, *outputs[0]), cwd=reference)
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
-    said = "Regularization: --mixup-alpha 0.2, --cutmix-alpha 1, --clip-grad-norm 1"
-    assert (said in whole.stdout.splitlines()) == bool(extra)
+    said = ("Regularization: --mixup-alpha 0.2, --cutmix-alpha 1, --clip-grad-norm 1, model EMA (decay 0.99 every 3 "
+            "steps: half-life 207 steps, 51.7 epochs; validation, checkpoints' weights and --save-weights are the "
+            "average's)")
+    assert (said in whole.stdout.splitlines()) == bool(extra), whole.stdout
 
     go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
     process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))

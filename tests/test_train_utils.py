@@ -16,7 +16,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import device_loader, flags, lr_schedule, optimizers, precision, processes
+from engine import device_loader, flags, lr_schedule, optimizers, precision, processes, step_totals
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -91,6 +91,11 @@ BAD_FLAGS = {
     "--model my_net.py:2x": "--model: 'my_net.py:2x' is not FILE.py:NAME or module:NAME",
     "--augment rotate": "--augment: invalid choice: 'rotate'",
     "--dataset my_data.py:make --synthetic": "--synthetic makes random data of a built-in data set's shape",
+    "--model-ema-decay 0.9": "--model-ema-decay applies to --model-ema, which is not given",
+    "--model-ema --model-ema-decay 0": "--model-ema-decay 0 keeps nothing of the average",
+    "--model-ema --model-ema-steps 0": "--model-ema-steps: '0' is not a positive integer",
+    "--mixup-alpha -1": "--mixup-alpha: '-1' is not a number >= 0",
+    "--clip-grad-norm 0": "--clip-grad-norm: '0' is not a positive number",
 }
 
 
@@ -161,9 +166,9 @@ def test_eval_summary_weighs_every_image_equally():
     # Two shards of 5 and 4 images: the mean of per-shard accuracies would be wrong.
     shards = [(5, 10.0, 5), (0, 8.0, 4)]
     totals = [sum(values) for values in zip(*shards)]
-    result = tu.eval_summary(*totals)
-    assert result == tu.EvalResult(accuracy=5 / 9, loss=2.0, samples=9)
-    assert math.isnan(tu.eval_summary(0, 0, 0).accuracy)
+    result = step_totals.eval_summary(*totals)
+    assert result == step_totals.EvalResult(accuracy=5 / 9, loss=2.0, samples=9)
+    assert math.isnan(step_totals.eval_summary(0, 0, 0).accuracy)
 
 
 def test_precision_on_cpu():
@@ -189,6 +194,10 @@ def test_weights_round_trip_and_wrapped_prefixes(tmp_path):
     # A state_dict saved from a DDP-wrapped model ('module.' prefixes) loads too.
     torch.save({"model": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
     weights_file.load_weights(WideResNet(num_classes=100), path)
+    # The checkpoint of a --model-ema run: its weights are the average's.
+    average = {k: v + 1 if v.is_floating_point() else v for k, v in source.state_dict().items()}
+    torch.save({"model": source.state_dict(), "model_ema": average}, path)
+    assert all(torch.equal(v, average[k]) for k, v in weights_file.read_weights(path).state.items())
 
 
 def test_weights_that_do_not_fit_are_refused(tmp_path):
@@ -233,8 +242,8 @@ def test_fast_settings_by_default():
     assert tu.parse_args("test", ["--loader", "torchvision"]).loader == "torchvision"
 
 
-def _train_two_steps(extra):
-    """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
+def _small_run(extra):
+    """(run, state, training loader) of a small convolutional model on 16 images, batches of 8."""
     rng = np.random.default_rng(0)
     data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16))
     args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *extra])
@@ -246,9 +255,38 @@ def _train_two_steps(extra):
     info = DataInfo("cifar100", "test images", "test images", tuple(map(str, range(100))), data.prep, {})
     task = Task(model, "a small CNN", "test:cnn", train_loader, test_loader, info, "device", "--loader")
     run, state, _ = tu.prepare_run(task, args, single_process_context())
+    return run, state, train_loader
+
+
+def _train_two_steps(extra):
+    """Two steps of a small convolutional model through the real loop; returns (run, loss sum)."""
+    run, state, train_loader = _small_run(extra)
     done = tu.train_steps(run, iter(train_loader), state)
     assert done.images == 16
     return run, done.loss_sum
+
+
+def test_model_ema_is_the_average_of_the_weights_every_n_steps():
+    """--model-ema: AveragedModel updated after every --model-ema-steps-th optimizer step, its
+    first update a copy; validation and --save-weights take the average."""
+    run, state, loader = _small_run(["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.5"])
+    batches = list(loader)  # 2 batches
+
+    def floats(model):
+        return {k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    tu.train_steps(run, batches[:1], state)  # step 1: no update
+    assert int(run.ema.n_averaged) == 0
+    tu.train_steps(run, batches[1:], state)  # step 2: the first update copies the model
+    assert int(run.ema.n_averaged) == 1 and floats(run.ema.module).keys() == floats(run.module).keys()
+    assert all(torch.equal(v, floats(run.module)[k]) for k, v in floats(run.ema.module).items())
+    after_two = floats(run.module)
+    tu.train_steps(run, batches, state)  # steps 3 and 4: one update, half the old average, half the model
+    now, average = floats(run.module), floats(run.ema.module)
+    assert all(torch.allclose(average[k], 0.5 * after_two[k] + 0.5 * now[k]) for k in now)
+    assert not all(torch.equal(average[k], now[k]) for k in now)
+    assert run.evaluated is run.ema.module and run.weights_metadata()["model_ema"] == {"model_ema_decay": 0.5,
+                                                                                      "model_ema_steps": 2}
 
 
 def test_clip_grad_norm_bounds_the_gradients_each_step_applies():
