@@ -36,13 +36,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
 from engine.device_loader import (DeviceLoader, Preprocessing, model_view, normalization, normalize,
-                                  trained_preprocessing)
+                                  trained_preprocessing, transformed)
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
@@ -50,6 +50,7 @@ from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fix
 from engine.image_folder import channel_stats
 from engine.log import count, flag_value
 from engine.processes import available_cores, from_rank0
+from engine.samplers import AugmentSampler, ShardSampler
 from engine.task import DataInfo, data_fingerprint
 from engine.plugins import plugin_key
 from engine.splits import check_labels, describe_split, held_out_record, stratified_split
@@ -131,50 +132,13 @@ class InMemoryImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, key):
-        index, rand = key if isinstance(key, tuple) else (key, None)
+        index, rand, seed = (*key, None)[:3] if isinstance(key, tuple) else (key, None, None)
         row = index if self.rows is None else self.rows[index]
         image = torch.from_numpy(np.array(self.source[row]))[None]  # (1, H, W, C): a copy, out of the memory map
         image = model_view(image, None if rand is None else torch.tensor(rand, dtype=torch.float64)[None], self.prep)
+        if seed is not None:  # recipe.image_transforms, training images only
+            image = transformed(image, self.prep.per_image, seed)
         return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
-
-
-class AugmentSampler(Sampler):
-    """The indices of ``sampler``, as (index, random numbers) keys for InMemoryImages: each
-    image's numbers of the epoch (Preprocessing.randoms), drawn at the start of the epoch in
-    one call, so persistent workers, which never see ``set_epoch``, need no RNG of their own."""
-
-    def __init__(self, sampler, size, seed, prep):
-        self.sampler, self.size, self.seed, self.prep, self.epoch = sampler, size, seed, prep, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        rand = self.prep.randoms(self.size, self.seed, self.epoch).tolist()  # (size, ops, RANDOM_PER_OP)
-        return ((index, rand[index]) for index in self.sampler)
-
-    def __len__(self):
-        return len(self.sampler)
-
-
-class ShardSampler(Sampler):
-    """Indices rank, rank + world_size, ...: across all ranks every index exactly once.
-
-    Unlike DistributedSampler it never pads the shards with repeated samples, so an
-    evaluation summed over ranks counts each test image once. Shards may differ in length
-    by one: evaluation only all-reduces sums, so that is fine.
-    """
-
-    def __init__(self, length, rank=0, world_size=1):
-        self.indices = range(rank, length, world_size)
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self):
-        return len(self.indices)
 
 
 def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100, augment="auto",
@@ -238,6 +202,15 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
     return (DataLoader(train_set, sampler=augmented, drop_last=True, generator=torch.Generator().manual_seed(seed),
                        **common),
             DataLoader(test_set, sampler=test_sampler, **common))
+
+
+def with_image_transforms(train_set, transforms):
+    """(``train_set`` whose DataLoader items get ``transforms`` (recipe.image_transforms: a
+    v2.Compose, or None) per image, those transforms in words for --loader's choice, or None)."""
+    if not transforms:
+        return train_set, None
+    names = ", ".join(type(transform).__name__ for transform in transforms.transforms)
+    return train_set.with_prep(replace(train_set.prep, per_image=transforms)), f"recipe.py's per-image {names}"
 
 
 def ignore_ctrl_c(worker_id):

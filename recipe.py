@@ -79,22 +79,75 @@ def make_loss(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# On the whole batch (torchvision's classification references' --mixup-alpha, --cutmix-alpha,
-# --clip-grad-norm): MixUp and CutMix make soft labels (B, classes) for the loss above.
+# Per image, in the DataLoader's workers (--loader torchvision): torchvision.transforms.v2, as
+# torchvision's presets.py lists them. They run after --augment's operations below, on each
+# uint8 image (C, H, W), before normalization; each image's draws are seeded by (--seed, epoch,
+# index), so a resumed run repeats them. The device loader works on whole batches and refuses
+# them in one line; --loader auto then takes the DataLoader.
 
-def make_batch_mix(args, num_classes):
-    """torchvision's v2.MixUp and/or v2.CutMix for training batches (x float (B, C, H, W), labels
-    int64 (B,)) -> (mixed x, soft labels float (B, classes)); one of the two per batch when both
-    are on (v2.RandomChoice, as the references do); None when neither. They draw from torch's
-    global CPU generator, which the loop seeds per epoch and rank and keeps in a mid-epoch
-    checkpoint: a resumed run repeats each draw."""
-    if not (args.mixup_alpha or args.cutmix_alpha):
+AUTO_AUGMENT = {"ta_wide": "TrivialAugmentWide", "ra": "RandAugment", "augmix": "AugMix"}  # torchvision's names
+
+
+def image_transforms(args):
+    """The per-image transforms (a v2.Compose), or None: add any v2 transform to the list, e.g.
+    v2.ColorJitter(0.4, 0.4, 0.4) (docs/recipe.md)."""
+    if not args.auto_augment:
         return None
     # Here, not at the top: importing torchvision costs 2 s per process, paid only when asked for.
     from torchvision.transforms import v2
-    mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes)] if args.mixup_alpha else []) + (
-        [v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes)] if args.cutmix_alpha else [])
-    return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+    return v2.Compose([getattr(v2, AUTO_AUGMENT[args.auto_augment])()])
+
+
+# ---------------------------------------------------------------------------------------------
+# On the whole batch, on its device, after normalization (torchvision's references'
+# --random-erase, --mixup-alpha, --cutmix-alpha; --clip-grad-norm is the loop's): MixUp and
+# CutMix make soft labels (B, classes) for the loss above.
+
+ERASE_SCALE = (0.02, 0.33)  # the erased box's share of the image's area (RandomErasing's defaults)
+ERASE_RATIO = (0.3, 3.3)    # its aspect ratio, height / width, uniform in log
+
+
+def random_erase(images, p):
+    """torchvision's RandomErasing(p, scale=ERASE_SCALE, ratio=ERASE_RATIO, value=0) on a batch
+    of normalized images (B, C, H, W), a box of its own for each image. Where torchvision tries
+    up to 10 boxes for one that fits, this tries one: a box taller or wider than the image
+    erases nothing. Its numbers come from the device's generator: no host sync, and a
+    mid-epoch checkpoint keeps them."""
+    batch, _, height, width = images.shape
+    u = torch.rand(batch, 5, device=images.device)  # (B, 5): erase?, area, aspect, top, left
+    area = height * width * (ERASE_SCALE[0] + (ERASE_SCALE[1] - ERASE_SCALE[0]) * u[:, 1])
+    aspect = ERASE_RATIO[0] * (ERASE_RATIO[1] / ERASE_RATIO[0]) ** u[:, 2]
+    box_h, box_w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()  # (B,) pixels
+    erased = (u[:, 0] < p) & (box_h < height) & (box_w < width)
+    top, left = (u[:, 3] * (height - box_h + 1)).floor(), (u[:, 4] * (width - box_w + 1)).floor()
+    rows = torch.arange(height, device=images.device)[None]  # (1, H)
+    cols = torch.arange(width, device=images.device)[None]  # (1, W)
+    in_rows = (rows >= top[:, None]) & (rows < (top + box_h)[:, None])  # (B, H)
+    in_cols = (cols >= left[:, None]) & (cols < (left + box_w)[:, None])  # (B, W)
+    box = in_rows[:, :, None] & in_cols[:, None, :] & erased[:, None, None]  # (B, H, W)
+    return images.masked_fill(box[:, None], 0.0)
+
+
+def make_batch_transform(args, num_classes):
+    """What happens to each training batch (x float (B, C, H, W), labels int64 (B,)) before the
+    forward pass: --random-erase, then torchvision's v2.MixUp and/or v2.CutMix (one of the two
+    per batch when both are on, v2.RandomChoice, as the references do) -> (x, soft labels float
+    (B, classes)); None when none is on. Their draws come from torch's generators, which the
+    loop seeds per epoch and rank and keeps in a mid-epoch checkpoint: a resume repeats them."""
+    mix = None
+    if args.mixup_alpha or args.cutmix_alpha:
+        # Here, not at the top: importing torchvision costs 2 s per process, paid only when asked for.
+        from torchvision.transforms import v2
+        mixes = ([v2.MixUp(alpha=args.mixup_alpha, num_classes=num_classes)] if args.mixup_alpha else []) + (
+            [v2.CutMix(alpha=args.cutmix_alpha, num_classes=num_classes)] if args.cutmix_alpha else [])
+        mix = mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+    if not (mix or args.random_erase):
+        return None
+
+    def transform(x, labels):
+        x = random_erase(x, args.random_erase) if args.random_erase else x
+        return mix(x, labels) if mix else (x, labels)
+    return transform
 
 
 def make_model_ema(model, args):
@@ -107,14 +160,15 @@ def make_model_ema(model, args):
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.model_ema_decay), use_buffers=True)
 
 
-BATCH_SETTINGS = ("mixup_alpha", "cutmix_alpha", "clip_grad_norm")  # named in the start-up block and the metrics
+# Named in the start-up block and in the metrics when on:
+BATCH_SETTINGS = ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha", "clip_grad_norm")
 
 
 def describe_regularization(args, steps_per_epoch):
     """The start-up block's words for the batch-level settings that are on ('' for none), with
     the model EMA's half-life derived once, in optimizer steps and epochs."""
-    parts = [f"--{name.replace('_', '-')} {value:g}" for name, value in batch_settings(args).items()
-             if not name.startswith("model_ema")]
+    parts = [f"--{name.replace('_', '-')} {value if isinstance(value, str) else f'{value:g}'}"
+             for name, value in batch_settings(args).items() if not name.startswith("model_ema")]
     if args.model_ema:
         half = math.log(0.5) / math.log(args.model_ema_decay) * args.model_ema_steps  # optimizer steps
         parts.append(f"model EMA (decay {args.model_ema_decay:g} every {args.model_ema_steps} steps: half-life "
@@ -280,6 +334,14 @@ def add_arguments(parser):
                         help="label smoothing of the training loss (fraction of probability mass); "
                              "the reported validation loss is plain cross-entropy")
     add_augment_argument(recipe)
+    recipe.add_argument("--auto-augment", choices=AUTO_AUGMENT, default=None,
+                        help="automatic augmentation of each training image (torchvision's v2."
+                             + ", v2.".join(f"{name} for {flag}" for flag, name in AUTO_AUGMENT.items())
+                             + "), after --augment, in the DataLoader's workers (--loader torchvision)")
+    recipe.add_argument("--random-erase", metavar="P", type=below_one, default=0.0,
+                        help="erase a random box of each training image with probability P (torchvision's "
+                             "RandomErasing: 2%%-33%% of the area, aspect 0.3-3.3, set to 0 after normalization), on "
+                             "the batch's device; 0 = off")
     recipe.add_argument("--mixup-alpha", metavar="ALPHA", type=non_negative_float, default=0.0,
                         help="MixUp: each training batch blended with itself shifted by one image, the weight drawn "
                              "from Beta(ALPHA, ALPHA) per batch, labels blended alike (torchvision's v2.MixUp; the "

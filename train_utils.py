@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import build_data, build_loaders, default_num_workers, set_loader_epoch
+from dataset_utils import build_data, build_loaders, default_num_workers, set_loader_epoch, with_image_transforms
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
@@ -200,8 +200,8 @@ def train_steps(run, batches, state):
         # (B, C, H, W), (B,). Asynchronous from pinned memory; no-ops for the device loader.
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
-        if run.mix:  # recipe.py's MixUp/CutMix: labels become soft (B, classes)
-            # Drawn from the CPU's global generator: seeded per epoch and rank, and in a mid-epoch checkpoint.
+        if run.mix:  # recipe.py's erasing, MixUp, CutMix: labels become soft (B, classes)
+            # Drawn from torch's generators: seeded per epoch and rank, and in a mid-epoch checkpoint.
             x, y = run.mix(x, y)
             x = x.contiguous(memory_format=run.memory_format)  # the model's layout again
         lr = run.optimizer.param_groups[0]["lr"]  # a Python float: no sync
@@ -293,8 +293,9 @@ def build_task(args, ctx):
     measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
     stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
     temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
+    train_set, per_image = with_image_transforms(train_set, recipe.image_transforms(args))
     loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
-                                   measured, temporaries)
+                                   measured, temporaries, per_image)
     workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
                if loader == "torchvision" else 0)
     train_loader, test_loader = build_loaders(
@@ -332,7 +333,7 @@ class Run:
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
     monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
-    mix: object = None     # recipe.make_batch_mix: (x, labels) -> (x, soft labels), or None
+    mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
@@ -393,7 +394,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
                                continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps),
-              mix=recipe.make_batch_mix(args, len(task.data.classes)), ema=ema,
+              mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               regularization=recipe.batch_settings(args))
     return run, state, rng_state
 

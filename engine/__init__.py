@@ -19,12 +19,13 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     splits.py        --val-fraction: a stratified validation split of the training images
     device_loader.py batches on the device; normalization, augmentation, centre crop; --loader auto
+    samplers.py      the DataLoader's samplers: each image's random numbers, test shards
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
     optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
     lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
-    step_totals.py   an epoch's loss, images and first non-finite step, summed once per epoch
+    step_totals.py   an epoch's loss, images and first non-finite step, summed once per epoch; eval metrics
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start

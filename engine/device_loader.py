@@ -21,6 +21,7 @@ from engine.memory import HEADROOM
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
+IMAGE_STREAM = 4  # the per-image transforms' seeds are drawn from (seed, epoch, IMAGE_STREAM)
 DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
 
 
@@ -36,6 +37,7 @@ class Preprocessing:
     padding: int = 0       # zero padding (pixels) around a training image before a random crop
     stored_size: tuple = None  # (H, W) of the stored images when larger than the input (resized-crop), else None
     per_op: int = 4        # uniform numbers each operation gets per image (recipe.RANDOM_PER_OP)
+    per_image: object = None  # recipe.image_transforms: torchvision v2 on each uint8 (C, H, W) image, or None
 
     @property
     def stored(self):
@@ -48,7 +50,9 @@ class Preprocessing:
 
     def describe(self):
         """What happens to a training image, in words (the start-up block)."""
-        ops = ", ".join(op.__name__ for op in self.ops) or "nothing"
+        per_image = getattr(self.per_image, "transforms", [self.per_image] if self.per_image else [])  # a v2.Compose
+        names = [op.__name__ for op in self.ops] + [f"per image {type(t).__name__}" for t in per_image]
+        ops = ", ".join(names) or "nothing"
         padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
         height, width, _ = self.image_shape
         sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
@@ -80,6 +84,22 @@ def augmentation_randoms(size, ops, seed, epoch, per_op):
     numbers for the same image, whatever ran before."""
     generator = torch.Generator().manual_seed(derived_seed(seed, epoch, AUGMENT_STREAM))
     return torch.rand((size, len(ops), per_op), generator=generator, dtype=torch.float64)
+
+
+def augmentation_seeds(size, seed, epoch):
+    """int64 (size,): a seed for every image of a data set of ``size`` for its per-image
+    transforms in ``epoch``, from (seed, epoch) alone, as augmentation_randoms."""
+    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, IMAGE_STREAM))
+    return torch.randint(0, 2**62, (size,), generator=generator)
+
+
+def transformed(image, transform, seed):
+    """``transform`` (torchvision v2, per image) of one image (1, H, W, C) uint8, as the
+    (C, H, W) tensor v2 expects, its draws from torch's global CPU generator seeded with
+    ``seed`` and put back after (in a 0-worker DataLoader it is the training process's own)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return transform(image[0].permute(2, 0, 1)).permute(1, 2, 0)[None]
 
 
 def augment(images, rand, ops, prep):
@@ -190,12 +210,18 @@ class DeviceLoader:
             yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64
 
 
-def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_bytes=0):
+def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_bytes=0, per_image=None):
     """(loader, why) for --loader. auto puts the data set on the device when it fits beside
     training and the device loader's own ``loader_bytes`` per batch (batch_temporaries) in
     HEADROOM of the device's free memory (``measured``: engine.memory.Measured), or, where
     nothing is measured (the CPU), in DEVICE_DATA_FRACTION of its ``memory_bytes``; else the
-    DataLoader streams it from host memory."""
+    DataLoader streams it from host memory. ``per_image`` (the per-image transforms, in words)
+    needs the DataLoader's workers: the device loader transforms whole batches."""
+    if per_image and requested != "torchvision":
+        if requested == "device":
+            raise UserError(f"{per_image} transforms each image on its own, in the DataLoader's workers: --loader "
+                            "device transforms whole batches on the GPU; use --loader torchvision (or auto)")
+        return "torchvision", f"auto: {per_image} transforms each image, in the DataLoader's workers"
     if requested != "auto":
         return requested, f"--loader {requested}"
     data = size_text(data_bytes)

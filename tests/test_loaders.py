@@ -11,7 +11,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import dataset_utils as du
 import recipe
-from engine import device_loader
+from engine import device_loader, samplers
 
 CPU = torch.device("cpu")
 CIFAR = du.spec_preprocessing(du.CIFAR100)
@@ -182,7 +182,7 @@ def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_d
         assert all(torch.equal(x, x_ref) for x, x_ref in zip(batches, reference, strict=True))
 
     def keys(epoch):
-        sampler = du.AugmentSampler(range(64), 64, 2, CIFAR)
+        sampler = samplers.AugmentSampler(range(64), 64, 2, CIFAR)
         sampler.set_epoch(epoch)
         return list(sampler)
 

@@ -14,6 +14,7 @@ from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd
 from tools.demo_data import write_image_folder
 from engine import image_cache
 from engine.device_loader import choose_loader
+from engine.errors import UserError
 from engine.memory import (Measured, OutOfMemory, StepShape, host_memory, is_out_of_memory, probe_step,
                            suggested_accumulate, training_bytes)
 from engine.precision import Precision
@@ -200,6 +201,16 @@ def test_loader_auto_counts_training_and_the_loaders_batch_in_the_free_memory():
         "auto", 1, 80 * gb, alone._replace(training=math.inf))[1]
     assert training_bytes(torch.nn.Linear(2, 2), StepShape(4, 1, (2, 2, 1)), Precision("fp32"), torch.device("cpu"),
                           torch.contiguous_format) is None  # the CPU: nothing to measure, a quarter of RAM
+    # Per-image transforms need the DataLoader's workers, however much fits.
+    per_image = "recipe.py's per-image TrivialAugmentWide"
+    assert choose_loader("auto", 1, 80 * gb, alone, 0, per_image) == (
+        "torchvision", "auto: recipe.py's per-image TrivialAugmentWide transforms each image, in the DataLoader's "
+                       "workers")
+    assert choose_loader("torchvision", 1, 80 * gb, alone, 0, per_image) == ("torchvision", "--loader torchvision")
+    with pytest.raises(UserError, match="^recipe.py's per-image TrivialAugmentWide transforms each image on its own, "
+                                        "in the DataLoader's workers: --loader device transforms whole batches on "
+                                        "the GPU; use --loader torchvision"):
+        choose_loader("device", 1, 80 * gb, alone, 0, per_image)
 
 
 class Probed(torch.nn.Module):

@@ -15,7 +15,7 @@ import torchvision
 from PIL import Image
 
 import dataset_utils as du
-from engine import data_formats, device_loader, image_cache, image_folder, stopping
+from engine import data_formats, device_loader, image_cache, image_folder, samplers, stopping
 from engine import weights as weights_file
 from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
@@ -264,7 +264,7 @@ def test_float_images_are_served_alike_by_both_loaders():
     images = rng.normal(size=(6, 8, 8, 2)).astype(np.float32)
     prep = du.preprocessing((8, 8, 2), (0.1, -0.2), (1.5, 0.5), "flip-crop")
     data = du.InMemoryImages(images, np.arange(6), prep)
-    keys = list(du.AugmentSampler(range(6), 6, 3, prep))
+    keys = list(samplers.AugmentSampler(range(6), 6, 3, prep))
     one_at_a_time = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
     rand = torch.tensor([key[1] for key in keys], dtype=torch.float64)
     on_device = device_loader.normalize(device_loader.augment(torch.from_numpy(images), rand, prep.ops, prep),

@@ -23,10 +23,10 @@ from train_utils import parse_args
 RUN = (*TINY_MODEL, "--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "8",
        "--checkpoint-interval", "0", "--num-workers", "0", "--log-interval", "0")
 # The torchvision references' batch-level flags, all together.
-REFERENCES = ("--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1.0", "--model-ema",
-              "--model-ema-steps", "3")
-REFERENCES_RECORDED = {"mixup_alpha": 0.2, "cutmix_alpha": 1.0, "clip_grad_norm": 1.0, "model_ema_decay": 0.99,
-                       "model_ema_steps": 3}
+REFERENCES = ("--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+              "--clip-grad-norm", "1.0", "--model-ema", "--model-ema-steps", "3")
+REFERENCES_RECORDED = {"auto_augment": "ta_wide", "random_erase": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+                       "clip_grad_norm": 1.0, "model_ema_decay": 0.99, "model_ema_steps": 3}
 
 
 def recipe_docs_snippet(name):
@@ -61,8 +61,9 @@ def ddp(*args):
 
 # Under DDP AdamW only: the signal to one rank, the agreement and the bitwise resume are the same
 # machinery for every optimizer (SGD under DDP: test_resilience.py), and SGD's own state is sgd-1's.
-# AdamW runs with the references' MixUp, CutMix, clipping and model EMA: each step's draw and the
-# average (the weights compared) are resumed too.
+# AdamW runs with all the references' flags (TrivialAugment per image, so the DataLoader; erasing,
+# MixUp, CutMix, clipping, model EMA): each image's and step's draws and the average (the weights
+# compared) are resumed too.
 @pytest.mark.parametrize("optimizer, launcher, extra", [("sgd", single, ()), ("adamw", single, REFERENCES),
                                                         ("rmsprop", single, ()), ("adamw", ddp, REFERENCES)],
                          ids=["sgd-1", "adamw-1-references", "rmsprop-1", "adamw-2-references"])
@@ -78,9 +79,9 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     whole = run(launcher(*RUN, *outputs[0]), cwd=reference)
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
-    said = ("Regularization: --mixup-alpha 0.2, --cutmix-alpha 1, --clip-grad-norm 1, model EMA (decay 0.99 every 3 "
-            "steps: half-life 207 steps, 51.7 epochs; validation, checkpoints' weights and --save-weights are the "
-            "average's)")
+    said = ("Regularization: --auto-augment ta_wide, --random-erase 0.25, --mixup-alpha 0.2, --cutmix-alpha 1, "
+            "--clip-grad-norm 1, model EMA (decay 0.99 every 3 steps: half-life 207 steps, 51.7 epochs; validation, "
+            "checkpoints' weights and --save-weights are the average's)")
     assert (said in whole.stdout.splitlines()) == bool(extra), whole.stdout
 
     go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
@@ -102,6 +103,7 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert [r["epoch"] for r in records] == [1, 2, 3] and {r["optimizer"] for r in records} == {names[optimizer]}
     assert records[-1]["augment"] == ["flip", "pad_crop"] and records[-1]["loss"] == "CrossEntropyLoss"
     assert records[-1]["regularization"] == (REFERENCES_RECORDED if extra else {})
+    assert records[-1]["loader"] == ("torchvision" if extra else "device")  # auto: per-image transforms
     compared = ("train_loss", "val_loss", "val_accuracy", "lr")
     assert [[r[k] for k in compared] for r in records] == [[r[k] for k in compared]
                                                            for r in read_metrics(reference / "m.jsonl")]
@@ -116,24 +118,66 @@ def test_mixup_and_cutmix_are_torchvisions_and_each_draw_is_its_seeds():
         return mix(x, y)
 
     x, y = torch.rand(6, 3, 8, 8), torch.arange(6)
-    mixup = recipe.make_batch_mix(parse_args("x", ["--mixup-alpha", "0.2"]), 10)
+    mixup = recipe.make_batch_transform(parse_args("x", ["--mixup-alpha", "0.2"]), 10)
     mixed, soft = seeded(5, mixup)
     lam = soft[0, 0]  # image 0's own label's weight; the rest is image 5's (rolled by one)
     assert torch.allclose(mixed, lam * x + (1 - lam) * x.roll(1, 0)) and 0 < lam < 1
     assert torch.allclose(soft.sum(1), torch.ones(6)) and torch.allclose(soft[0, 5], 1 - lam)
     assert torch.equal(mixed, seeded(5, mixup)[0]) and not torch.equal(mixed, seeded(6, mixup)[0])
 
-    cutmix = recipe.make_batch_mix(parse_args("x", ["--cutmix-alpha", "1.0"]), 10)
+    cutmix = recipe.make_batch_transform(parse_args("x", ["--cutmix-alpha", "1.0"]), 10)
     pasted, soft = seeded(3, cutmix)
     from_next = (pasted != x).any(1)  # (B, H, W): pixels that came from the image before
     assert torch.equal(pasted, torch.where(from_next[:, None], x.roll(1, 0), x))
     assert torch.allclose(from_next.float().mean((1, 2)), 1 - soft[torch.arange(6), y])  # by area
 
-    both = recipe.make_batch_mix(parse_args("x", ["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]), 10)
+    both = recipe.make_batch_transform(parse_args("x", ["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]), 10)
     kinds = {bool((seeded(s, both)[0] == x).any()) for s in range(12)}
     assert kinds == {True, False}  # some batches pasted (pixels of their own left), some blended
-    assert recipe.make_batch_mix(parse_args("x", []), 10) is None
+    assert recipe.make_batch_transform(parse_args("x", []), 10) is None
     assert recipe.batch_settings(parse_args("x", ["--clip-grad-norm", "2"])) == {"clip_grad_norm": 2.0}
+
+
+def test_random_erasing_boxes_as_torchvisions_random_erasing():
+    """--random-erase P on a batch: each image loses one box or none, a box of 2%-33% of its
+    area, about as often and as large as torchvision's RandomErasing(P) erases image by image."""
+    torch.manual_seed(0)
+    ones = torch.ones(2000, 1, 32, 32)
+    ours = recipe.random_erase(ones, 0.5)
+    from torchvision.transforms import v2
+    theirs = torch.stack([v2.RandomErasing(0.5)(image) for image in ones])
+    for erased in (ours, theirs):
+        holes = erased[:, 0] == 0  # (B, H, W)
+        rows, cols = holes.any(2).sum(1), holes.any(1).sum(1)  # (B,): the box's height and width
+        assert torch.equal(holes.sum((1, 2)), rows * cols)  # one rectangle per image, or nothing
+    share = [(erased == 0).float().mean((1, 2, 3)) for erased in (ours, theirs)]  # (B,) each
+    hit = [(s > 0).float().mean() for s in share]
+    assert abs(hit[0] - 0.5) < 0.05 and abs(hit[0] - hit[1]) < 0.05
+    sizes = [s[s > 0] for s in share]
+    assert sizes[0].min() >= 0.01 and sizes[0].max() <= 0.4  # 2%-33%, each side rounded to pixels
+    assert abs(sizes[0].mean() - sizes[1].mean()) < 0.02
+    assert torch.equal(recipe.random_erase(ones[:4], 0.0), ones[:4])
+
+
+def test_a_v2_transform_added_as_docs_recipe_shows_is_applied_to_each_image():
+    """docs/recipe.md's image_transforms (ColorJitter) in the DataLoader: every image changed,
+    each image's draw the same with 0 or 2 worker processes (seeded by seed, epoch, index)."""
+    namespace = {"AUTO_AUGMENT": recipe.AUTO_AUGMENT}
+    exec(recipe_docs_snippet("image_transforms"), namespace)
+    transforms = namespace["image_transforms"](parse_args("x", []))
+    images = np.random.default_rng(0).integers(30, 220, (16, 32, 32, 3), dtype=np.uint8)
+    plain = du.InMemoryImages(images, np.arange(16), du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "none"))
+    jittered, named = du.with_image_transforms(plain, transforms)
+    assert named == "recipe.py's per-image ColorJitter"
+
+    def served(data, workers):
+        loader = du.build_loaders(data, data, 8, loader="torchvision", num_workers=workers, seed=5)[0]
+        return torch.cat([x for x, _ in loader]), torch.cat([y for _, y in loader])
+
+    (x, y), (x2, y2), (x0, y0) = served(jittered, 0), served(jittered, 2), served(plain, 0)
+    assert torch.equal(y, y0) and torch.equal(y, y2)  # the same images in the same order
+    assert torch.equal(x, x2)
+    assert ((x - x0).abs().flatten(1).amax(1) > 0.1).all()  # each image jittered
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():

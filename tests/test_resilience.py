@@ -403,9 +403,12 @@ class _TinyRun:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
         self.args = tu.parse_args("x", ["--checkpoint-dir", str(directory)])
-        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear",
-                                    weights_metadata=lambda: {"model": "test:linear"})
+        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear")
         self.ctx = DistContext(device=torch.device("cpu"))
+        self.ema = None
+
+    def weights_metadata(self):
+        return {"model": "test:linear"}
 
 
 def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_path):
