@@ -13,12 +13,13 @@ import os
 import sys
 
 from engine.checkpoints import KEEP_CHECKPOINTS
+from engine.cli import let_rank0_fail_first
 from engine.data_formats import DATASETS
 from engine.errors import UserError
 from engine.log import flag_value
 from engine.models import DEFAULT_MODEL, recorded_model
 from engine.tensorboard_log import tensorboard_missing
-from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, rank_or_zero
+from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, launcher_pid, rank_or_zero
 from engine.stopping import EXIT_STOPPED
 from engine.weights import read_weights
 
@@ -51,6 +52,8 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         if rank_or_zero() == 0:
             print(f"{self.prog}: error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
+        elif launcher_pid() is not None:  # torchrun would stop rank 0 before its line were this rank first
+            let_rank0_fail_first()
         sys.exit(2)
 
     def did_you_mean(self, message):

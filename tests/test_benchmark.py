@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import monitor
-from tools import gpu_report
+from tools import gpu_report, loop_overhead
 from conftest import REPO, SMALL_MODEL, error_lines, run_main
 
 REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "precision", "loader"}
@@ -441,3 +442,22 @@ def test_a_gpu_in_exclusive_mode_is_named_instead_of_a_tier_of_failures(tmp_path
     if blocked:
         assert why.startswith("not run: GPU 0 is in Exclusive_Process compute mode, where only one process may use it")
         assert "`python -m pytest -q tests/test_gpu.py`" in why
+
+
+def test_loop_overhead_times_both_loops_on_the_same_steps(capsys):
+    """tools/loop_overhead.py: the project's loop and the bare one, the same steps of the same
+    batch, each a rate and a time per step that agree, and their ratio."""
+    threads = torch.get_num_threads()
+    try:
+        loop_overhead.main(["--steps", "3", "--repeats", "1", "--batch-size", "16"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "3 steps of 16 images, cpu, 1 thread(s), best of 1" in out
+    rows = re.findall(r"^(project|bare) loop: +([\d,]+) img/s \(([\d.]+) ms/step\)$", out, re.M)
+    assert [name for name, _, _ in rows] == ["project", "bare"]
+    rates = [float(rate.replace(",", "")) for _, rate, _ in rows]
+    for rate, (_, _, ms) in zip(rates, rows):
+        assert rate == pytest.approx(16 / (float(ms) / 1e3), rel=0.01)
+    ratio = re.search(r"^ratio: (\d+\.\d\d)x \(project / bare\)$", out, re.M)
+    assert ratio and float(ratio[1]) == pytest.approx(rates[0] / rates[1], abs=0.01)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import dataset_utils as du
-from conftest import FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
-from model import WideResNet
+from conftest import (FAST, REPO, SMALL_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd,
+                      write_cifar100)
+from oom_net import Net as SmallNet
 
 pytestmark = pytest.mark.oldest_torch  # every test here runs again on PyTorch 2.7.1 (.ci/run)
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.oldest_torch  # every test here runs again on PyTorch 2
 def _labels_half_predicted(weights_path, data_dir, n_test):
     """Test labels that the model gets right exactly where index % 3 != 0, so the expected
     accuracy is known and any image dropped, repeated or mis-weighted changes it."""
-    model = WideResNet(num_classes=100)
+    model = SmallNet(num_classes=100, in_channels=3)
     model.load_state_dict(torch.load(weights_path, weights_only=True))
     model.eval()
     _, test_set = du.build_datasets(data_dir)
@@ -24,16 +25,17 @@ def _labels_half_predicted(weights_path, data_dir, n_test):
 
 
 def test_one_and_two_processes_report_identical_evaluation(tmp_path):
+    """The sharded evaluation's sums: what is evaluated is not the point, so a small network."""
     n_test = 41  # odd: the two shards differ in size
     torch.manual_seed(0)
     weights = tmp_path / "w.pt"
-    torch.save(WideResNet(num_classes=100).state_dict(), weights)
+    torch.save(SmallNet(num_classes=100, in_channels=3).state_dict(), weights)
     data = write_cifar100(tmp_path / "data", n_train=16, n_test=n_test)
     labels = _labels_half_predicted(weights, data, n_test)
     data = write_cifar100(tmp_path / "data", n_train=16, n_test=n_test, test_labels=labels)
     expected_accuracy = sum(1 for i in range(n_test) if i % 3) / n_test
 
-    common = ("--eval-only", "--weights", weights, "--data-dir", data, "--batch-size", "8", *FAST)
+    common = ("--eval-only", *SMALL_MODEL, "--weights", weights, "--data-dir", data, "--batch-size", "8", *FAST)
     runs = {
         "train.py": python_cmd("train.py", *common, "--metrics-file", tmp_path / "one.jsonl"),
         "train_ddp.py x1": torchrun_cmd(1, "train_ddp.py", *common, "--metrics-file", tmp_path / "ddp1.jsonl"),
@@ -44,9 +46,10 @@ def test_one_and_two_processes_report_identical_evaluation(tmp_path):
         result = run(cmd, cwd=tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("Evaluation: ") == 1  # printed by rank 0 only
-        assert (f"Evaluating WideResNet(num_classes=100, in_channels=3) weights {weights} on the CIFAR-100 test "
+        assert (f"Evaluating Net(num_classes=100, in_channels=3) from {REPO / 'tests' / 'oom_net.py'} weights {weights} "
+                "on the CIFAR-100 test "
                 "set") in result.stdout
-        assert "Training WideResNet" not in result.stdout and "Recipe:" not in result.stdout  # no training header
+        assert "Training Net" not in result.stdout and "Recipe:" not in result.stdout  # no training header
         assert f"on all {n_test} test images" in result.stdout
         [records[name]] = read_metrics(cmd[cmd.index("--metrics-file") + 1])
     for name, record in records.items():
@@ -60,7 +63,7 @@ def test_one_and_two_processes_report_identical_evaluation(tmp_path):
 def test_two_process_training_shards_the_data_and_rank_0_writes(tmp_path):
     data = write_cifar100(tmp_path / "data", n_train=32, n_test=20)
     metrics = tmp_path / "m.jsonl"
-    result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", data, "--epochs", "2", "--batch-size", "8",
+    result = run(torchrun_cmd(2, "train_ddp.py", *SMALL_MODEL, "--data-dir", data, "--epochs", "2", "--batch-size", "8",
                               *FAST, "--metrics-file", metrics, "--save-weights", tmp_path / "w.pt"),
                  cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -71,7 +74,8 @@ def test_two_process_training_shards_the_data_and_rank_0_writes(tmp_path):
     records = read_metrics(metrics)
     assert [r["epoch"] for r in records] == [1, 2]  # one line per epoch, not one per rank
     assert all(r["train_images"] == 32 and r["val_samples"] == 20 and r["world_size"] == 2 for r in records)
-    WideResNet(num_classes=100).load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True), strict=True)
+    SmallNet(num_classes=100, in_channels=3).load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True),
+                                                              strict=True)
 
 
 def test_indivisible_global_batch_is_an_error(tmp_path, cifar_dir):
