@@ -210,6 +210,10 @@ def with_image_transforms(train_set, transforms):
     if not transforms:
         return train_set, None
     names = ", ".join(type(transform).__name__ for transform in transforms.transforms)
+    channels = train_set.source.shape[-1]
+    if train_set.source.dtype != np.uint8 or channels not in (1, 3):  # what torchvision's image transforms take
+        raise UserError(f"recipe.py's per-image {names} works on 8-bit images of 1 or 3 channels; these are "
+                        f"{train_set.source.dtype} with {channels}: drop --auto-augment (or the transforms)")
     return train_set.with_prep(replace(train_set.prep, per_image=transforms)), f"recipe.py's per-image {names}"
 
 

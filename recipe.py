@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from engine.errors import UserError
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
 
 RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
@@ -91,7 +92,7 @@ AUTO_AUGMENT = {"ta_wide": "TrivialAugmentWide", "ra": "RandAugment", "augmix": 
 def image_transforms(args):
     """The per-image transforms (a v2.Compose), or None: add any v2 transform to the list, e.g.
     v2.ColorJitter(0.4, 0.4, 0.4) (docs/recipe.md)."""
-    if not args.auto_augment:
+    if not args.auto_augment or args.eval_only:  # test images are never augmented
         return None
     # Here, not at the top: importing torchvision costs 2 s per process, paid only when asked for.
     from torchvision.transforms import v2
@@ -150,14 +151,30 @@ def make_batch_transform(args, num_classes):
     return transform
 
 
-def make_model_ema(model, args):
+def make_model_ema(model, args, total_steps):
     """--model-ema: torch.optim.swa_utils.AveragedModel, an exponential moving average of the
     weights and buffers of ``model`` (the plain module, not its DDP wrapper), which the loop
-    updates every --model-ema-steps optimizer steps; None without the flag. Validation,
-    checkpoints' weights and --save-weights are then the average's."""
+    updates with update_model_ema; None without the flag. Validation, checkpoints' weights and
+    --save-weights are then the average's, so a run of fewer than --model-ema-steps optimizer
+    steps (``total_steps``), which would never update it, is refused."""
     if not args.model_ema:
         return None
+    if total_steps < args.model_ema_steps:
+        raise UserError(f"--model-ema-steps {args.model_ema_steps} is more than this run's {total_steps} optimizer "
+                        "steps: the average would keep the initial weights; give fewer --model-ema-steps")
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.model_ema_decay), use_buffers=True)
+
+
+def update_model_ema(ema, model, step, warmup_steps, every):
+    """After optimizer step ``step`` (1-based): every ``every``-th step the average takes in
+    ``model``. Up to the end of the LR warm-up (``warmup_steps``) it restarts after each update,
+    so the next one copies the model, as torchvision's references do: the average never holds
+    the random initial weights. One host sync per update: AveragedModel reads its count."""
+    if step % every:
+        return
+    ema.update_parameters(model)
+    if step <= warmup_steps:
+        ema.n_averaged.fill_(0)
 
 
 # Named in the start-up block and in the metrics when on:

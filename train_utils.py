@@ -214,8 +214,9 @@ def train_steps(run, batches, state):
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
-        if run.ema and run.scheduler.last_epoch % run.args.model_ema_steps == 0:  # every N optimizer steps
-            run.ema.update_parameters(run.module)  # one host sync: AveragedModel reads its count
+        if run.ema:  # recipe.py's model EMA, every --model-ema-steps optimizer steps
+            recipe.update_model_ema(run.ema, run.module, run.scheduler.last_epoch,
+                                    round(run.args.warmup_epochs * run.steps), run.args.model_ema_steps)
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
@@ -378,7 +379,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
-    ema = None if args.eval_only else recipe.make_model_ema(module, args)
+    ema = None if args.eval_only else recipe.make_model_ema(module, args, args.epochs * steps)
     if continuing:
         state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor)
     else:

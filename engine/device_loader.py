@@ -21,7 +21,7 @@ from engine.memory import HEADROOM
 from engine.seeds import derived_seed
 
 AUGMENT_STREAM = 2  # the augmentation's seed is (seed, epoch, AUGMENT_STREAM): apart from dropout's
-IMAGE_STREAM = 4  # the per-image transforms' seeds are drawn from (seed, epoch, IMAGE_STREAM)
+IMAGE_STREAM = 2**31 - 4  # the per-image transforms' seeds: (seed, epoch, IMAGE_STREAM), no rank's epoch_seed
 DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
 
 
@@ -220,7 +220,7 @@ def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_byt
     if per_image and requested != "torchvision":
         if requested == "device":
             raise UserError(f"{per_image} transforms each image on its own, in the DataLoader's workers: --loader "
-                            "device transforms whole batches on the GPU; use --loader torchvision (or auto)")
+                            "device transforms whole batches; use --loader torchvision (or auto)")
         return "torchvision", f"auto: {per_image} transforms each image, in the DataLoader's workers"
     if requested != "auto":
         return requested, f"--loader {requested}"

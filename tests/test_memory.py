@@ -208,8 +208,8 @@ def test_loader_auto_counts_training_and_the_loaders_batch_in_the_free_memory():
                        "workers")
     assert choose_loader("torchvision", 1, 80 * gb, alone, 0, per_image) == ("torchvision", "--loader torchvision")
     with pytest.raises(UserError, match="^recipe.py's per-image TrivialAugmentWide transforms each image on its own, "
-                                        "in the DataLoader's workers: --loader device transforms whole batches on "
-                                        "the GPU; use --loader torchvision"):
+                                        "in the DataLoader's workers: --loader device transforms whole batches; "
+                                        "use --loader torchvision"):
         choose_loader("device", 1, 80 * gb, alone, 0, per_image)
 
 

@@ -16,6 +16,7 @@ import torch
 
 import dataset_utils as du
 import recipe
+from engine.errors import UserError
 from conftest import REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd, wait_held
 from test_resilience import _rank_pid
 from train_utils import parse_args
@@ -178,6 +179,11 @@ def test_a_v2_transform_added_as_docs_recipe_shows_is_applied_to_each_image():
     assert torch.equal(y, y0) and torch.equal(y, y2)  # the same images in the same order
     assert torch.equal(x, x2)
     assert ((x - x0).abs().flatten(1).amax(1) > 0.1).all()  # each image jittered
+    # torchvision's image transforms take 8-bit images of 1 or 3 channels: float data is refused.
+    floats = du.InMemoryImages(images.astype(np.float32), np.arange(16), plain.prep)
+    with pytest.raises(UserError, match="^recipe.py's per-image ColorJitter works on 8-bit images of 1 or 3 "
+                                        "channels; these are float32 with 3: drop --auto-augment"):
+        du.with_image_transforms(floats, transforms)
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():

@@ -269,7 +269,8 @@ def _train_two_steps(extra):
 def test_model_ema_is_the_average_of_the_weights_every_n_steps():
     """--model-ema: AveragedModel updated after every --model-ema-steps-th optimizer step, its
     first update a copy; validation and --save-weights take the average."""
-    run, state, loader = _small_run(["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.5"])
+    run, state, loader = _small_run(["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.5",
+                                     "--warmup-epochs", "0"])
     batches = list(loader)  # 2 batches
 
     def floats(model):
@@ -287,6 +288,14 @@ def test_model_ema_is_the_average_of_the_weights_every_n_steps():
     assert not all(torch.equal(average[k], now[k]) for k in now)
     assert run.evaluated is run.ema.module and run.weights_metadata()["model_ema"] == {"model_ema_decay": 0.5,
                                                                                       "model_ema_steps": 2}
+    # During the LR warm-up (2 epochs of 2 steps) each update copies: the average follows the model.
+    run, state, loader = _small_run(["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.5"])
+    tu.train_steps(run, list(loader) * 2, state)  # steps 1-4: updates at 2 and 4, both copies
+    assert int(run.ema.n_averaged) == 0
+    assert all(torch.equal(v, floats(run.module)[k]) for k, v in floats(run.ema.module).items())
+    _small_run(["--model-ema", "--model-ema-steps", "200", "--epochs", "100"])  # 100 epochs of 2 steps: one update
+    with pytest.raises(UserError, match="^--model-ema-steps 201 is more than this run's 200 optimizer steps"):
+        _small_run(["--model-ema", "--model-ema-steps", "201", "--epochs", "100"])
 
 
 def test_clip_grad_norm_bounds_the_gradients_each_step_applies():

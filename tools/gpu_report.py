@@ -178,7 +178,7 @@ def warmup_s(rows, recipe):
 def compile_advice(eager, compiled, eager_warmup_s):
     """Whether --compile should be the default on CUDA: faster by COMPILE_PAYS, and its
     compilation (the compiled warm-up's extra seconds) paid back by the faster steps within
-    COMPILE_PAYS_WITHIN_EPOCHS epochs; evaluation compiles a graph of its own on top."""
+    COMPILE_PAYS_WITHIN_EPOCHS epochs."""
     rate, cost_s = compiled["images_per_sec"], max(compiled["warmup_s"] - eager_warmup_s, 0.0)
     gain = rate / eager
     if gain < COMPILE_PAYS:

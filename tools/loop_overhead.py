@@ -2,9 +2,9 @@
 against a bare PyTorch loop doing the same work on a nearly free model (one Linear layer),
 where nothing but the loops themselves is left to compare:
 
-    python tools/loop_overhead.py                     # CPU, 1 thread, batch 128, --augment flip
+    python tools/loop_overhead.py                     # 1 CPU thread, batch 128, --augment flip
     python tools/loop_overhead.py --threads 2 --steps 500
-    python tools/loop_overhead.py --device cuda       # a GPU: the launch and sync overhead
+    srun --gpus=1 python tools/loop_overhead.py       # on a GPU (train.py's device): launches and syncs
     python tools/loop_overhead.py --recipe="--mixup-alpha 0.2 --cutmix-alpha 1.0 --model-ema"   # what they cost
 
 Both loops gather a batch of synthetic CIFAR-100 images (uint8, on the device), flip half of
@@ -50,7 +50,6 @@ class OneLinear(nn.Module):
 
 def parse(argv=None):
     parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both loops run")
     parser.add_argument("--threads", metavar="N", type=positive_int, default=1, help="torch's CPU threads")
     parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=128, help="images per step")
     parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=300, help="timed steps per repeat")
@@ -109,7 +108,7 @@ def time_bare(images, labels, steps, batch, device):
 def main(argv=None):
     opts = parse(argv)
     torch.set_num_threads(opts.threads)
-    run, state, loader = project_run(opts)
+    run, state, loader = project_run(opts)  # on train.py's device: CUDA when there is one
     images, labels = loader.images, loader.labels  # the device loader's data set, on the device
     steps = min(opts.steps, len(loader))
     time_project(run, state, loader, 5), time_bare(images, labels, 5, opts.batch_size, loader.device)  # warm-up
@@ -118,7 +117,7 @@ def main(argv=None):
         project.append(time_project(run, state, loader, steps))
         bare.append(time_bare(images, labels, steps, opts.batch_size, loader.device))
     rates = [steps * opts.batch_size / min(seconds) for seconds in (project, bare)]
-    print(f"\n{steps} steps of {opts.batch_size} images, {opts.device}, {opts.threads} thread(s), best of "
+    print(f"\n{steps} steps of {opts.batch_size} images, {loader.device.type}, {opts.threads} thread(s), best of "
           f"{opts.repeats}" + (f", project with {opts.recipe}" if opts.recipe else ""))
     print(f"project loop: {rates[0]:,.0f} img/s ({1e3 * min(project) / steps:.3f} ms/step)")
     print(f"bare loop:    {rates[1]:,.0f} img/s ({1e3 * min(bare) / steps:.3f} ms/step)")
