@@ -20,12 +20,13 @@ Two loaders serve the same batches of (float32 images (B, C, H, W), int64 labels
   (engine/device_loader.py). No worker processes, no host-to-device copies and no CPU time
   per image.
 - ``torchvision``: the guide's DataLoader, for data that does not fit on the device or for
-  comparison; with ``num_workers`` persistent worker processes, each applying the same
-  operations to one image at a time.
+  comparison; with ``num_workers`` persistent worker processes, each applying torchvision's
+  transforms (recipe.loader_transforms) to one image at a time.
 
 Both shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank), and
-both augment image i of epoch e with the random numbers drawn for it from (seed, epoch)
-alone: the same crops in both loaders, on every rank, and after a resume.
+each augments image i of epoch e from (seed, epoch, i) alone: the same crops on every rank, with
+any number of workers and after a resume. The two loaders draw the same distribution of crops,
+not the same crops.
 """
 
 import signal
@@ -41,18 +42,19 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.device_loader import (DeviceLoader, Preprocessing, model_view, normalization, normalize,
-                                  trained_preprocessing, transformed)
+from engine.device_loader import DeviceLoader
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
                                 read_folder_cache)
 from engine.image_folder import channel_stats
 from engine.log import count, flag_value
+from engine.plugins import plugin_key
+from engine.preprocessing import (Preprocessing, centre_crop, normalization, normalize, trained_preprocessing,
+                                  transformed)
 from engine.processes import available_cores, from_rank0
 from engine.samplers import AugmentSampler, ShardSampler
 from engine.task import DataInfo, data_fingerprint
-from engine.plugins import plugin_key
 from engine.splits import check_labels, describe_split, held_out_record, stratified_split
 from engine.user_data import read_user_data
 from engine.weights import read_weights
@@ -96,14 +98,13 @@ class InMemoryImages(Dataset):
     items are (float32 tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
 
     A key is an index (no augmentation: test images, the guide's plain use) or, from
-    AugmentSampler, (index, random numbers): the training augmentation with exactly these
-    numbers, the device loader's operations on a batch of one. No worker process draws
-    random numbers of its own.
+    AugmentSampler, (index, seed): ``transform`` (recipe.loader_transforms) with the image's
+    draws seeded by ``seed``. No worker process draws random numbers of its own.
     """
 
-    def __init__(self, images, labels, prep=None, rows=None):
+    def __init__(self, images, labels, prep=None, rows=None, transform=None):
         prep = prep or spec_preprocessing(CIFAR100)  # the guide's
-        self.source, self.source_labels, self.prep = images, labels, prep
+        self.source, self.source_labels, self.prep, self.transform = images, labels, prep, transform
         self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
         self.labels = labels if rows is None else np.asarray(labels)[rows]
         stored = torch.uint8 if images.dtype == np.uint8 else torch.float32
@@ -122,6 +123,10 @@ class InMemoryImages(Dataset):
         """The same images, prepared as ``prep`` says (no copy)."""
         return InMemoryImages(self.source, self.source_labels, prep, self.rows)
 
+    def with_transform(self, transform):
+        """The same images, training keys (index, seed) transformed by ``transform`` (no copy)."""
+        return InMemoryImages(self.source, self.source_labels, self.prep, self.rows, transform)
+
     def subset(self, rows):
         """The images at ``rows`` (indices into this set) of a held-out split, without a copy."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -132,12 +137,12 @@ class InMemoryImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, key):
-        index, rand, seed = (*key, None)[:3] if isinstance(key, tuple) else (key, None, None)
+        index, seed = key if isinstance(key, tuple) else (key, None)
         row = index if self.rows is None else self.rows[index]
-        image = torch.from_numpy(np.array(self.source[row]))[None]  # (1, H, W, C): a copy, out of the memory map
-        image = model_view(image, None if rand is None else torch.tensor(rand, dtype=torch.float64)[None], self.prep)
-        if seed is not None:  # recipe.image_transforms, training images only
-            image = transformed(image, self.prep.per_image, seed)
+        image = torch.from_numpy(np.array(self.source[row])).permute(2, 0, 1)  # (C, H, W): a copy, out of the map
+        if seed is not None and self.transform is not None:  # a training image
+            image = transformed(image, self.transform, seed)
+        image = centre_crop(image.permute(1, 2, 0)[None], self.prep.image_shape[:2])  # (1, h, w, C); test images
         return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
 
 
@@ -193,14 +198,14 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
         device = torch.device(device or "cpu")
         return (DeviceLoader(train_set, batch_size, sampler, device, augmented=True, drop_last=True, seed=seed),
                 DeviceLoader(test_set, batch_size, test_sampler, device, augmented=False, drop_last=False))
-    # Workers persist across epochs (no restart cost); AugmentSampler hands them their random numbers.
+    # Workers persist across epochs (no restart cost); AugmentSampler hands them each image's seed.
     common = dict(batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0,
                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                   worker_init_fn=ignore_ctrl_c if num_workers else None)
+    train_set = train_set.with_transform(recipe.loader_transforms(train_set.prep))
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
-    augmented = AugmentSampler(sampler, len(train_set), seed, train_set.prep)
-    return (DataLoader(train_set, sampler=augmented, drop_last=True, generator=torch.Generator().manual_seed(seed),
-                       **common),
+    return (DataLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **common),
             DataLoader(test_set, sampler=test_sampler, **common))
 
 

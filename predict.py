@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from engine.cli import run_cli
-from engine.device_loader import centre_crop, normalization, normalize
+from engine.preprocessing import centre_crop, normalization, normalize
 from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int

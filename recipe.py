@@ -13,12 +13,15 @@ records them, and a resume with other values (or another optimizer class) is ref
 Your own optimizer: one function ``(model, args, device) -> torch.optim.Optimizer`` and a
 line in OPTIMIZERS. Any torch.optim optimizer trains, checkpoints and resumes exactly.
 Your own augmentation: one function ``(images, rand, prep) -> images`` and a line in
-AUGMENTATIONS; every loader (the device loader, the DataLoader's workers) and tools/benchmark.py
-apply that one function, so it is written once.
+AUGMENTATIONS. The device loader applies it to whole batches on the GPU; the DataLoader's
+workers apply torchvision's transform that does the same where ``library_transform`` names
+one, else your function to one image at a time. Per-image torchvision v2 transforms of your own go
+in ``image_transforms``.
 """
 
 import argparse
 import math
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from engine.batched_crops import crop_resize, random_boxes
 from engine.errors import UserError
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
 
@@ -162,7 +166,22 @@ def make_model_ema(model, args, total_steps):
     if total_steps < args.model_ema_steps:
         raise UserError(f"--model-ema-steps {args.model_ema_steps} is more than this run's {total_steps} optimizer "
                         "steps: the average would keep the initial weights; give fewer --model-ema-steps")
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.model_ema_decay), use_buffers=True)
+    return AveragedModel(model, multi_avg_fn=ema_of_floats(args.model_ema_decay), use_buffers=True)
+
+
+def ema_of_floats(decay):
+    """AveragedModel's multi_avg_fn: torch's moving average (get_ema_multi_avg_fn) of floating-point
+    tensors, a copy of the others (BatchNorm's batch count, which torch's would round down until
+    it stops growing); AveragedModel hands over one dtype per call."""
+    average = get_ema_multi_avg_fn(decay)
+
+    def update(averaged, current, count):
+        if averaged[0].is_floating_point():
+            average(averaged, current, count)
+        else:
+            for tensor, model_tensor in zip(averaged, current, strict=True):
+                tensor.copy_(model_tensor)
+    return update
 
 
 def update_model_ema(ema, model, step, warmup_steps, every):
@@ -220,10 +239,13 @@ def lr_factor(step, total_steps, warmup_steps, schedule):
 
 # ---------------------------------------------------------------------------------------------
 # Training augmentations: batched operations on images (B, H, W, C), uint8 or float, on any
-# device. ``rand`` (B, RANDOM_PER_OP) float64 holds uniform numbers in [0, 1), drawn for each
-# image of the data set from (--seed, epoch) alone: the same image gets the same numbers in
-# every loader, on every rank and after a resume. ``prep`` is the data set's
-# dataset_utils.Preprocessing (image shape, padding). Test images are never augmented.
+# device (the device loader's). ``rand`` (B, RANDOM_PER_OP) float64 holds uniform numbers in
+# [0, 1), drawn for each image of the data set from (--seed, epoch) alone: the same image gets
+# the same numbers on every rank and after a resume. ``prep`` is the data set's
+# engine.preprocessing.Preprocessing (image shape, padding). The DataLoader's workers apply
+# torchvision's own transform of each where there is one (library_transform), seeded per
+# image from (--seed, epoch, index): the same distribution, other draws. Test images are never
+# augmented.
 
 RANDOM_PER_OP = 4  # uniform numbers each operation gets per image
 
@@ -249,43 +271,44 @@ def pad_crop(images, rand, prep):
 
 
 def resized_crop(images, rand, prep):
-    """A random part of each image, of RESIZED_CROP_SCALE of its area and an aspect ratio in
-    RESIZED_CROP_RATIO (uniform in log), resized bilinearly to the model's input size
-    prep.image_shape (torchvision's RandomResizedCrop with scale (0.25, 1)). A part wider or
-    taller than the image is clamped to it (torchvision draws again, up to 10 times)."""
+    """torchvision's RandomResizedCrop(prep.image_shape[:2], RESIZED_CROP_SCALE, RESIZED_CROP_RATIO)
+    of each image: a box drawn as torchvision draws it (a fraction of the area and an aspect
+    ratio, uniform in log, that fit the image), resized bilinearly to the model's input size."""
     _, height, width, _ = images.shape
-    low, high = RESIZED_CROP_SCALE
-    area = height * width * (low + (high - low) * rand[:, 0])  # (B,) float64, in pixels
-    ratio = RESIZED_CROP_RATIO[0] * (RESIZED_CROP_RATIO[1] / RESIZED_CROP_RATIO[0]) ** rand[:, 1]  # width / height
-    crop_w, crop_h = (area * ratio).sqrt().clamp(max=width), (area / ratio).sqrt().clamp(max=height)
-    return crop_resize(images, rand[:, 3] * (height - crop_h), rand[:, 2] * (width - crop_w), crop_h, crop_w,
-                       prep.image_shape[:2])
+    top, left, box_h, box_w = random_boxes(rand, height, width, RESIZED_CROP_SCALE, RESIZED_CROP_RATIO)
+    return crop_resize(images, top, left, box_h, box_w, prep.image_shape[:2])
 
 
-def crop_resize(images, top, left, height, width, size):
-    """The part [top, top + height) x [left, left + width) of each image (B, H, W, C) (box
-    edges (B,) float64, in pixels), resized bilinearly to ``size`` (h, w) as torchvision's
-    resized_crop without antialiasing: pixel centres at +0.5, edges clamped to the part.
-    Batched: one gather per axis, no loop over images, no host sync; uint8 in, uint8 out."""
-    batch = torch.arange(len(images), device=images.device)[:, None]
-    first_row, next_row, down = _bilinear_taps(top, height, size[0], images.shape[1])  # (B, h)
-    first_col, next_col, across = _bilinear_taps(left, width, size[1], images.shape[2])  # (B, w)
-    upper, lower = images[batch, first_row].float(), images[batch, next_row].float()  # (B, h, W, C)
-    rows = (upper + (lower - upper) * down[:, :, None, None]).transpose(1, 2)  # (B, W, h, C)
-    left_px, right_px = rows[batch, first_col], rows[batch, next_col]  # (B, w, h, C)
-    out = (left_px + (right_px - left_px) * across[:, :, None, None]).transpose(1, 2)  # (B, h, w, C)
-    return out.round().clamp(0, 255).to(torch.uint8) if images.dtype == torch.uint8 else out.to(images.dtype)
+def library_transform(op, prep):
+    """What the DataLoader's workers apply for the batched ``op`` to each training image (C, H, W):
+    torchvision's transform that does the same, from the same ranges, else ``op`` on a batch of one."""
+    from torchvision.transforms import v2  # seconds to import: paid by the DataLoader path alone
+    size = list(prep.image_shape[:2])
+    if op is flip:
+        return v2.RandomHorizontalFlip()
+    if op is pad_crop:
+        return v2.RandomCrop(size, padding=prep.padding)  # zero padding, as pad_crop's
+    if op is resized_crop:  # antialiased, where the batched one is not: 8/7 down at most, nearly the same
+        return v2.RandomResizedCrop(size, scale=RESIZED_CROP_SCALE, ratio=RESIZED_CROP_RATIO, antialias=True)
+    return partial(on_one_image, op=op, prep=prep)
 
 
-def _bilinear_taps(start, length, out, size):
-    """For ``out`` output pixels spread over [start, start + length) of an axis of ``size``
-    pixels: the two source pixels of each, (B, out) int64, and the weight of the second,
-    (B, out) float32."""
-    steps = torch.arange(out, dtype=torch.float64, device=start.device) + 0.5
-    centres = start[:, None] + steps * (length / out)[:, None] - 0.5  # (B, out), in source pixels
-    centres = torch.minimum(torch.maximum(centres, start[:, None]), (start + length - 1)[:, None]).clamp(0, size - 1)
-    first = centres.floor()
-    return first.long(), (first + 1).clamp(max=size - 1).long(), (centres - first).float()
+def on_one_image(image, op, prep):
+    """Batched ``op`` on one image (C, H, W), its numbers drawn from torch's generator, which
+    the DataLoader seeds for each image from (--seed, epoch, index)."""
+    rand = torch.rand((1, prep.per_op), dtype=torch.float64)
+    return op(image.permute(1, 2, 0)[None], rand, prep)[0].permute(2, 0, 1)
+
+
+def loader_transforms(prep):
+    """The DataLoader's per-image pipeline for a training image (C, H, W) of ``prep`` (an
+    engine.preprocessing.Preprocessing): its operations as library_transform gives them, then
+    image_transforms'; a v2.Compose, or None when there is nothing to do."""
+    steps = [library_transform(op, prep) for op in prep.ops] + list(getattr(prep.per_image, "transforms", ()))
+    if not steps:
+        return None
+    from torchvision.transforms import v2
+    return v2.Compose(steps)
 
 
 AUGMENTATIONS = {  # --augment NAME: the operations, applied in this order

@@ -15,7 +15,7 @@ from __future__ import annotations  # Run names Precision and friends in its ann
 import argparse
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
@@ -295,6 +295,7 @@ def build_task(args, ctx):
     stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
     temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
     train_set, per_image = with_image_transforms(train_set, recipe.image_transforms(args))
+    data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too
     loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
                                    measured, temporaries, per_image)
     workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))

@@ -18,8 +18,10 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_folder.py  --dataset folder: scanned and decoded
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     splits.py        --val-fraction: a stratified validation split of the training images
-    device_loader.py batches on the device; normalization, augmentation, centre crop; --loader auto
-    samplers.py      the DataLoader's samplers: each image's random numbers, test shards
+    preprocessing.py stored images to the model's input: normalization, centre crop, each image's draws
+    device_loader.py batches on the device, augmented a batch at a time; --loader auto
+    batched_crops.py resized crops of a whole batch on the device
+    samplers.py      the DataLoader's samplers: each image's seed, test shards
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32

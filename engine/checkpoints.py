@@ -211,7 +211,7 @@ def check_resume_flags(saved, args, recipe_flags):
     """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
     filled in): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
     may grow but not shrink. Cheap enough to run before any data is read (newest_flags)."""
-    changed = [f"--{name.replace('_', '-')} {flag_value(saved.get(name))} (now {flag_value(getattr(args, name))})"
+    changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(getattr(args, name))})"
                for name in recipe_flags if saved.get(name) != getattr(args, name)]
     if args.epochs < saved["epochs"]:
         changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
@@ -220,6 +220,15 @@ def check_resume_flags(saved, args, recipe_flags):
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir"
                         + smaller_steps_hint(saved.get("batch_size"), args.batch_size, args.accumulate))
+
+
+def as_typed(value):
+    """A flag's value in words: 0.9, 32x32, on or off (a switch), not given (None)."""
+    if value is None:
+        return "not given"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return flag_value(value)
 
 
 def check_newest_flags(directory, args, defaults, recipe_flags):

@@ -1,21 +1,22 @@
-"""The samplers of the DataLoader path: AugmentSampler hands each training image's random
-numbers for the epoch to the workers with its index; ShardSampler shards the test set so that
-an evaluation summed over ranks counts each image once.
+"""The samplers of the DataLoader path: AugmentSampler hands each training image's seed for
+the epoch to the workers with its index; ShardSampler shards the test set so that an
+evaluation summed over ranks counts each image once.
 """
 
 from torch.utils.data import Sampler
 
-from engine.device_loader import augmentation_seeds
+from engine.preprocessing import augmentation_seeds
 
 
 class AugmentSampler(Sampler):
-    """The indices of ``sampler``, as (index, random numbers) keys for InMemoryImages: each
-    image's numbers of the epoch (Preprocessing.randoms), drawn at the start of the epoch in
-    one call, so persistent workers, which never see ``set_epoch``, need no RNG of their own;
-    with per-image transforms, (index, random numbers, the image's seed for them)."""
+    """The indices of ``sampler``, as (index, seed) keys for dataset_utils.InMemoryImages: the
+    seed of the image's per-image transforms in this epoch (augmentation_seeds, a function of
+    (seed, epoch, index) alone), drawn at the start of the epoch in one call, so persistent
+    workers, which never see ``set_epoch``, need no RNG of their own and a resumed run, with any
+    number of workers, draws what the uninterrupted one drew."""
 
-    def __init__(self, sampler, size, seed, prep):
-        self.sampler, self.size, self.seed, self.prep, self.epoch = sampler, size, seed, prep, 0
+    def __init__(self, sampler, size, seed):
+        self.sampler, self.size, self.seed, self.epoch = sampler, size, seed, 0
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -23,11 +24,8 @@ class AugmentSampler(Sampler):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        rand = self.prep.randoms(self.size, self.seed, self.epoch).tolist()  # (size, ops, RANDOM_PER_OP)
-        if self.prep.per_image:
-            seeds = augmentation_seeds(self.size, self.seed, self.epoch).tolist()
-            return ((index, rand[index], seeds[index]) for index in self.sampler)
-        return ((index, rand[index]) for index in self.sampler)
+        seeds = augmentation_seeds(self.size, self.seed, self.epoch).tolist()
+        return ((index, seeds[index]) for index in self.sampler)
 
     def __len__(self):
         return len(self.sampler)

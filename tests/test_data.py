@@ -13,6 +13,7 @@ import torch
 import torchvision
 
 import dataset_utils as du
+import recipe
 from engine import data_formats, samplers
 from conftest import run_main, write_cifar100
 
@@ -47,7 +48,8 @@ def test_training_images_are_flipped_and_padded_crops(cifar_dir):
     padded = torch.nn.functional.pad(image, (4, 4, 4, 4))  # zero padding, as RandomCrop(padding=4)
     candidates = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)]
     mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
-    sampler = samplers.AugmentSampler([3], len(train_set), 0, train_set.prep)  # what the training loader asks for
+    train_set = train_set.with_transform(recipe.loader_transforms(train_set.prep))  # what the DataLoader serves
+    sampler = samplers.AugmentSampler([3], len(train_set), 0)  # what the training loader asks for
     seen = set()
     for epoch in range(40):
         sampler.set_epoch(epoch)

@@ -18,7 +18,7 @@ import torchvision.transforms.functional as TF
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, device_loader
+from engine import data_formats, device_loader, preprocessing
 from conftest import (FAST, REPO, SMALL_MODEL, TINY_MODEL, clean_env, error_lines, idx_bytes, python_cmd,
                       read_metrics, run, run_main, torchrun_cmd, write_cifar10, write_dataset, write_idx)
 from model import WideResNet
@@ -210,15 +210,18 @@ def test_one_channel_crops_equal_torchvision_pixel_for_pixel(name):
         rand[k, 0, 0] = 0.25 if flip else 0.75
         rand[k, 1, :2] = (torch.tensor([top, left], dtype=torch.float64) + 0.5) / (2 * spec.padding + 1)
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = device_loader.normalize(device_loader.augment(batch, rand, prep.ops, prep),
-                                        *device_loader.normalization(spec.mean, spec.std, torch.uint8))
-    dataset = du.InMemoryImages(image[None], np.zeros(1), prep)
+    on_device = preprocessing.normalize(device_loader.augment(batch, rand, prep.ops, prep),
+                                        *preprocessing.normalization(spec.mean, spec.std, torch.uint8))
+    references = []
     for k, (top, left, flip) in enumerate(combos):
         cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, spec.padding), top, left, 28, 28)
-        reference = TF.normalize(TF.to_tensor(cropped), spec.mean, spec.std)  # (1, 28, 28)
+        references.append(TF.normalize(TF.to_tensor(cropped), spec.mean, spec.std))  # (1, 28, 28)
         # The same pixels (one grey level apart is 0.014 here), normalized within float32 rounding.
-        torch.testing.assert_close(on_device[k], reference, rtol=0, atol=1e-6, msg=str((top, left, flip)))
-        torch.testing.assert_close(dataset[(0, rand[k].tolist())][0], reference, rtol=0, atol=1e-6)
+        torch.testing.assert_close(on_device[k], references[k], rtol=0, atol=1e-6, msg=str((top, left, flip)))
+    # The DataLoader's items (torchvision's transforms on the 1-channel tensor) are among them.
+    dataset = du.InMemoryImages(image[None], np.zeros(1), prep).with_transform(recipe.loader_transforms(prep))
+    for seed in range(20):
+        assert any(torch.allclose(dataset[(0, seed)][0], reference, rtol=0, atol=1e-6) for reference in references)
 
 
 def test_the_model_follows_the_data():

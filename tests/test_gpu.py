@@ -30,9 +30,10 @@ import dataset_utils as du
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine.device_loader import Preprocessing, batch_temporaries
+from engine.device_loader import batch_temporaries
 from engine.memory import StepShape, device_memory, free_device_memory, training_bytes
 from engine.precision import Precision
+from engine.preprocessing import Preprocessing
 from engine import monitor, optimizers, tensorboard_log
 from conftest import REPO, SMALL_MODEL, clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for
 from conftest import write_cifar100

@@ -19,6 +19,7 @@ from PIL import Image
 import dataset_utils as du
 import recipe
 from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
+from engine import batched_crops
 from engine.errors import UserError
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
@@ -146,7 +147,7 @@ def test_crop_resize_is_torchvisions_resized_crop():
         height, width = int(rng.integers(8, 41)), int(rng.integers(8, 51))
         top, left = int(rng.integers(0, 41 - height)), int(rng.integers(0, 51 - width))
         box = [torch.tensor([float(v)], dtype=torch.float64) for v in (top, left, height, width)]
-        ours = recipe.crop_resize(image[None], *box, (24, 30))[0]
+        ours = batched_crops.crop_resize(image[None], *box, (24, 30))[0]
         theirs = TF.resized_crop(image.permute(2, 0, 1), top, left, height, width, [24, 30],
                                  antialias=False).permute(1, 2, 0)
         assert (ours.int() - theirs.int()).abs().max() <= 1  # both round a float; ties may differ
@@ -168,7 +169,7 @@ def test_crop_resize_of_fractional_boxes_is_torchvisions_roi_align():
     top = torch.rand(64, generator=generator, dtype=torch.float64) * (40 - height)
     left = torch.rand(64, generator=generator, dtype=torch.float64) * (50 - width)
     assert (height.frac() > 0).all() and (top.frac() > 0).all()  # fractional boxes, as training draws them
-    ours = recipe.crop_resize(images, top, left, height, width, size).int()  # (B, h, w, C)
+    ours = batched_crops.crop_resize(images, top, left, height, width, size).int()  # (B, h, w, C)
     boxes = torch.stack([torch.arange(64, dtype=torch.float64), left, top, left + width, top + height], 1).float()
     theirs = roi_align(images.permute(0, 3, 1, 2).float(), boxes, size, spatial_scale=1.0, sampling_ratio=1,
                        aligned=True).round().int().permute(0, 2, 3, 1)
@@ -195,23 +196,67 @@ def test_resized_crops_cover_the_scale_and_ratio_range():
     assert (width / height).min() > 0.7 and (width / height).max() < 1.4
 
 
-def test_both_loaders_serve_the_same_resized_crops_and_centre_crops_of_larger_images():
-    images = np.random.default_rng(0).integers(0, 256, (24, 37, 37, 3), dtype=np.uint8)  # stored 8/7 of 32
-    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
-    train_set = du.InMemoryImages(images, np.arange(24), prep)
-    loaders = {kind: du.build_loaders(train_set, train_set, 8, loader=kind, seed=3, device=torch.device("cpu"))
-               for kind in ("device", "torchvision")}
-    for epoch in (0, 1):
-        for loader, _ in loaders.values():
-            du.set_loader_epoch(loader, epoch)
-        served = [list(loader) for loader, _ in loaders.values()]
-        assert len(served[0]) == len(served[1]) == 3  # 24 images, batches of 8
-        assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(*served))
-        assert served[0][0][0].shape == (8, 3, 32, 32)
-    tests = [torch.cat([x for x, _ in test]) for _, test in loaders.values()]
+def two_sample_ks(a, b):
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    a, b = np.sort(np.asarray(a)), np.sort(np.asarray(b))
+    both = np.concatenate([a, b])
+    return np.abs(np.searchsorted(a, both, "right") / len(a) - np.searchsorted(b, both, "right") / len(b)).max()
+
+
+def ks_limit(n, m):
+    """The statistic that equal distributions exceed with probability 1e-4 (samples n and m)."""
+    return 2.15 * ((n + m) / (n * m)) ** 0.5
+
+
+@pytest.mark.parametrize("height, width", [(64, 64), (300, 900)])
+def test_resized_crop_boxes_are_drawn_as_torchvisions(height, width):
+    """The device loader's batched boxes against RandomResizedCrop.get_params (ten draws, then the
+    centre): the same distribution of area, aspect and position, and as often the centre, also
+    on an image so wide that most draws miss."""
+    n = 4000
+    rand = torch.rand((n, 4), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    top, left, box_h, box_w = (v.numpy() for v in batched_crops.random_boxes(rand, height, width, (0.25, 1.0),
+                                                                             (3 / 4, 4 / 3)))
+    torch.manual_seed(3)
+    image = torch.zeros(3, height, width)
+    theirs = np.array([torchvision.transforms.RandomResizedCrop.get_params(image, [0.25, 1.0], [3 / 4, 4 / 3])
+                       for _ in range(n)], dtype=np.float64)  # (n, 4): top, left, height, width
+    ours = np.stack([top, left, box_h, box_w], 1)
+    for name, f in [("area", lambda b: b[:, 2] * b[:, 3]), ("aspect", lambda b: b[:, 3] / b[:, 2])]:
+        assert two_sample_ks(f(ours), f(theirs)) < ks_limit(n, n), name
+    for axis in (0, 1):  # the box's centre: whole pixels in torchvision's, so its mean and spread
+        centre, centre_ref = ours[:, axis] + ours[:, axis + 2] / 2, theirs[:, axis] + theirs[:, axis + 2] / 2
+        assert abs(centre.mean() - centre_ref.mean()) < 5 * ((centre.var() + centre_ref.var()) / n) ** 0.5, axis
+        assert abs(centre.std() / centre_ref.std() - 1) < 0.1, axis
+    centred = lambda b: np.isclose(b[:, 1], (width - b[:, 3]) / 2, atol=0.5) & (b[:, 2] == height)  # noqa: E731
+    assert abs(centred(ours).mean() - centred(theirs).mean()) < 5 * 0.5 / n**0.5
+
+
+def test_both_loaders_draw_resized_crops_alike_and_test_on_the_same_centre_crop():
+    """Each loader's crops (the boxes read back from an image whose pixels are their own
+    coordinates) have one distribution of area and aspect, the batched one's and torchvision's
+    RandomResizedCrop's; test images are the same centre crop in both."""
+    n, size, out = 1500, 64, 56  # stored at 8/7 of the training size, as resized-crop stores photos
+    rows, cols = np.mgrid[:size, :size]
+    coordinates = np.stack([rows * 4, cols * 4, np.zeros_like(rows)], -1).astype(np.uint8)  # 0..252
+    prep = du.preprocessing((out, out, 3), (0.0,) * 3, (1.0,) * 3, "resized-crop", stored_size=(size, size))
+    train_set = du.InMemoryImages(np.repeat(coordinates[None], n, 0), np.arange(n), prep)
+    boxes, tests = [], []
+    for kind in ("device", "torchvision"):
+        train, test = du.build_loaders(train_set, train_set.subset(range(8)), 500, loader=kind, seed=1,
+                                       device=torch.device("cpu"))
+        x = torch.cat([images for images, _ in train]) * 255 / 4  # (n, 3, out, out): source coordinates
+        box_h = (x[:, 0, -1, :] - x[:, 0, 0, :]).mean(1) * out / (out - 1)  # first to last pixel centre
+        box_w = (x[:, 1, :, -1] - x[:, 1, :, 0]).abs().mean(1) * out / (out - 1)  # abs: flipped ones too
+        boxes.append((box_h * box_w / size**2, box_w / box_h))
+        tests.append(torch.cat([images for images, _ in test]))
+    (area, aspect), (area_ref, aspect_ref) = boxes
+    assert len(area) == len(area_ref) == n
+    assert two_sample_ks(area, area_ref) < ks_limit(n, n) and two_sample_ks(aspect, aspect_ref) < ks_limit(n, n)
+    assert 0.24 < area.min() and area.max() < 1.02 and 0.74 < aspect.min() and aspect.max() < 1.35
     assert torch.equal(tests[0], tests[1])
-    expected = torch.from_numpy(images[:, 2:34, 2:34]).float().div(255).sub(0.5).div(0.25).permute(0, 3, 1, 2)
-    assert torch.allclose(tests[0], expected, atol=1e-5)  # the centre 32x32 of 37x37: offsets round(2.5) = 2
+    expected = torch.from_numpy(coordinates[4:60, 4:60]).float().div(255).permute(2, 0, 1)  # offsets (64 - 56) / 2
+    assert torch.allclose(tests[0], expected.expand(8, -1, -1, -1), atol=1e-6)
 
 
 def test_augment_auto_picks_resized_crop_for_photos_only():

@@ -84,6 +84,8 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
             "--clip-grad-norm 1, model EMA (decay 0.99 every 3 steps: half-life 207 steps, 51.7 epochs; validation, "
             "checkpoints' weights and --save-weights are the average's)")
     assert (said in whole.stdout.splitlines()) == bool(extra), whole.stdout
+    augmentation = re.search(r"^Augmentation: .*$", whole.stdout, re.M).group()
+    assert ("per image TrivialAugmentWide" in augmentation) == bool(extra), augmentation
 
     go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
     process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
@@ -198,20 +200,22 @@ def test_the_guides_sgd_and_adamw_are_what_their_flags_say():
     assert [p.ndim for p in plain["params"]] == [1, 1, 1] and plain["weight_decay"] == 0.0  # biases, BatchNorm
 
 
-def test_an_augmentation_added_to_recipe_py_is_served_alike_by_both_loaders(project, monkeypatch):
+def test_an_augmentation_added_to_recipe_py_is_applied_by_both_loaders(project, monkeypatch):
+    """The documented cutout: batched in the device loader, on a batch of one in the DataLoader's
+    workers (torchvision has no cutout), every image with its hole, repeated by a fresh loader."""
     namespace = {"torch": torch}
     exec(recipe_docs_snippet("cutout").split("\n\nAUGMENTATIONS")[0], namespace)  # the function, as documented
-    monkeypatch.setitem(recipe.AUGMENTATIONS, "flip-crop-cutout", (recipe.flip, recipe.pad_crop, namespace["cutout"]))
-    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "flip-crop-cutout")
+    monkeypatch.setitem(recipe.AUGMENTATIONS, "flip-cutout", (recipe.flip, namespace["cutout"]))  # no padding's zeros
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "flip-cutout")
     images = np.random.default_rng(0).integers(1, 256, (16, 32, 32, 3), dtype=np.uint8)  # no zeros of their own
     data = du.InMemoryImages(images, np.arange(16), prep)
-    device, torchvision = (du.build_loaders(data, data, 8, loader=kind, seed=5)[0]
-                           for kind in ("device", "torchvision"))
-    batches, reference = list(device), list(torchvision)
-    assert len(batches) == len(reference) == 2  # 16 images, batches of 8
-    assert all(torch.equal(x, x_ref) and torch.equal(y, y_ref) for (x, y), (x_ref, y_ref) in zip(batches, reference))
-    pixels = torch.cat([x for x, _ in batches]) * 0.25 + 0.5  # back to 0..1
-    assert ((pixels == 0).all(dim=1).flatten(1).sum(dim=1) >= 8 * 8).all()  # each image has its hole (or more)
+    for kind in ("device", "torchvision"):
+        batches, again = (list(du.build_loaders(data, data, 8, loader=kind, seed=5)[0]) for _ in range(2))
+        assert len(batches) == 2  # 16 images, batches of 8
+        assert all(torch.equal(x, x_ref) for (x, _), (x_ref, _) in zip(batches, again, strict=True))
+        pixels = torch.cat([x for x, _ in batches]) * 0.25 + 0.5  # back to 0..1
+        holes = (pixels == 0).all(dim=1).flatten(1).sum(dim=1)  # (16,) zeroed pixels
+        assert (holes >= 8 * 8).all(), kind  # each image has its hole, cut at the border or whole (17 x 17)
 
 
 def test_an_edited_recipe_trains_with_the_new_augmentation(project):

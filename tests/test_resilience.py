@@ -247,7 +247,7 @@ def test_resume_refuses_another_model_data_set_or_recipe():
                                         r"--optimizer sgd"):
         check(_checkpoint_like(args, data, model), run_args=adamw, optimizer_class="AdamW")
     with pytest.raises(UserError, match=r"--optimizer sgd \(now adamw\), --base-lr 0.01 \(now 0.001\), "
-                                        r"--momentum 0.9 \(now None\)"):
+                                        r"--momentum 0.9 \(now not given\)"):
         check(_checkpoint_like(args, data, model), run_args=adamw)  # the same class (an edited recipe.py): flags differ
     edited = {**_checkpoint_like(args, data, model), "optimizer_class": "RMSprop"}  # recipe.py's sgd edited
     with pytest.raises(UserError, match="trained with the optimizer RMSprop, this run builds SGD"):

@@ -286,6 +286,8 @@ def test_model_ema_is_the_average_of_the_weights_every_n_steps():
     now, average = floats(run.module), floats(run.ema.module)
     assert all(torch.allclose(average[k], 0.5 * after_two[k] + 0.5 * now[k]) for k in now)
     assert not all(torch.equal(average[k], now[k]) for k in now)
+    counts = {k: v for k, v in run.ema.module.state_dict().items() if not v.is_floating_point()}  # BN's batches seen
+    assert counts and all(torch.equal(v, run.module.state_dict()[k]) for k, v in counts.items())  # copied, not averaged
     assert run.evaluated is run.ema.module and run.weights_metadata()["model_ema"] == {"model_ema_decay": 0.5,
                                                                                       "model_ema_steps": 2}
     # During the LR warm-up (2 epochs of 2 steps) each update copies: the average follows the model.
