@@ -15,10 +15,11 @@ import torch
 from device_utils import single_process_context
 from engine import monitor, tensorboard_log
 from train_utils import parse_args
-from conftest import FAST, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd, write_cifar100
+from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd,
+                      write_cifar100)
 
-# Tiny CIFAR-100 runs: 2 steps of 4 images per epoch.
-TINY = ("--batch-size", "4", "--limit-batches", "2", "--warmup-epochs", "0", *FAST)
+# Tiny CIFAR-100 runs: 2 steps of 4 images per epoch, of the tiny network (what is monitored is the run).
+TINY = ("--batch-size", "4", "--limit-batches", "2", "--warmup-epochs", "0", *FAST, *TINY_MODEL)
 
 
 def _scalars(folder):
@@ -240,7 +241,7 @@ def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
     data = write_cifar100(tmp_path / "data", n_train=32, n_test=8)  # 3 steps of 8 per epoch
     result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", data, "--batch-size", "8", "--epochs", "2",
                               "--limit-batches", "3", "--warmup-epochs", "0", *FAST, "--profile-dir", "prof",
-                              "--profile-skip", "1", "--profile-steps", "2", "--metrics-file", "m.jsonl"),
+                              "--profile-skip", "1", "--profile-steps", "2", "--metrics-file", "m.jsonl", *TINY_MODEL),
                  cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_metrics(tmp_path / "m.jsonl")

@@ -208,6 +208,7 @@ def ks_limit(n, m):
     return 2.15 * ((n + m) / (n * m)) ** 0.5
 
 
+@pytest.mark.oldest_torch  # RandomResizedCrop.get_params of torchvision 0.22
 @pytest.mark.parametrize("height, width", [(64, 64), (300, 900)])
 def test_resized_crop_boxes_are_drawn_as_torchvisions(height, width):
     """The device loader's batched boxes against RandomResizedCrop.get_params (ten draws, then the
@@ -232,6 +233,7 @@ def test_resized_crop_boxes_are_drawn_as_torchvisions(height, width):
     assert abs(centred(ours).mean() - centred(theirs).mean()) < 5 * 0.5 / n**0.5
 
 
+@pytest.mark.oldest_torch  # v2.RandomResizedCrop on uint8 tensors in torchvision 0.22
 def test_both_loaders_draw_resized_crops_alike_and_test_on_the_same_centre_crop():
     """Each loader's crops (the boxes read back from an image whose pixels are their own
     coordinates) have one distribution of area and aspect, the batched one's and torchvision's

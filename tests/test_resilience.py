@@ -338,8 +338,8 @@ def test_job_script_passes_exactly_the_recommended_settings():
 
 @pytest.mark.oldest_torch
 def test_torchvision_loader_with_a_persistent_worker_resumes_exactly(tmp_path):
-    """The same guarantee for --loader torchvision: CropFlipSampler hands the worker its
-    augmentation, so neither the worker's life nor the restart changes a pixel."""
+    """The same guarantee for --loader torchvision: AugmentSampler hands the worker each image's
+    seed for its transforms, so neither the worker's life nor the restart changes a pixel."""
     tv_run = (*RUN, "--loader", "torchvision", "--num-workers", "1")
     reference = run(python_cmd("train.py", *tv_run, "--metrics-file", tmp_path / "m_ref.jsonl",
                                "--save-weights", tmp_path / "w_ref.pt"), cwd=tmp_path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 
-from conftest import FAST, clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
+from conftest import FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
 from model import WideResNet
 
 REQUIRED = {"epoch", "train_loss", "val_loss", "val_accuracy", "epoch_time_s", "images_per_sec", "lr", "world_size"}
@@ -60,9 +60,9 @@ def test_training_run_prints_writes_metrics_and_weights(tmp_path, cifar_dir):
 
 
 def test_same_seed_same_run_and_another_seed_differs(tmp_path, cifar_dir):
-    def losses(seed, name):
+    def losses(seed, name):  # the tiny network: dropout and BatchNorm, as the Wide ResNet, in a fraction of the time
         result = train(tmp_path, cifar_dir, "--epochs", "1", "--batch-size", "8", "--limit-batches", "2",
-                       "--seed", seed, "--metrics-file", tmp_path / name)
+                       "--seed", seed, "--metrics-file", tmp_path / name, *TINY_MODEL)
         assert result.returncode == 0, result.stderr
         assert "Note: the 2 warm-up epochs are longer than this 1-epoch run: the learning rate peaks at 50%" \
             in result.stdout  # the default warm-up, said, not refused: smoke runs stay one command
@@ -154,7 +154,7 @@ def test_a_failed_command_leaves_no_empty_folders(tmp_path, cifar_dir, capsys):
 def test_a_metrics_file_that_cannot_be_written_mid_run_is_a_warning(tmp_path, cifar_dir):
     """/dev/full accepts the start-up check and fails every write with ENOSPC, as a full disk does."""
     result = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "8", "--limit-batches", "1",
-                   "--metrics-file", "/dev/full", "--checkpoint-dir", tmp_path / "ck")
+                   "--metrics-file", "/dev/full", "--checkpoint-dir", tmp_path / "ck", *TINY_MODEL)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     warning = ("WARNING: cannot append to --metrics-file /dev/full (No space left on device); 1 line kept in memory "
                "for the next epoch, and in the checkpoints")
