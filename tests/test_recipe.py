@@ -19,10 +19,15 @@ import recipe
 from engine.errors import UserError
 from conftest import REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd, wait_held
 from test_resilience import _rank_pid
+from tools.demo_data import write_photo_folder
 from train_utils import parse_args
 
-RUN = (*TINY_MODEL, "--synthetic", "--epochs", "3", "--limit-batches", "4", "--batch-size", "8",
-       "--checkpoint-interval", "0", "--num-workers", "0", "--log-interval", "0")
+BASE = (*TINY_MODEL, "--epochs", "3", "--limit-batches", "4", "--batch-size", "8", "--checkpoint-interval", "0",
+        "--num-workers", "0", "--log-interval", "0")
+RUN = (*BASE, "--synthetic")
+# A folder of photos (the project's photos/: JPEG and PNG, colour and gray, 60x80 to 500x333), held
+# out by a quarter: 45 training images, resized-crop at 32x32 from the cache's 37x37.
+PHOTOS = ("--dataset", "folder", "--data-dir", "photos", "--val-fraction", "0.25", "--image-size", "32")
 # The torchvision references' batch-level flags, all together.
 REFERENCES = ("--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
               "--clip-grad-norm", "1.0", "--model-ema", "--model-ema-steps", "3")
@@ -39,8 +44,9 @@ def recipe_docs_snippet(name):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A copy of the scripts, as a user has them, with docs/recipe.md's RMSprop and cutout
-    added at the end of recipe.py."""
+    added at the end of recipe.py, and a folder of photos."""
     folder = tmp_path_factory.mktemp("project")
+    write_photo_folder(folder / "photos", per_class=20)
     for path in REPO.iterdir():
         if path.suffix == ".py":
             shutil.copy(path, folder)
@@ -63,8 +69,8 @@ def ddp(*args):
 # Under DDP AdamW only: the signal to one rank, the agreement and the bitwise resume are the same
 # machinery for every optimizer (SGD under DDP: test_resilience.py), and SGD's own state is sgd-1's.
 # AdamW runs with all the references' flags (TrivialAugment per image, so the DataLoader; erasing,
-# MixUp, CutMix, clipping, model EMA): each image's and step's draws and the average (the weights
-# compared) are resumed too.
+# MixUp, CutMix, clipping, model EMA) on a folder of photos: each image's and step's draws and the
+# average (the weights compared) are resumed too.
 @pytest.mark.parametrize("optimizer, launcher, extra", [("sgd", single, ()), ("adamw", single, REFERENCES),
                                                         ("rmsprop", single, ()), ("adamw", ddp, REFERENCES)],
                          ids=["sgd-1", "adamw-1-references", "rmsprop-1", "adamw-2-references"])
@@ -72,12 +78,13 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
                                                                        extra):
     names = {"sgd": "SGD", "adamw": "AdamW", "rmsprop": "RMSprop"}
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    data = PHOTOS if extra else ("--synthetic",)
     outputs = []
     for folder in (reference, stopped):
         shutil.copytree(project, folder)
-        outputs.append(("--optimizer", optimizer, *extra, "--checkpoint-dir", folder / "ckpt", "--metrics-file",
+        outputs.append((*data, "--optimizer", optimizer, *extra, "--checkpoint-dir", folder / "ckpt", "--metrics-file",
                         folder / "m.jsonl", "--save-weights", folder / "w.pt"))
-    whole = run(launcher(*RUN, *outputs[0]), cwd=reference)
+    whole = run(launcher(*BASE, *outputs[0]), cwd=reference)
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
     said = ("Regularization: --auto-augment ta_wide, --random-erase 0.25, --mixup-alpha 0.2, --cutmix-alpha 1, "
@@ -88,14 +95,14 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert ("per image TrivialAugmentWide" in augmentation) == bool(extra), augmentation
 
     go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
-    process = start(launcher(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
+    process = start(launcher(*BASE, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
     rank = 0 if launcher is single else 1
     wait_held(go, process, rank)
     os.kill(process.pid if launcher is single else _rank_pid(process.pid, 1), signal.SIGUSR1)  # DDP: rank 1 only
     go.touch()
     process.wait(timeout=120)
     log = (stopped / "log").read_text()
-    resumed = run(launcher(*RUN, *outputs[1], "--resume"), cwd=stopped)
+    resumed = run(launcher(*BASE, *outputs[1], "--resume"), cwd=stopped)
     step = 2 if launcher is single else 3  # DDP: the ranks agree during the next step
     assert re.search(rf"Stopped after step {step} of epoch 2 \((SIGUSR1|a signal to another rank)\)", log), log
     assert resumed.returncode == 0, resumed.stderr
@@ -104,7 +111,8 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
     records = read_metrics(stopped / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2, 3] and {r["optimizer"] for r in records} == {names[optimizer]}
-    assert records[-1]["augment"] == ["flip", "pad_crop"] and records[-1]["loss"] == "CrossEntropyLoss"
+    assert records[-1]["augment"] == (["resized_crop", "flip"] if extra else ["flip", "pad_crop"])  # photos: auto
+    assert records[-1]["loss"] == "CrossEntropyLoss"
     assert records[-1]["regularization"] == (REFERENCES_RECORDED if extra else {})
     assert records[-1]["loader"] == ("torchvision" if extra else "device")  # auto: per-image transforms
     compared = ("train_loss", "val_loss", "val_accuracy", "lr")
