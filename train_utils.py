@@ -214,9 +214,9 @@ def train_steps(run, batches, state):
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
-        if run.ema:  # recipe.py's model EMA, every --model-ema-steps optimizer steps
-            recipe.update_model_ema(run.ema, run.module, run.scheduler.last_epoch,
-                                    round(run.args.warmup_epochs * run.steps), run.args.model_ema_steps)
+        if run.ema:  # recipe.py's model EMA, every --model-ema-steps optimizer steps; copies during the warm-up
+            warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
+            recipe.update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.args.model_ema_steps)
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
