@@ -1,5 +1,5 @@
 """The data sets as batches of (images, labels): what each --dataset is, the samplers and the
-two loaders. How the files of the built-in data sets are fetched and read is in
+loaders. How the files of the built-in data sets are fetched and read is in
 engine/data_formats.py, the image folder's cache in engine/image_cache.py, the training
 augmentations in recipe.py.
 
@@ -12,7 +12,7 @@ decode a large image folder there too (with train.py's data flags: the cache it 
 The training scripts download only when the data is missing, and then only global rank 0
 downloads while the other ranks wait.
 
-Two loaders serve the same batches of (float32 images (B, C, H, W), int64 labels (B,)):
+Three loaders serve batches of (float32 images (B, C, H, W), int64 labels (B,)):
 
 - ``device`` (the training scripts' default): the whole data set is copied to the device
   once as uint8 (150 MB for CIFAR's training set, 47 MB for MNIST's); each batch is a gather
@@ -22,11 +22,13 @@ Two loaders serve the same batches of (float32 images (B, C, H, W), int64 labels
 - ``torchvision``: the guide's DataLoader, for data that does not fit on the device or for
   comparison; with ``num_workers`` persistent worker processes, each applying torchvision's
   transforms (recipe.loader_transforms) to one image at a time.
+- ``dali`` (--dataset folder): NVIDIA DALI reads and decodes the files every epoch, on the GPU,
+  and crops them (recipe.dali_images; engine/dali_loader.py): no decoded copy, any folder size.
 
-Both shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank), and
-each augments image i of epoch e from (seed, epoch, i) alone: the same crops on every rank, with
-any number of workers and after a resume. The two loaders draw the same distribution of crops,
-not the same crops.
+All shuffle exactly as ``DistributedSampler`` does (by seed and epoch, sharded by rank). The
+first two augment image i of epoch e from (seed, epoch, i) alone: the same crops on every rank,
+with any number of workers and after a resume; DALI seeds each epoch's pipeline by (seed, epoch,
+rank). They draw the same distribution of crops, not the same crops.
 """
 
 import signal
@@ -37,21 +39,23 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
+from engine.dali_loader import DaliLoader, check_dali, choose_dali, dali_installed
 from engine.device_loader import DeviceLoader
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
                                 read_folder_cache)
 from engine.image_folder import channel_stats
+from engine.data_sets import FileImages, InMemoryImages
+from engine.image_list import decoded_bytes, prepare_list, read_list
 from engine.log import count, flag_value
 from engine.plugins import plugin_key
-from engine.preprocessing import (Preprocessing, centre_crop, normalization, normalize, trained_preprocessing,
-                                  transformed)
+from engine.preprocessing import Preprocessing, trained_preprocessing
 from engine.processes import available_cores, from_rank0
 from engine.samplers import AugmentSampler, ShardSampler
 from engine.task import DataInfo, data_fingerprint
@@ -61,7 +65,7 @@ from engine.weights import read_weights
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
-LOADERS = ("device", "torchvision")
+LOADERS = ("device", "torchvision", "dali")
 
 
 def spec_preprocessing(spec, augment="auto"):
@@ -91,59 +95,6 @@ def synthetic_split(split, seed=0, spec=CIFAR100):
 def to_pil(image):
     """uint8 (H, W, C) -> a PIL image: RGB, or grayscale ("L") for one channel."""
     return Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
-
-
-class InMemoryImages(Dataset):
-    """Images (N, H, W, C), uint8 or float32, in memory (or memory-mapped), and labels (N,);
-    items are (float32 tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
-
-    A key is an index (no augmentation: test images, the guide's plain use) or, from
-    AugmentSampler, (index, seed): ``transform`` (recipe.loader_transforms) with the image's
-    draws seeded by ``seed``. No worker process draws random numbers of its own.
-    """
-
-    def __init__(self, images, labels, prep=None, rows=None, transform=None):
-        prep = prep or spec_preprocessing(CIFAR100)  # the guide's
-        self.source, self.source_labels, self.prep, self.transform = images, labels, prep, transform
-        self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
-        self.labels = labels if rows is None else np.asarray(labels)[rows]
-        stored = torch.uint8 if images.dtype == np.uint8 else torch.float32
-        self.scale_shift = normalization(prep.mean, prep.std, stored)  # float32 (C,) each
-
-    @property
-    def images(self):
-        """The images (N, H, W, C): the array itself, or a copy of a subset's rows."""
-        return self.source if self.rows is None else self.source[self.rows]
-
-    @property
-    def nbytes(self):
-        return len(self) * self.source[0].nbytes
-
-    def with_prep(self, prep):
-        """The same images, prepared as ``prep`` says (no copy)."""
-        return InMemoryImages(self.source, self.source_labels, prep, self.rows)
-
-    def with_transform(self, transform):
-        """The same images, training keys (index, seed) transformed by ``transform`` (no copy)."""
-        return InMemoryImages(self.source, self.source_labels, self.prep, self.rows, transform)
-
-    def subset(self, rows):
-        """The images at ``rows`` (indices into this set) of a held-out split, without a copy."""
-        rows = np.asarray(rows, dtype=np.int64)
-        rows = rows if self.rows is None else self.rows[rows]
-        return InMemoryImages(self.source, self.source_labels, self.prep, rows)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, key):
-        index, seed = key if isinstance(key, tuple) else (key, None)
-        row = index if self.rows is None else self.rows[index]
-        image = torch.from_numpy(np.array(self.source[row])).permute(2, 0, 1)  # (C, H, W): a copy, out of the map
-        if seed is not None and self.transform is not None:  # a training image
-            image = transformed(image, self.transform, seed)
-        image = centre_crop(image.permute(1, 2, 0)[None], self.prep.image_shape[:2])  # (1, h, w, C); test images
-        return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
 
 
 def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0, spec=CIFAR100, augment="auto",
@@ -187,9 +138,15 @@ def load_cifar100(batch_size, num_workers=0, sampler=None, data_dir=None, **opti
 
 def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_workers=0, sampler=None,
                   device=None, rank=0, world_size=1, seed=0, pin_memory=None):
-    """(train_loader, test_loader) over data sets from ``build_datasets``; see load_data."""
+    """(train_loader, test_loader) over data sets from ``build_datasets`` (FileImages for "dali",
+    whose ``num_workers`` are DALI's threads); see load_data."""
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {LOADERS}, not {loader!r}")
+    if loader == "dali":
+        common = dict(device=torch.device(device or "cpu"), rank=rank, world_size=world_size, seed=seed,
+                      threads=max(1, num_workers))
+        return (DaliLoader(train_set, batch_size, recipe.dali_images, augmented=True, **common),
+                DaliLoader(test_set, batch_size, recipe.dali_images, augmented=False, **common))
     if sampler is None:
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=seed, drop_last=True)
@@ -239,14 +196,15 @@ def set_loader_epoch(loader, epoch):
 # ---------------------------------------------------------------------------------------------
 # --dataset of the command line: the data and what the engine knows of it (engine/task.py).
 
-def build_data(args, ctx):
-    """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both; with --val-fraction
-    the test set is the part of the training images held out. --eval-only prepares the images
-    as the --weights file records (the normalization of the images it was trained on)."""
+def build_data(args, ctx, listed=False):
+    """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both (FileImages for an image
+    folder ``listed`` for --loader dali); with --val-fraction the test set is the part of the
+    training images held out. --eval-only prepares the images as the --weights file records (the
+    normalization of the images it was trained on)."""
     if args.dataset in DATASETS:
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
-        train, test, info = folder_data(args, ctx)
+        train, test, info = (folder_list_data if listed else folder_data)(args, ctx)
     else:  # global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others
         loaded = {}
         from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
@@ -331,26 +289,74 @@ def folder_data(args, ctx):
     training size (recipe.stored_size); --augment auto looks at the images' own size."""
     target = from_rank0(lambda: str(prepare_folder_cache(args)), ctx.control_group, patient=True)
     folder = read_folder_cache(Path(target))
-    stored = tuple(folder.train[0].shape[1:3])
-    augment, notes = args.augment, folder.notes
-    if augment == "auto":
-        side = folder.stats.median_short_side
-        augment = recipe.auto_augment(side)
-        photos = augment == "resized-crop"
-        notes += (f"--augment auto: {augment}, as the images are {'photos' if photos else 'small'} (median shorter "
-                  f"side {side} pixels, {'' if photos else 'not '}larger than {recipe.PHOTO_PIXELS})",)
-    size = args.image_size or recipe.training_size(augment, stored)
-    prep = preprocessing((*size, folder.train[0].shape[3]), folder.mean, folder.std, augment,
-                         stored_size=stored if stored != tuple(size) else None)
+    prep, notes = folder_preprocessing(args, folder.stats, folder.train[0].shape[3], folder.mean, folder.std,
+                                       tuple(folder.train[0].shape[1:3]))
     train = InMemoryImages(*folder.train, prep)
     test = InMemoryImages(*folder.test, prep) if folder.test is not None else None
+    return train, test, folder_info(args, folder, prep, train.labels, len(test or ()), folder.notes + notes)
+
+
+def folder_preprocessing(args, stats, channels, mean, std, stored=None):
+    """(Preprocessing, notes) of an image folder whose training images' sizes are ``stats``
+    (image_folder.FolderStats): --augment auto resized-crop for photos, the training size
+    --image-size or that of images ``stored`` at (H, W) (default: as the cache would store them)."""
+    augment, notes = args.augment, ()
+    if augment == "auto":
+        side = stats.median_short_side
+        augment = recipe.auto_augment(side)
+        photos = augment == "resized-crop"
+        notes = (f"--augment auto: {augment}, as the images are {'photos' if photos else 'small'} (median shorter "
+                 f"side {side} pixels, {'' if photos else 'not '}larger than {recipe.PHOTO_PIXELS})",)
+    stored = stored or tuple(folder_size(augment, args.image_size).choose(stats))
+    size = tuple(args.image_size or recipe.training_size(augment, stored))
+    return preprocessing((*size, channels), mean, std, augment, stored_size=stored if stored != size else None), notes
+
+
+def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
+    """The DataInfo of image folder --data-dir (FolderData or FolderList ``folder``)."""
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
-    source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown})"
-    return train, test, DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
-                                 data_fingerprint(FOLDER, False, train.labels, len(test or ()), folder.classes,
-                                                  prep.image_shape), notes=notes,
-                                 data_dir=str(Path(args.data_dir).expanduser().resolve()),
-                                 skipped=folder.skipped.get("train", ()))
+    source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown}){how}"
+    return DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
+                    data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape),
+                    notes=notes, data_dir=str(Path(args.data_dir).expanduser().resolve()),
+                    skipped=folder.skipped.get("train", ()))
+
+
+def folder_list_data(args, ctx):
+    """The image folder for --loader dali: checked and listed by global rank 0 (the others wait),
+    its files decoded by DALI every epoch; sizes and augmentation chosen as folder_data's."""
+    root, cache_dir = Path(args.data_dir).expanduser(), Path(args.cache_dir or default_cache_dir())
+    target = from_rank0(lambda: str(prepare_list(root, cache_dir, held_out=bool(args.val_fraction))),
+                        ctx.control_group, patient=True)
+    folder = read_list(target, root)
+    prep, notes = folder_preprocessing(args, folder.stats, 1 if folder.gray else 3, folder.mean, folder.std)
+    train = FileImages(*folder.train, prep)
+    test = FileImages(*folder.test, prep) if folder.test is not None else None
+    return train, test, folder_info(args, folder, prep, train.labels, len(test or ()), folder.notes + notes,
+                                    ", decoded by DALI")
+
+
+def dali_choice(args, device, group=None):
+    """("dali" or None, why) for --loader: dali (one line without DALI, for data that is not an
+    image folder, or with --auto-augment, which runs in the DataLoader's workers), or auto for an
+    image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
+    rank 0 reads the folder's headers, the others wait)."""
+    if args.loader == "dali":
+        if args.dataset != FOLDER:
+            raise UserError(f"--loader dali reads image files: it takes --dataset {FOLDER}, not {args.dataset} "
+                            "(use --loader device or torchvision)")
+        if args.auto_augment and not args.eval_only:
+            raise UserError("--auto-augment transforms each image in the DataLoader's workers: use --loader "
+                            "torchvision (or auto) with it, not dali")
+        check_dali()
+        return "dali", "--loader dali"
+    if (args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or args.auto_augment
+            or not dali_installed()):
+        return None, None
+    request = folder_size(args.augment, args.image_size)
+    decoded = from_rank0(lambda: decoded_bytes(args.data_dir, bool(args.val_fraction), request), group, patient=True)
+    use, why = choose_dali(decoded, torch.cuda.mem_get_info(device)[1])
+    return ("dali" if use else None), why
 
 
 def plugin_data(args):

@@ -15,8 +15,9 @@ line in OPTIMIZERS. Any torch.optim optimizer trains, checkpoints and resumes ex
 Your own augmentation: one function ``(images, rand, prep) -> images`` and a line in
 AUGMENTATIONS. The device loader applies it to whole batches on the GPU; the DataLoader's
 workers apply torchvision's transform that does the same where ``library_transform`` names
-one, else your function to one image at a time. Per-image torchvision v2 transforms of your own go
-in ``image_transforms``.
+one, else your function to one image at a time; --loader dali runs the DALI operators
+``dali_images`` lists for it (add yours there). Per-image torchvision v2 transforms of your own
+go in ``image_transforms``.
 """
 
 import argparse
@@ -27,11 +28,12 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel
 
-from engine.batched_crops import crop_resize, random_boxes
+from engine.batched_crops import crop_resize, random_boxes, random_erase
 from engine.errors import UserError
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
+from engine.model_ema import ema_of_floats
 
 RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
 DEFAULT_WARMUP_EPOCHS = 2.0
@@ -108,31 +110,6 @@ def image_transforms(args):
 # --random-erase, --mixup-alpha, --cutmix-alpha; --clip-grad-norm is the loop's): MixUp and
 # CutMix make soft labels (B, classes) for the loss above.
 
-ERASE_SCALE = (0.02, 0.33)  # the erased box's share of the image's area (RandomErasing's defaults)
-ERASE_RATIO = (0.3, 3.3)    # its aspect ratio, height / width, uniform in log
-
-
-def random_erase(images, p):
-    """torchvision's RandomErasing(p, scale=ERASE_SCALE, ratio=ERASE_RATIO, value=0) on a batch
-    of normalized images (B, C, H, W), a box of its own for each image. Where torchvision tries
-    up to 10 boxes for one that fits, this tries one: a box taller or wider than the image
-    erases nothing. Its numbers come from the device's generator: no host sync, and a
-    mid-epoch checkpoint keeps them."""
-    batch, _, height, width = images.shape
-    u = torch.rand(batch, 5, device=images.device)  # (B, 5): erase?, area, aspect, top, left
-    area = height * width * (ERASE_SCALE[0] + (ERASE_SCALE[1] - ERASE_SCALE[0]) * u[:, 1])
-    aspect = ERASE_RATIO[0] * (ERASE_RATIO[1] / ERASE_RATIO[0]) ** u[:, 2]
-    box_h, box_w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()  # (B,) pixels
-    erased = (u[:, 0] < p) & (box_h < height) & (box_w < width)
-    top, left = (u[:, 3] * (height - box_h + 1)).floor(), (u[:, 4] * (width - box_w + 1)).floor()
-    rows = torch.arange(height, device=images.device)[None]  # (1, H)
-    cols = torch.arange(width, device=images.device)[None]  # (1, W)
-    in_rows = (rows >= top[:, None]) & (rows < (top + box_h)[:, None])  # (B, H)
-    in_cols = (cols >= left[:, None]) & (cols < (left + box_w)[:, None])  # (B, W)
-    box = in_rows[:, :, None] & in_cols[:, None, :] & erased[:, None, None]  # (B, H, W)
-    return images.masked_fill(box[:, None], 0.0)
-
-
 def make_batch_transform(args, num_classes):
     """What happens to each training batch (x float (B, C, H, W), labels int64 (B,)) before the
     forward pass: --random-erase, then torchvision's v2.MixUp and/or v2.CutMix (one of the two
@@ -167,33 +144,6 @@ def make_model_ema(model, args, total_steps):
         raise UserError(f"--model-ema-steps {args.model_ema_steps} is more than this run's {total_steps} optimizer "
                         "steps: the average would keep the initial weights; give fewer --model-ema-steps")
     return AveragedModel(model, multi_avg_fn=ema_of_floats(args.model_ema_decay), use_buffers=True)
-
-
-def ema_of_floats(decay):
-    """AveragedModel's multi_avg_fn: torch's moving average (get_ema_multi_avg_fn) of floating-point
-    tensors, a copy of the others (BatchNorm's batch count, which torch's would round down until
-    it stops growing); AveragedModel hands over one dtype per call."""
-    average = get_ema_multi_avg_fn(decay)
-
-    def update(averaged, current, count):
-        if averaged[0].is_floating_point():
-            average(averaged, current, count)
-        else:
-            for tensor, model_tensor in zip(averaged, current, strict=True):
-                tensor.copy_(model_tensor)
-    return update
-
-
-def update_model_ema(ema, model, step, warmup_steps, every):
-    """After optimizer step ``step`` (1-based): every ``every``-th step the average takes in
-    ``model``. Up to the end of the LR warm-up (``warmup_steps``) it restarts after each update,
-    so the next one copies the model, as torchvision's references do: the average never holds
-    the random initial weights. One host sync per update: AveragedModel reads its count."""
-    if step % every:
-        return
-    ema.update_parameters(model)
-    if step <= warmup_steps:
-        ema.n_averaged.fill_(0)
 
 
 # Named in the start-up block and in the metrics when on:
@@ -309,6 +259,43 @@ def loader_transforms(prep):
         return None
     from torchvision.transforms import v2
     return v2.Compose(steps)
+
+
+def dali_images(encoded, prep, training, gpu):
+    """--loader dali's images from the encoded files (DALI DataNodes, nvidia.dali.fn operators):
+    decoded on the GPU ("mixed") or the CPU; training as ``prep.ops`` say (a resized crop of the
+    whole photo, as torchvision's references crop it; a pad-crop of the image resized to cover the
+    input size; a flip), evaluation resized to cover ``prep.stored`` and centre-cropped as
+    predict.py does; normalized -> float32 (C, H, W). Add your own DALI operators here."""
+    from nvidia.dali import fn, types  # imported by --loader dali alone
+    ops, (height, width) = (prep.ops if training else ()), prep.image_shape[:2]
+    decoder = dict(device="mixed" if gpu else "cpu", output_type=types.GRAY if prep.image_shape[2] == 1 else types.RGB)
+    unknown = [op.__name__ for op in ops if op not in (resized_crop, pad_crop, flip)]
+    if unknown:
+        raise UserError(f"--loader dali has no DALI operator for recipe.py's {', '.join(unknown)}: add one to "
+                        "recipe.dali_images, or use --loader torchvision")
+    if resized_crop in ops:
+        images = fn.decoders.image_random_crop(encoded, **decoder, random_area=RESIZED_CROP_SCALE,
+                                               random_aspect_ratio=RESIZED_CROP_RATIO, num_attempts=10)
+        images = fn.resize(images, resize_x=width, resize_y=height)
+    else:
+        stored = prep.stored if not ops else (height, width)
+        images = fn.resize(fn.decoders.image(encoded, **decoder), resize_x=stored[1], resize_y=stored[0],
+                           mode="not_smaller")  # covers it, the aspect ratio kept
+        images = fn.crop(images, crop=stored)  # its centre, as the cache stores it
+        if stored != (height, width):  # then the input's centre, offsets rounded as centre_crop rounds them
+            top, left = (round((side - crop) / 2) / (side - crop) for side, crop in zip(stored, (height, width)))
+            images = fn.crop(images, crop=(height, width), crop_pos_y=top, crop_pos_x=left)
+    if pad_crop in ops:
+        p = prep.padding
+        positions = [k / (2 * p) for k in range(2 * p + 1)]  # offsets 0..2p pixels, uniform, as pad_crop's
+        padded = fn.crop(images, crop=(height + 2 * p, width + 2 * p), out_of_bounds_policy="pad")  # zeros around
+        images = fn.crop(padded, crop=(height, width), crop_pos_x=fn.random.uniform(values=positions),
+                         crop_pos_y=fn.random.uniform(values=positions))
+    mirror = fn.random.coin_flip() if flip in ops else 0
+    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror,
+                                    mean=[255 * m for m in prep.mean], std=[255 * s for s in prep.std])
+
 
 
 AUGMENTATIONS = {  # --augment NAME: the operations, applied in this order

@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import build_data, build_loaders, default_num_workers, set_loader_epoch, with_image_transforms
+from dataset_utils import (build_data, build_loaders, dali_choice, default_num_workers, set_loader_epoch,
+                           with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
@@ -39,6 +40,7 @@ from engine.device_loader import batch_temporaries, choose_loader
 from engine.finetune import finetune
 from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
+from engine.model_ema import update_model_ema
 from engine.models import build_model
 from engine.monitor import Monitors
 from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_to_params, kernel_choices,
@@ -216,7 +218,7 @@ def train_steps(run, batches, state):
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
         if run.ema:  # recipe.py's model EMA, every --model-ema-steps optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
-            recipe.update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.args.model_ema_steps)
+            update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.args.model_ema_steps)
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
@@ -285,21 +287,22 @@ def build_task(args, ctx):
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
     if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
         from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()), ctx.control_group)
-    train_set, test_set, data = build_data(args, ctx)
+    loader, reason = dali_choice(args, ctx.device, ctx.control_group)  # (None, None) but for DALI
+    train_set, test_set, data = build_data(args, ctx, listed=loader == "dali")
     layout = memory_format(args.channels_last, ctx.device)
     model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
-    measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
-    stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
-    temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
-    train_set, per_image = with_image_transforms(train_set, recipe.image_transforms(args))
-    data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too
-    loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
-                                   measured, temporaries, per_image)
-    workers = ((args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size))
-               if loader == "torchvision" else 0)
+    if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
+        measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
+        stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
+        temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
+        train_set, per_image = with_image_transforms(train_set, recipe.image_transforms(args))
+        data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too
+        loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
+                                       measured, temporaries, per_image)
+    workers = args.num_workers if args.num_workers is not None else default_num_workers(ctx.local_world_size)
     train_loader, test_loader = build_loaders(
         train_set, test_set, batch, loader=loader, num_workers=workers, device=ctx.device, rank=ctx.rank,
         world_size=ctx.world_size, seed=args.seed, pin_memory=ctx.device.type == "cuda")

@@ -1,6 +1,7 @@
-"""Resized crops of a whole batch at once, on any device, no host sync: each image's box drawn
-as torchvision's RandomResizedCrop draws one, and resized bilinearly as its resized_crop
-(without antialiasing) resizes one image. recipe.py's resized_crop calls both.
+"""Boxes in a whole batch at once, on any device, no host sync: resized crops, each image's box
+drawn as torchvision's RandomResizedCrop draws one, and resized bilinearly as its resized_crop
+(without antialiasing) resizes one image (recipe.py's resized_crop calls both); random erasing
+(recipe.py's --random-erase).
 """
 
 import math
@@ -71,3 +72,28 @@ def bilinear_taps(start, length, out, size):
     centres = torch.minimum(torch.maximum(centres, start[:, None]), (start + length - 1)[:, None]).clamp(0, size - 1)
     first = centres.floor()
     return first.long(), (first + 1).clamp(max=size - 1).long(), (centres - first).float()
+
+
+ERASE_SCALE = (0.02, 0.33)  # the erased box's share of the image's area (RandomErasing's defaults)
+ERASE_RATIO = (0.3, 3.3)    # its aspect ratio, height / width, uniform in log
+
+
+def random_erase(images, p):
+    """torchvision's RandomErasing(p, scale=ERASE_SCALE, ratio=ERASE_RATIO, value=0) on a batch
+    of normalized images (B, C, H, W), a box of its own for each image. Where torchvision tries
+    up to 10 boxes for one that fits, this tries one: a box taller or wider than the image
+    erases nothing. Its numbers come from the device's generator: no host sync, and a
+    mid-epoch checkpoint keeps them."""
+    batch, _, height, width = images.shape
+    u = torch.rand(batch, 5, device=images.device)  # (B, 5): erase?, area, aspect, top, left
+    area = height * width * (ERASE_SCALE[0] + (ERASE_SCALE[1] - ERASE_SCALE[0]) * u[:, 1])
+    aspect = ERASE_RATIO[0] * (ERASE_RATIO[1] / ERASE_RATIO[0]) ** u[:, 2]
+    box_h, box_w = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()  # (B,) pixels
+    erased = (u[:, 0] < p) & (box_h < height) & (box_w < width)
+    top, left = (u[:, 3] * (height - box_h + 1)).floor(), (u[:, 4] * (width - box_w + 1)).floor()
+    rows = torch.arange(height, device=images.device)[None]  # (1, H)
+    cols = torch.arange(width, device=images.device)[None]  # (1, W)
+    in_rows = (rows >= top[:, None]) & (rows < (top + box_h)[:, None])  # (B, H)
+    in_cols = (cols >= left[:, None]) & (cols < (left + box_w)[:, None])  # (B, W)
+    box = in_rows[:, :, None] & in_cols[:, None, :] & erased[:, None, None]  # (B, H, W)
+    return images.masked_fill(box[:, None], 0.0)

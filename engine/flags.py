@@ -25,7 +25,7 @@ from engine.weights import read_weights
 
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
-LOADERS = ("auto", "device", "torchvision")
+LOADERS = ("auto", "device", "torchvision", "dali")
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
 RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone",
                       "image_size")
@@ -188,12 +188,15 @@ def build_parser(description, add_recipe_arguments):
     task.add_argument("--loader", choices=LOADERS, default="auto",
                       help="device = the data set (uint8) lives on the GPU (or in CPU memory) and is cropped, flipped "
                            "and normalized there in batches, no CPU time per image; torchvision = a DataLoader with "
-                           "--num-workers worker processes; auto = device when the data set fits beside training (a "
-                           "training step measured first) in 85%% of the GPU's memory (on the CPU: in a quarter of the "
-                           "node's), else torchvision")
+                           "--num-workers worker processes; dali = NVIDIA DALI reads and decodes an image folder's "
+                           "files every epoch (on the GPU; no decoded copy on disk); auto = device when the data set "
+                           "fits beside training (a training step measured first) in 85%% of the GPU's memory (on the "
+                           "CPU: in a quarter of the node's), else torchvision; on a GPU with DALI installed, dali for "
+                           "an image folder whose decoded images exceed a quarter of the GPU's memory")
     task.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
                       help="--loader torchvision: worker processes per training process (default: CPU "
-                           f"cores per process - 1, at most {MAX_AUTO_WORKERS})")
+                           f"cores per process - 1, at most {MAX_AUTO_WORKERS}); --loader dali: DALI's CPU threads "
+                           "per process (default: the same number, at least 1)")
     task.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
 

@@ -178,7 +178,8 @@ def build_cache(target, root, scanned, request, log, workers):
             np.save(tmp / f"{split}_labels.npy", labels)
         mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
         notes = [*image_notes(headers, size, mode, request.why(stats), scanned.ignored, splits),
-                 *unreadable_notes(skipped, tmp, target)]
+                 *unreadable_notes(skipped, target / "unreadable.txt")]
+        write_unreadable(skipped, tmp)
         seconds = time.perf_counter() - start  # headers, decoding, statistics
         meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
                 "notes": notes, "image_size": list(size), "mode": mode, "build_s": seconds, "images": total,
@@ -210,22 +211,27 @@ def _probe(path):
         return err
 
 
-def unreadable_notes(skipped, folder, target):
+def unreadable_notes(skipped, listed_in):
     """The start-up block's lines naming the unreadable images (at most SHOWN_UNREADABLE, then
-    how many more), and their full list, path TAB reason, written to ``folder``/unreadable.txt
-    (``target`` once renamed). [] when every image reads."""
+    how many more, all listed in the file ``listed_in``); [] when every image reads."""
     errors = [err for errs in skipped.values() for err in errs]
     if not errors:
         return []
-    with open(folder / "unreadable.txt", "w", encoding="utf-8", errors="surrogateescape") as f:
-        f.writelines(f"{err.path}\t{err.reason}\n" for err in errors)
     lines = [f"WARNING: skipped {count(len(errors), 'unreadable image', 'unreadable images')}, not trained or "
              f"validated on (fix or remove {'it' if len(errors) == 1 else 'them'}; the next run reads the folder "
              "again):"]
     lines += [f"  {err.path}: {err.reason}" for err in errors[:SHOWN_UNREADABLE]]
     if len(errors) > SHOWN_UNREADABLE:
-        lines.append(f"  ... and {len(errors) - SHOWN_UNREADABLE} more, all listed in {target / 'unreadable.txt'}")
+        lines.append(f"  ... and {len(errors) - SHOWN_UNREADABLE} more, all listed in {listed_in}")
     return lines
+
+
+def write_unreadable(skipped, folder):
+    """Every unreadable image, path TAB reason, in ``folder``/unreadable.txt (none: no file)."""
+    errors = [err for errs in skipped.values() for err in errs]
+    if errors:
+        with open(folder / "unreadable.txt", "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.writelines(f"{err.path}\t{err.reason}\n" for err in errors)
 
 
 def keep_first_rows(path, rows):

@@ -167,9 +167,11 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     ``regularization``: the recipe's words for its batch-level settings that are on)."""
     data = task.data
     workers = task.train_loader.num_workers
-    loader = (f"device (data set and augmentation on {ctx.device}, no worker processes)" if task.loader == "device"
-              else f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per training "
-                   "process")
+    loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
+              "dali": f"NVIDIA DALI (decoding and augmentation on the {'GPU' if ctx.device.type == 'cuda' else 'CPU'}, "
+                      f"{count(getattr(task.train_loader, 'threads', 0), 'CPU thread', 'CPU threads')} per process)",
+              }.get(task.loader, f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per "
+                                 "training process")
     lines = [
         f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
         f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "

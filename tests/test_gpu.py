@@ -8,7 +8,8 @@ that see the layout and dtype a step really computes in; no host sync inside a s
 debug mode); the device loader on CUDA against the CPU's, pixel for pixel, and the
 torchvision loader with workers and pinned memory; checkpoints written on one device type
 and resumed on the other, in each layout and with each side's default (re-strided momentum);
-fp16 with a skipped (overflowing) first step and the fused SGD kernel; train_ddp.py under
+fp16 with a skipped (overflowing) first step and the fused SGD kernel; --loader dali decoding
+on the GPU; train_ddp.py under
 torchrun on NCCL with its gloo control group, the replica check, a stop and a resume; DDP on
 2 GPUs (when there are 2); --compile, also with DDP; evaluation under autocast of a model that
 learned; peak memory at batch 256 and 1024; NVML's power and utilization, TensorBoard and a
@@ -23,6 +24,7 @@ import re
 import signal
 from itertools import islice
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +32,8 @@ import dataset_utils as du
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
+from engine.dali_loader import DaliLoader, dali_installed
+from engine.data_sets import FileImages
 from engine.device_loader import batch_temporaries
 from engine.memory import StepShape, device_memory, free_device_memory, training_bytes
 from engine.precision import Precision
@@ -41,6 +45,7 @@ from conftest import run as run_with_timeout
 from test_check_network import TABLE_ROW, stop_rank_during_check
 from test_resilience import _rank_pid
 from tools import gpu_report
+from tools.demo_data import write_photo_folder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU tier needs one")
 
@@ -401,6 +406,34 @@ def test_torchvision_loader_on_cuda(tmp_path):
                             "--batch-size", "32", "--epochs", "2", "--metrics-file", metrics), cwd=tmp_path)
     records = finite_run(result, metrics)
     assert {r["loader"] for r in records} == {"torchvision"}
+
+
+@pytest.mark.skipif(not dali_installed(), reason="NVIDIA DALI is not installed")
+def test_dali_decodes_on_the_gpu_into_cuda_tensors_the_cpus_images(tmp_path):
+    """--loader dali on CUDA: the "mixed" decoder (nvJPEG) and the crops on the GPU, batches handed
+    over as CUDA tensors (no host copy); validation images those of the CPU pipeline, up to the
+    two JPEG decoders' rounding; train.py trains with it."""
+    photos = write_photo_folder(tmp_path / "photos", per_class=8)
+    files = sorted(str(p) for p in photos.glob("*/*") if p.suffix.lower() in (".png", ".jpg"))
+    prep = du.preprocessing((64, 64, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(73, 73))
+    images = FileImages(files, np.arange(len(files)), prep)
+    served = {}
+    for device in ("cpu", "cuda"):
+        loader = DaliLoader(images, 8, recipe.dali_images, torch.device(device), False)
+        served[device] = [(x, y) for x, y in loader]
+        assert all(x.device.type == device and y.device.type == device for x, y in served[device])
+    for (x_cpu, y_cpu), (x_gpu, y_gpu) in zip(served["cpu"], served["cuda"], strict=True):
+        assert torch.equal(y_cpu, y_gpu.cpu())
+        assert (x_cpu - x_gpu.cpu()).abs().mean() * 0.25 * 255 < 1.0  # below a grey level on average
+    training = DaliLoader(images, 8, recipe.dali_images, torch.device("cuda"), True)
+    x, y = next(iter(training))
+    assert x.is_cuda and x.shape == (8, 3, 64, 64) and y.dtype == torch.int64
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", "--dataset", "folder", "--data-dir", photos, "--val-fraction", "0.25",
+                            "--image-size", "64", "--loader", "dali", "--batch-size", "8", "--epochs", "2",
+                            "--metrics-file", metrics), cwd=tmp_path)
+    assert "Loader: NVIDIA DALI (decoding and augmentation on the GPU" in result.stdout, result.stdout
+    assert {r["loader"] for r in finite_run(result, metrics)} == {"dali"}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU DDP needs 2 GPUs")

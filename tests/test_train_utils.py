@@ -245,7 +245,8 @@ def test_fast_settings_by_default():
 def _small_run(extra):
     """(run, state, training loader) of a small convolutional model on 16 images, batches of 8."""
     rng = np.random.default_rng(0)
-    data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16))
+    data = du.InMemoryImages(rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), rng.integers(0, 100, 16),
+                             du.spec_preprocessing(du.CIFAR100))
     args = tu.parse_args("test", ["--batch-size", "8", "--synthetic", *extra])
     train_loader, test_loader = du.build_loaders(data, data, 8, loader="device")
     torch.manual_seed(0)

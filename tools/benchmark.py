@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 from dataset_utils import build_loaders, default_num_workers, set_loader_epoch  # noqa: E402
 from device_utils import device_name, memory_format, single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
+from engine.dali_loader import dali_installed  # noqa: E402
 from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
 from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import UserError  # noqa: E402
@@ -185,7 +186,8 @@ def measure_pipeline(loader, device, layout, batches):
 
 def benchmark(opts, failures=None):
     """The rows of every measure: the guide's recipe and loop, the project's defaults, then the
-    project's --loader torchvision (and torchvision's RandomResizedCrop for resized-crop). Each
+    project's --loader torchvision (and torchvision's RandomResizedCrop for resized-crop), and for
+    an image folder --loader dali where DALI is installed. Each
     part is measured alone: one that fails is named in ``failures`` (a list; its traceback is
     printed) and the others still measure."""
     failures = [] if failures is None else failures
@@ -247,6 +249,16 @@ def benchmark(opts, failures=None):
                              "precision": None, "channels_last": False, "compile": False, **common,
                              **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
             gpu_report.attempt(failures, f"torchvision's RandomResizedCrop with {workers} workers", resized_crops)
+    if opts.dataset == "folder" and dali_installed():  # DALI reading and decoding the files themselves, every epoch
+        for threads in sorted({1, max(1, default_num_workers(1))}):
+            def dali_pipeline(threads=threads):
+                args = recipe_args("project", opts, batch, device, real, ["--loader", "dali", "--num-workers",
+                                                                          str(threads)])
+                loader = build_task(args, ctx).train_loader
+                rows.append({"recipe": "project --loader dali", "loader": "dali", "workers": threads,
+                             "precision": None, "channels_last": False, "compile": False, **common,
+                             **pipeline_row(loader, device, torch.contiguous_format, pipeline_batches)})
+            gpu_report.attempt(failures, f"--loader dali with {threads} threads", dali_pipeline)
     return rows
 
 
@@ -280,6 +292,9 @@ def table(rows, failures=()):
         if row["recipe"] == "torchvision-resized-crop":
             lines.append(f"pipeline of torchvision's RandomResizedCrop, {row['workers']} DataLoader workers: "
                          f"{row['images_per_sec']:,.1f} img/s")
+        if row["recipe"] == "project --loader dali":
+            lines.append(f"pipeline of project --loader dali, {row['workers']} DALI threads (decoding each file): "
+                         f"{row['images_per_sec']:,.1f} img/s, {row['main_cpu_us_per_image']:,.0f} CPU us/image")
     train = [r for r in rows if r["measure"] == "train"]
     if train:
         lines.append("warm-up (not timed): " + ", ".join(

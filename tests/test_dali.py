@@ -1,0 +1,184 @@
+"""--loader dali: NVIDIA DALI's CPU pipeline (the GPU's "mixed" decoder: tests/test_gpu.py) on a
+folder of photos: it learns, names the files it cannot read before DALI sees them, shards and
+orders as the project decides, evaluates alike on 1 and 2 processes, resumes exactly after a
+stop mid-epoch and after kill -9, and prepares validation images as predict.py does."""
+
+import os
+import re
+import shutil
+import signal
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import dataset_utils as du
+import recipe
+from conftest import (REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd,
+                      wait_held)
+from engine.dali_loader import DaliLoader, choose_dali, dali_installed, dali_package, epoch_rows
+from engine.data_sets import FileImages
+from engine.errors import UserError
+from engine.image_folder import decode
+from engine.preprocessing import centre_crop, normalization, normalize
+from test_resilience import _rank_pid
+from tools.demo_data import PHOTO_SIZES, write_photo_folder
+from tools.gpu_report import kill_tree
+
+needs_dali = pytest.mark.skipif(not dali_installed(), reason="NVIDIA DALI is not installed (requirements-dev.txt)")
+DALI = ("--dataset", "folder", "--data-dir", "photos", "--val-fraction", "0.25", "--image-size", "32", "--loader",
+        "dali", "--cache-dir", "cache", *TINY_MODEL, "--batch-size", "8", "--num-workers", "1", "--log-interval", "0",
+        "--checkpoint-interval", "0")
+CLASSES = 3
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """A folder of photos (JPEG and PNG, colour, gray and CMYK, 60x80 to 500x333) with a truncated
+    JPEG and a GIF (Pillow reads it, DALI does not)."""
+    root = write_photo_folder(tmp_path_factory.mktemp("dali") / "photos", per_class=20)
+    whole = (root / "dog" / "IMG_0001.JPG").read_bytes()
+    (root / "dog" / "cut.jpg").write_bytes(whole[:len(whole) // 2])
+    Image.new("RGB", (80, 60), (40, 180, 70)).save(root / "dog" / "anim.gif")
+    return root
+
+
+def project(photos, folder):
+    folder.mkdir()
+    shutil.copytree(photos, folder / "photos")
+    return folder
+
+
+@needs_dali
+@pytest.mark.parametrize("processes", [1, 2])
+def test_dali_learns_resumes_exactly_and_evaluates_alike_on_1_and_2_processes(photos, tmp_path, processes):
+    """A run that learns, naming the files it cannot read before DALI sees them; the same run
+    stopped mid-epoch 2 (SIGUSR1) and resumed, then killed (kill -9) in epoch 3 and resumed
+    from epoch 2's checkpoint: the uninterrupted run's metrics and weights, bit for bit. Its
+    weights evaluated by the other number of processes: the same sums (each image once)."""
+    def launcher(count, *args):
+        return [sys.executable, REPO / "train.py", *args] if count == 1 else torchrun_cmd(2, "train_ddp.py", *args)
+
+    whole, broken = (project(photos, tmp_path / name) for name in ("whole", "broken"))
+    flags = (*DALI, "--epochs", "4", "--checkpoint-dir", "ckpt", "--metrics-file", "m.jsonl", "--save-weights", "w.pt")
+    trained = run(launcher(processes, *flags), cwd=whole)
+    assert trained.returncode == 0, trained.stderr
+    out = trained.stdout
+    assert "Loader: NVIDIA DALI (decoding and augmentation on the CPU, 1 CPU thread per process); --loader dali" in out
+    assert re.search(r"^  \S*photos/dog/cut\.jpg: image file is truncated", out, re.M), out  # named, before DALI
+    assert re.search(r"^  \S*photos/dog/anim\.gif: a \.gif file, which DALI does not decode", out, re.M), out
+    assert "Critical error" not in trained.stderr
+    records = read_metrics(whole / "m.jsonl")
+    assert [r["loader"] for r in records] == ["dali"] * 4 and records[-1]["val_samples"] == 15  # a quarter of 60
+    assert records[-1]["train_loss"] < records[0]["train_loss"] and records[-1]["val_accuracy"] >= 0.6, records
+
+    go, go2, rank = broken / "go", broken / "go2", processes - 1
+    process = start(launcher(processes, *flags), broken, broken / "log1", env=clean_env(HOLD_AT=f"7:{go}"))
+    wait_held(go, process, rank)  # at step 2 of epoch 2 (5 steps per epoch)
+    os.kill(process.pid if processes == 1 else _rank_pid(process.pid, 1), signal.SIGUSR1)
+    go.touch()
+    process.wait(timeout=120)
+    assert re.search(r"Stopped after step \d of epoch 2", (broken / "log1").read_text())
+    process = start(launcher(processes, *flags, "--resume"), broken, broken / "log2", env=clean_env(HOLD_AT=f"5:{go2}"))
+    wait_held(go2, process, rank)  # in epoch 3, after epoch 2's checkpoint
+    kill_tree(process)  # SIGKILL to the run (torchrun: and its ranks, each in a session of its own)
+    resumed = run(launcher(processes, *flags, "--resume"), cwd=broken)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "epoch 3, step 0" in resumed.stdout or "after epoch 2" in resumed.stdout, resumed.stdout
+    compared = ("epoch", "train_loss", "val_loss", "val_accuracy", "lr")
+    assert ([[r[k] for k in compared] for r in read_metrics(broken / "m.jsonl")]
+            == [[r[k] for k in compared] for r in records])
+    a, b = (torch.load(folder / "w.pt", weights_only=True) for folder in (whole, broken))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    other = 3 - processes
+    done = run([*launcher(other, *DALI, "--eval-only", "--weights", "w.pt", "--metrics-file", "e.jsonl")], cwd=whole)
+    assert done.returncode == 0, done.stderr
+    evaluated = read_metrics(whole / "e.jsonl")[-1]
+    assert evaluated["val_samples"] == 15 and evaluated["val_accuracy"] == records[-1]["val_accuracy"]
+    assert evaluated["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6)
+
+
+@needs_dali
+def test_two_ranks_get_every_image_once_per_epoch_and_the_same_steps(photos):
+    """Through DALI itself: labels that are the image's index show what each rank was served."""
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
+    files = sorted(str(p) for p in photos.glob("*/*.png"))
+    n = len(files)  # 30
+    images = FileImages(files, np.arange(n), prep)
+    for epoch in (0, 1):
+        served, steps = [], []
+        for rank in (0, 1):
+            loader = DaliLoader(images, 4, recipe.dali_images, torch.device("cpu"), True, rank=rank, world_size=2)
+            loader.set_epoch(epoch)
+            batches = [(x, y) for x, y in loader]
+            assert all(x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 for x, _ in batches)
+            steps.append(len(batches))
+            served += [int(i) for _, y in batches for i in y]
+        assert steps == [n // 8] * 2 and len(served) == len(set(served)) == n // 8 * 8  # batches of 4 on 2 ranks
+        assert served == [i for rank in (0, 1) for i in epoch_rows(n, rank, 2, 0, epoch, 4)]
+    first, second = (epoch_rows(n, 0, 2, 0, epoch, 4) for epoch in (0, 1))
+    assert first != second  # reshuffled each epoch
+    evaluated = []
+    for rank in (0, 1):  # validation: every image once, the last batch partial
+        loader = DaliLoader(images, 4, recipe.dali_images, torch.device("cpu"), False, rank=rank, world_size=2)
+        evaluated += [int(i) for _, y in loader for i in y]
+    assert sorted(evaluated) == list(range(n))
+
+
+@needs_dali
+@pytest.mark.parametrize("size, stored", [((32, 32), (37, 37)), ((224, 224), (256, 256))])
+def test_dali_validation_images_are_predict_pys(tmp_path, size, stored):
+    """Smooth photos of the demo's sizes as DALI prepares them for validation and as predict.py
+    does (Pillow's resize to cover the stored size, centre crops): the same images, up to the
+    two resizers' filters and rounding (DALI rounds a resized side that Pillow rounds down)."""
+    files = []
+    for i, (height, width) in enumerate(PHOTO_SIZES):
+        y, x = np.mgrid[:height, :width]
+        wave = 128 + 100 * np.sin(6 * x / width) * np.cos(5 * y / height)
+        pixels = np.stack([255 * x / width, 255 * y / height, wave], axis=-1)
+        files.append(tmp_path / f"{i}.png")
+        Image.fromarray(pixels.astype(np.uint8)).save(files[-1])
+    mean, std = (0.4, 0.45, 0.5), (0.2, 0.25, 0.3)
+    prep = du.preprocessing((*size, 3), mean, std, "resized-crop", stored_size=stored)
+    loader = DaliLoader(FileImages(files, np.zeros(len(files)), prep), len(files), recipe.dali_images,
+                        torch.device("cpu"), False)
+    (dali, _), = list(loader)
+    pillow = torch.stack([torch.from_numpy(np.array(decode(path, stored, "RGB"))) for path in files])
+    ours = normalize(centre_crop(pillow, size), *normalization(mean, std, torch.uint8))
+    difference = (dali - ours).abs() * torch.tensor(std)[:, None, None] * 255  # in pixel values 0..255
+    assert difference.mean() < 0.6, difference.mean(dim=(1, 2, 3))
+
+
+def test_dali_is_chosen_and_refused_in_one_line(tmp_path):
+    assert dali_package("12.8") == "nvidia-dali-cuda120" and dali_package("13.0") == dali_package(None) == \
+        "nvidia-dali-cuda130"
+    use, why = choose_dali(32e9, 86e9)
+    assert use and why == ("auto: the image folder decoded (32 GB) does not fit in 25% of the GPU's 86 GB: DALI "
+                           "decodes the files on the GPU every epoch")
+    assert not choose_dali(21e9, 86e9)[0]
+    def flags(**given):
+        return Namespace(**{**dict(loader="dali", dataset="folder", auto_augment=None, eval_only=False), **given})
+
+    with pytest.raises(UserError, match="^--loader dali reads image files: it takes --dataset folder, not cifar10"):
+        du.dali_choice(flags(dataset="cifar10"), torch.device("cpu"))
+    with pytest.raises(UserError, match="^--auto-augment transforms each image in the DataLoader's workers"):
+        du.dali_choice(flags(auto_augment="ta_wide"), torch.device("cpu"))
+    # auto never takes DALI on the CPU: the folder is not even read.
+    assert du.dali_choice(flags(loader="auto", data_dir=str(tmp_path / "none")), torch.device("cpu")) == (None, None)
+
+
+@pytest.mark.oldest_torch  # its environment has no DALI
+def test_loader_dali_without_dali_is_one_line_naming_the_package(photos, tmp_path):
+    if dali_installed():
+        pytest.skip("DALI is installed here: the environment without it (.ci/run's second pass) runs this")
+    folder = project(photos, tmp_path / "p")
+    done = run([sys.executable, REPO / "train.py", *DALI, "--epochs", "1"], cwd=folder)
+    assert done.returncode != 0 and error_lines(done.stderr) == [
+        f"error: --loader dali needs NVIDIA DALI, which is not installed: pip install {dali_package()} (NVIDIA's "
+        "PyTorch containers have it), or use --loader auto"], done.stderr
+    assert not Path(folder / "cache").exists()  # refused before the folder is read
