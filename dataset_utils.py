@@ -8,6 +8,7 @@ decode a large image folder there too (with train.py's data flags: the cache it 
 
     python dataset_utils.py --dataset cifar100 --data-dir ./datasets    # or cifar10, fashion-mnist, mnist
     python dataset_utils.py --dataset folder --data-dir my_photos --val-fraction 0.2 --image-size 224
+    python dataset_utils.py --dataset folder --data-dir my_photos --val-fraction 0.2 --loader dali  # checked, listed
 
 The training scripts download only when the data is missing, and then only global rank 0
 downloads while the other ranks wait.
@@ -31,7 +32,6 @@ with any number of workers and after a resume; DALI seeds each epoch's pipeline 
 rank). They draw the same distribution of crops, not the same crops.
 """
 
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +58,7 @@ from engine.plugins import plugin_key
 from engine.preprocessing import Preprocessing, trained_preprocessing
 from engine.processes import available_cores, from_rank0
 from engine.samplers import AugmentSampler, ShardSampler
+from engine.stopping import ignore_ctrl_c
 from engine.task import DataInfo, data_fingerprint
 from engine.splits import check_labels, describe_split, held_out_record, stratified_split
 from engine.user_data import read_user_data
@@ -179,16 +180,10 @@ def with_image_transforms(train_set, transforms):
     return train_set.with_prep(replace(train_set.prep, per_image=transforms)), f"recipe.py's per-image {names}"
 
 
-def ignore_ctrl_c(worker_id):
-    """Loader workers leave Ctrl-C (SIGINT to the terminal's whole process group) to the
-    training process, which checkpoints and stops; a worker killed by it would fail the
-    next batch instead."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def set_loader_epoch(loader, epoch):
-    """Reshuffle for ``epoch`` (0-based): the same order on every run with the same seed."""
-    sampler = getattr(loader, "sampler", None)
+    """Reshuffle for ``epoch`` (0-based): the same order on every run with the same seed. The
+    DataLoader's and the device loader's samplers take the epoch, a DaliLoader itself."""
+    sampler = loader if hasattr(loader, "set_epoch") else getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
 
@@ -385,6 +380,10 @@ def build_parser():
                                        "copy of a data set to try things on: python tools/demo_data.py --help")
     add_data_arguments(parser)  # train.py's own definitions
     recipe.add_augment_argument(parser)
+    parser.add_argument("--loader", choices=("cache", "dali"), default="cache",
+                        help="--dataset folder: cache = decode the images into the cache (train.py's device and "
+                             "torchvision loaders); dali = check each image once and list the readable ones for "
+                             "train.py --loader dali, which decodes them itself (no decoded copy)")
     return parser
 
 
@@ -392,12 +391,14 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_data_arguments(args, parser.error)
+    if args.loader == "dali" and args.dataset != FOLDER:
+        parser.error(f"--loader dali lists an image folder (--dataset {FOLDER}); {args.dataset} needs no list")
     if args.dataset not in DATASETS and args.dataset != FOLDER:
         parser.error(f"--dataset {args.dataset} is your own code, which reads its data itself; this script fetches "
                      f"{', '.join(DATASETS)} and decodes image folders")
     try:
         if args.dataset == FOLDER:
-            return prepare_image_folder(args)
+            return prepare_image_folder(args) if args.loader == "cache" else list_image_folder(args)
         spec = DATASETS[args.dataset]
         data_dir = data_root(Path(args.data_dir or default_data_dir()), spec)
         prepare(data_dir, spec, download=True)
@@ -409,6 +410,20 @@ def main(argv=None):
         print("Interrupted (Ctrl-C): no partial files were kept", file=sys.stderr)
         return 130
     print(f"{spec.title} ready in {data_dir / spec.folder}: {sizes['train']} training and {sizes['test']} test images")
+    return 0
+
+
+def list_image_folder(args):
+    """``python dataset_utils.py --dataset folder --data-dir DIR --loader dali``: the list train.py
+    --loader dali with the same --data-dir and --cache-dir reuses, made ahead of a job."""
+    root, cache_dir = Path(args.data_dir).expanduser(), Path(args.cache_dir or default_cache_dir())
+    target = prepare_list(root, cache_dir, held_out=bool(args.val_fraction))
+    folder = read_list(target, root)
+    for note in folder.notes:
+        print(note)
+    print(f"Image folder {args.data_dir} ready for --loader dali: {len(folder.train[1])} training images"
+          + (f" and {len(folder.test[1])} test images" if folder.test is not None else "")
+          + f" of {len(folder.classes)} classes")
     return 0
 
 

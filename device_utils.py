@@ -25,9 +25,13 @@ from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGI
                               group_active, launcher_pid)
 
 
-def get_device(local_rank=0) -> torch.device:
-    """The GPU of this local rank when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
+def get_device(local_rank=0, wanted="auto") -> torch.device:
+    """The GPU of this local rank when CUDA is available, else the CPU; --device ``wanted``:
+    auto, cuda (one line without a GPU) or cpu (the CPU on a GPU node too)."""
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, and PyTorch sees no GPU here (CUDA_VISIBLE_DEVICES, the job's --gpus, or a "
+                        "CPU-only PyTorch?); --device auto uses the CPU then")
+    if wanted != "cpu" and torch.cuda.is_available():
         return torch.device(f"cuda:{local_rank}")
     return torch.device("cpu")
 
@@ -65,11 +69,11 @@ def memory_format(channels_last, device: torch.device) -> torch.memory_format:
     return torch.channels_last if wanted else torch.contiguous_format
 
 
-def use_device(local_rank) -> torch.device:
+def use_device(local_rank, wanted="auto") -> torch.device:
     """This local rank's device, made the process's own: the current CUDA device (CUDA RNG
     state, bf16 checks, pinned memory and NCCL follow it, not cuda:0), with cuDNN autotuning
-    on, which pays because every batch has the same shape (drop_last)."""
-    device = get_device(local_rank)
+    on, which pays because every batch has the same shape (drop_last). ``wanted``: --device."""
+    device = get_device(local_rank, wanted)
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if local_rank >= visible:
@@ -81,14 +85,15 @@ def use_device(local_rank) -> torch.device:
     return device
 
 
-def single_process_context() -> DistContext:
-    """For train.py: one process, no process group. Accepts torchrun with one process."""
+def single_process_context(device="auto") -> DistContext:
+    """For train.py: one process, no process group, on --device ``device``. Accepts torchrun
+    with one process."""
     world_size = env_int("WORLD_SIZE", 1)
     if world_size > 1:
         raise UserError(
             f"train.py trains with one process but WORLD_SIZE={world_size}; "
             "use train_ddp.py for several processes (torchrun --nproc_per_node=N train_ddp.py)")
-    return DistContext(device=use_device(env_int("LOCAL_RANK", 0)), launcher_pid=launcher_pid())
+    return DistContext(device=use_device(env_int("LOCAL_RANK", 0), device), launcher_pid=launcher_pid())
 
 
 def flight_recorder_settings(directory, version=None) -> dict:
@@ -110,7 +115,7 @@ NOT_UNDER_TORCHRUN = ("train_ddp.py must be started by torchrun, e.g. torchrun -
 
 
 def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, trace_dir=None,
-                      not_under_torchrun=NOT_UNDER_TORCHRUN) -> DistContext:
+                      not_under_torchrun=NOT_UNDER_TORCHRUN, device="auto") -> DistContext:
     """For train_ddp.py: read torchrun's variables, pick this rank's GPU, join the group.
 
     The GPU is selected before init_process_group so that NCCL binds each rank to its own
@@ -123,14 +128,14 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
     NCCL_TIMEOUT_MARGIN_MIN more, is the backstop for a hang the gloo group does not see.
     ``trace_dir`` (the checkpoint folder): where NCCL's flight recorder dumps on a timeout,
     unless the environment names a place already. ``not_under_torchrun``: the entry point's
-    one line when torchrun's variables are missing.
+    one line when torchrun's variables are missing. ``device``: --device (cpu: gloo on a GPU node).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(not_under_torchrun)
     rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     local_rank = env_int("LOCAL_RANK", 0)
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
-    device = use_device(local_rank)  # before init_process_group: NCCL binds to the current device
+    device = use_device(local_rank, device)  # before init_process_group: NCCL binds to the current device
     timeout = timedelta(minutes=collective_timeout_min)
     if device.type == "cuda":
         dumps = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",

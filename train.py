@@ -8,6 +8,8 @@ process: one GPU, or the CPU.
     python train.py --synthetic --epochs 1 --limit-batches 20   # smoke run, no data needed
     python train.py --epochs 100 --checkpoint-dir ckpt [--resume]  # survives kills and time limits
     python train.py --loader torchvision --num-workers 8   # a DataLoader instead of data on the GPU
+    python train.py --dataset folder --data-dir photos --val-fraction 0.2 --loader dali   # DALI decodes on the GPU
+    python train.py --device cpu --epochs 1           # the CPU although there is a GPU
     torchrun --standalone --nnodes=1 --nproc_per_node=1 train.py --batch-size 256 --epochs 100 \\
         --base-lr 0.01 --target-accuracy 0.95 --patience 2
     sbatch --account=nnXXXXk singlegpu_job.sh --epochs 10
@@ -24,7 +26,7 @@ from train_utils import build_task, fit, parse_args
 
 def main():
     args = parse_args(__doc__)
-    ctx = single_process_context()
+    ctx = single_process_context(args.device)
     check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
     task = build_task(args, ctx)  # the model and the data of --model and --dataset
     fit(task, args, ctx)

@@ -29,7 +29,7 @@ from train_utils import build_task, fit, parse_args
 def main():
     args = parse_args(__doc__)
     # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang.
-    ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir)
+    ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir, device=args.device)
     # A rank that stops answering ends the run with one line naming it (exit 3), not a hang.
     with process_group_scope(ctx, args.collective_timeout, args.checkpoint_dir):
         check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end

@@ -70,7 +70,6 @@ class DaliLoader:
         self.dataset, self.batch_size, self.graph, self.device = dataset, batch_size, graph, device
         self.augmented, self.rank, self.world_size, self.seed, self.threads = augmented, rank, world_size, seed, threads
         self.epoch = 0
-        self.sampler = self  # set_loader_epoch finds set_epoch here
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -94,7 +93,8 @@ class DaliLoader:
         batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
                                       last_batch_policy=LastBatchPolicy.PARTIAL)
         for out in batches:
-            # DALI's own tensors on its device (the GPU's memory, no host copy): (B, C, H, W) float32, (B, 1) int32.
+            # Copied by the iterator into torch tensors on DALI's device (GPU to GPU: no host copy):
+            # images (B, C, H, W) float32, labels (B, 1) int32.
             yield out[0]["images"], out[0]["labels"].view(-1).long()
 
     def pipeline(self, files, labels):
@@ -107,7 +107,7 @@ class DaliLoader:
             # pad_last_batch: a partial last batch is filled with its last file, which the iterator drops.
             encoded, label = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True,
                                              name="reader")
-            return self.graph(encoded, self.dataset.prep, self.augmented, gpu), label
+            return self.graph(encoded, self.dataset.prep, self.augmented, gpu), label.gpu() if gpu else label
 
         seed = derived_seed(self.seed, self.epoch, self.rank, DALI_STREAM) % 2**31
         return images_and_labels(batch_size=self.batch_size, num_threads=self.threads, seed=seed,

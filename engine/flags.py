@@ -201,6 +201,10 @@ def build_parser(description, add_recipe_arguments):
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
 
     speed = parser.add_argument_group("speed and memory (no effect on the recipe)")
+    speed.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help="where to train: auto = this local rank's GPU when PyTorch sees one, else the CPU; cpu = "
+                            "the CPU on a GPU node too (the tutorial's --no-cuda; DDP then uses gloo); cuda = a GPU or "
+                            "one line. A resume may change it")
     speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="keep activations and weights in NHWC memory layout, which GPU tensor-core "
                             "convolutions use (default: on with CUDA, off on the CPU)")

@@ -23,8 +23,8 @@ from PIL import Image
 from engine.data_formats import DatasetError
 from engine.disk_space import NO_SPACE, space_problem
 from engine.image_cache import SizeRequest, cache_root, folder_version, unreadable_notes
-from engine.image_folder import (GRAY_MODES, FolderStats, Unreadable, check_left, folder_stats, header, map_threads,
-                                 scan)
+from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable, check_left, folder_stats, header,
+                                 map_threads, scan)
 from engine.log import count
 from engine.processes import available_cores
 
@@ -81,24 +81,33 @@ def stats_of(counts, gray):
 
 def build_list(root, scanned, workers, log):
     """The list's contents (a dict for JSON) of ``scanned`` (image_folder.Scanned of ``root``):
-    every image decoded once on ``workers`` threads (Pillow releases the GIL while decoding)."""
+    every image decoded once on ``workers`` threads (Pillow releases the GIL while decoding),
+    its pixel counts summed as it comes (memory: the file names, not a count per image). A line
+    at most every PROGRESS_S seconds says how far it is."""
     total = sum(len(files) for files, _ in scanned.splits.values())
     log(f"Checking {total} images of {len(scanned.classes)} classes for --loader dali (each decoded once) ...")
-    start, splits, skipped, modes, sizes = time.perf_counter(), {}, {}, [], []
+    start = last = time.perf_counter()
+    splits, skipped, sizes, gray, done = {}, {}, [], True, 0
     counts = np.zeros((3, 256), dtype=np.int64)
     for split, (files, labels) in scanned.splits.items():
-        found = list(map_threads(checked, files, workers))
-        readable = np.asarray([not isinstance(result, Unreadable) for result in found], dtype=bool)
-        skipped[split] = [result for result in found if isinstance(result, Unreadable)]
-        check_left(labels[readable], scanned.classes, split, skipped[split])
-        splits[split] = {"files": [str(path.relative_to(root)) for path, ok in zip(files, readable) if ok],
-                         "labels": labels[readable].tolist()}
-        for mode, size, pixels in (result for result in found if not isinstance(result, Unreadable)):
-            modes.append(mode)
+        readable, skipped[split] = np.ones(len(files), dtype=bool), []
+        for i, result in enumerate(map_threads(checked, files, workers)):
+            if isinstance(result, Unreadable):
+                readable[i] = False
+                skipped[split].append(result)
+                continue
+            mode, size, pixels = result
+            gray = gray and mode in GRAY_MODES
             if split == "train":
                 sizes.append(size)
                 counts += pixels
-    gray = all(mode in GRAY_MODES for mode in modes)
+            done += 1
+            if time.perf_counter() - last >= PROGRESS_S:
+                last = time.perf_counter()
+                log(f"  {done} of {total} images checked")
+        check_left(labels[readable], scanned.classes, split, skipped[split])
+        splits[split] = {"files": [str(path.relative_to(root)) for path, ok in zip(files, readable) if ok],
+                         "labels": labels[readable].tolist()}
     mean, std = stats_of(counts, gray)
     seconds = time.perf_counter() - start
     log(f"Checked {total} images in {seconds:.1f} s ({total / max(seconds, 1e-9):.0f} images/s with "
@@ -167,7 +176,8 @@ def read_list(target, root):
     stats = FolderStats(tuple(listed["stats"]["common_size"]), listed["stats"]["sizes"],
                         listed["stats"]["median_short_side"])
     images = sum(len(labels) for _, labels in splits.values())
-    notes = (f"Images: {images} files decoded by DALI every epoch, "
+    notes = (f"Images: {images} files decoded by DALI every epoch (none kept decoded: training crops the whole "
+             "image, validation resizes it to cover the stored size below and takes the centre), "
              + ("gray (every image is gray)" if listed["gray"] else "RGB") + f"; checked once, listed in {target}",
              *unreadable_notes(errors, target))
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}

@@ -142,3 +142,10 @@ def ignore_stop_signals():
     not cut the line it is about to print."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _repeat_ignored)
+
+
+def ignore_ctrl_c(worker_id):
+    """Loader workers leave Ctrl-C (SIGINT to the terminal's whole process group) to the
+    training process, which checkpoints and stops; a worker killed by it would fail the
+    next batch instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

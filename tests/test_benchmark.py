@@ -11,11 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from engine import monitor
-from tools import gpu_report, loop_overhead
+from engine.dali_loader import dali_installed, dali_package
+from engine.errors import UserError
+from tools import gpu_report, loop_overhead, tutorial_table
 from conftest import REPO, SMALL_MODEL, error_lines, run_main
 
 REQUIRED = {"recipe", "measure", "images_per_sec", "device", "batch_size", "precision", "loader"}
@@ -189,7 +193,8 @@ def _figures(eager, compiled, split):
                                            ("project", "device", (90000.0, eager)))
             for measure, value in zip(("pipeline", "train"), values, strict=True)]
     versions = {"gpu": "NVIDIA H100 80GB HBM3, 79.1 GiB", "gpus": 1, "driver": "570.1", "torch": "2.8.0",
-                "cuda": "12.9", "cudnn": 91000, "nccl": "2.27.3", "torchvision": "0.23.0", "python": "3.12.3", "machine": "aarch64"}
+                "cuda": "12.9", "cudnn": 91000, "nccl": "2.27.3", "torchvision": "0.23.0", "python": "3.12.3",
+                "machine": "aarch64"}
     return gpu_report.Figures(versions=versions, rows=rows, compiled={"images_per_sec": compiled, "warmup_s": 95.0},
                               split=split, peaks={256: 5.5, 1024: 21.0}, tier="30 passed, 1 skipped in 250.0s",
                               seconds=500.0)
@@ -204,6 +209,15 @@ def test_report_block_and_its_recommendation():
     assert "| pipeline | 5,000 | 90,000 | - |" in lines
     assert "Peak GPU memory of training steps: batch 256: 5.50 GiB, batch 1024: 21.00 GiB" in lines
     assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): 30 passed, 1 skipped in 250.0s" in lines
+    assert not any("DALI" in line or "tutorial" in line for line in lines)  # not measured: not in the block
+    dali = _figures(20000.0, 26000.0, split)
+    dali.dali = {"images_per_sec": 12345.6, "photos": "4096 JPEG photos of 500x375"}
+    dali.tutorial = ["MNIST as PNG files, 10,000 training images, 2 epochs, on NVIDIA H100", "", "| step | x |"]
+    lines = gpu_report.markdown(dali, "python tools/benchmark.py --report r.md").splitlines()
+    assert ("--loader dali on 4096 JPEG photos of 500x375 (decode, random resized crop to 224x224, flip, normalize): "
+            "12,346 img/s (the goal: at least 10,000 on an H100)") in lines
+    assert ("The tutorial's table (`python tools/tutorial_table.py --images 10000 --epochs 2`): MNIST as PNG files, "
+            "10,000 training images, 2 epochs, on NVIDIA H100") in lines and "| step | x |" in lines
     assert f"Not verified on one GPU: {gpu_report.ONE_GPU_LEAVES}" in lines  # its NCCL runs had one rank
     two = _figures(20000.0, 26000.0, split)
     two.versions["gpus"] = 2
@@ -461,3 +475,28 @@ def test_loop_overhead_times_both_loops_on_the_same_steps(capsys):
         assert rate == pytest.approx(16 / (float(ms) / 1e3), rel=0.01)
     ratio = re.search(r"^ratio: (\d+\.\d\d)x \(project / bare\)$", out, re.M)
     assert ratio and float(ratio[1]) == pytest.approx(rates[0] / rates[1], abs=0.01)
+
+
+def test_the_tutorial_table_trains_on_mnist_written_as_png_files(tmp_path):
+    """tools/tutorial_table.py: MNIST (a stand-in here) as DIR/train/CLASS/N.png, each PNG the
+    array it came from; a row measured through train.py on it, a row that cannot run saying why."""
+    splits = tutorial_table.mnist(tmp_path / "no-mnist", 40)
+    assert [len(labels) for _, labels in splits.values()] == [40, 8] and splits["train"][0].shape[1:] == (28, 28, 1)
+    assert tutorial_table.write_png_folder(tmp_path / "png", splits) == 48
+    label = int(splits["train"][1][7])
+    with Image.open(tmp_path / "png" / "train" / str(label) / "00007.png") as png:
+        assert png.mode == "L" and np.array_equal(np.asarray(png), splits["train"][0][7, :, :, 0])
+    with pytest.raises(UserError, match="^--rows: no row 'AMP'; the rows are standard PyTorch, NVIDIA DALI"):
+        tutorial_table.main(["--rows", "AMP"])
+    done = subprocess.run([sys.executable, REPO / "tools" / "tutorial_table.py", "--images", "64", "--epochs", "2",
+                           "--batch-size", "16", "--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net", "--data-dir",
+                           tmp_path / "no-mnist", "--rows", "NVIDIA DALI,without GPU", "--markdown", tmp_path / "t.md"],
+                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "t.md").read_text().splitlines()
+    assert table[0] == "MNIST as PNG files, 64 training images, 2 epochs, on the CPU"
+    if dali_installed():
+        assert re.fullmatch(r"\| NVIDIA DALI \| [\d,]+ \| \d+\.\d \|", table[4]), table
+    else:
+        assert table[4] == f"| NVIDIA DALI | - | - (DALI is not installed: pip install {dali_package()}) |"
+    assert table[5] == "| without GPU | - | - (no GPU here: the standard PyTorch row runs on the CPU) |"

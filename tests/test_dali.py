@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
 from PIL import Image
 
 import dataset_utils as du
@@ -25,6 +26,7 @@ from engine.data_sets import FileImages
 from engine.errors import UserError
 from engine.image_folder import decode
 from engine.preprocessing import centre_crop, normalization, normalize
+from test_photos import ks_limit, two_sample_ks
 from test_resilience import _rank_pid
 from tools.demo_data import PHOTO_SIZES, write_photo_folder
 from tools.gpu_report import kill_tree
@@ -154,6 +156,49 @@ def test_dali_validation_images_are_predict_pys(tmp_path, size, stored):
     assert difference.mean() < 0.6, difference.mean(dim=(1, 2, 3))
 
 
+@needs_dali
+@pytest.mark.parametrize("height, width", [(64, 64), (64, 96)])
+def test_dali_draws_resized_crops_as_torchvision_draws_them(tmp_path, height, width):
+    """DALI's crops of an image whose pixels are their own coordinates, read back, against
+    RandomResizedCrop.get_params: one distribution of area and aspect (photos up to 3:2 here; past
+    2:1, where most of the ten draws miss, the two fall back differently)."""
+    n, out = 1500, 56
+    rows, cols = np.mgrid[:height, :width]
+    Image.fromarray(np.stack([rows * 3, cols * 2, np.zeros_like(rows)], -1).astype(np.uint8)).save(tmp_path / "c.png")
+    prep = du.preprocessing((out, out, 3), (0.0,) * 3, (1 / 255,) * 3, "resized-crop", stored_size=(64, 64))
+    loader = DaliLoader(FileImages([tmp_path / "c.png"] * n, np.zeros(n), prep), 500, recipe.dali_images,
+                        torch.device("cpu"), True)
+    x = torch.cat([images for images, _ in loader])  # (n, 3, out, out): 3 x the source row, 2 x its column
+    box_h = (x[:, 0, -1, :] - x[:, 0, 0, :]).mean(1) / 3 * out / (out - 1)  # first to last pixel centre
+    box_w = (x[:, 1, :, -1] - x[:, 1, :, 0]).abs().mean(1) / 2 * out / (out - 1)  # abs: flipped ones too
+    torch.manual_seed(3)
+    theirs = np.array([torchvision.transforms.RandomResizedCrop.get_params(torch.zeros(3, height, width), [0.25, 1.0],
+                                                                           [3 / 4, 4 / 3]) for _ in range(n)])
+    assert two_sample_ks(box_h * box_w, theirs[:, 2] * theirs[:, 3]) < ks_limit(n, n)
+    assert two_sample_ks(box_w / box_h, theirs[:, 3] / theirs[:, 2]) < ks_limit(n, n)
+    flipped = (x[:, 1, 0, -1] < x[:, 1, 0, 0]).float().mean()
+    assert abs(flipped - 0.5) < 4 * 0.5 / n**0.5
+
+
+@needs_dali
+def test_dali_pad_crop_offsets_are_uniform(tmp_path):
+    """--augment crop through DALI: the offsets 0..2 x padding pixels, each as often (chi-square)."""
+    n, padding = 900, 4
+    rows, cols = np.mgrid[:32, :32]
+    Image.fromarray(np.stack([10 + 4 * rows, 10 + 4 * cols, np.zeros_like(rows)], -1).astype(np.uint8)).save(
+        tmp_path / "c.png")
+    prep = du.preprocessing((32, 32, 3), (0.0,) * 3, (1 / 255,) * 3, "crop", padding=padding)
+    loader = DaliLoader(FileImages([tmp_path / "c.png"] * n, np.zeros(n), prep), 300, recipe.dali_images,
+                        torch.device("cpu"), True)
+    x = torch.cat([images for images, _ in loader])
+    for channel, pixel in ((0, (8, 16)), (1, (16, 8))):  # pixel 8 is never padding: it holds source pixel 4 + offset
+        offsets = ((x[:, channel, pixel[0], pixel[1]] - 10) / 4).round().long() - 8 + padding
+        counts = torch.bincount(offsets, minlength=2 * padding + 1).double()
+        assert len(counts) == 2 * padding + 1
+        expected = n / (2 * padding + 1)
+        assert ((counts - expected) ** 2 / expected).sum() < 26.1  # chi-square, 8 degrees of freedom, p = 0.001
+
+
 def test_dali_is_chosen_and_refused_in_one_line(tmp_path):
     assert dali_package("12.8") == "nvidia-dali-cuda120" and dali_package("13.0") == dali_package(None) == \
         "nvidia-dali-cuda130"
@@ -170,6 +215,23 @@ def test_dali_is_chosen_and_refused_in_one_line(tmp_path):
         du.dali_choice(flags(auto_augment="ta_wide"), torch.device("cpu"))
     # auto never takes DALI on the CPU: the folder is not even read.
     assert du.dali_choice(flags(loader="auto", data_dir=str(tmp_path / "none")), torch.device("cpu")) == (None, None)
+
+
+def test_the_list_is_made_ahead_of_a_job_once_and_reused(photos, tmp_path, capsys):
+    """python dataset_utils.py --dataset folder --loader dali: the folder pass, on a login node."""
+    flags = ["--dataset", "folder", "--data-dir", str(photos), "--val-fraction", "0.25", "--loader", "dali",
+             "--cache-dir", str(tmp_path)]
+    assert du.main(flags) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Checking 63 images of 3 classes for --loader dali (each decoded once) ...")
+    assert re.search(r"^  \S*dog/cut\.jpg: image file is truncated", out, re.M)
+    assert out.splitlines()[-1] == f"Image folder {photos} ready for --loader dali: 61 training images of 3 classes"
+    lists = list(tmp_path.glob("photos-*/list-*.json"))
+    assert len(lists) == 1 and du.main(flags) == 0 and "Checking" not in capsys.readouterr().out  # found again
+    with pytest.raises(SystemExit):
+        du.main(["--dataset", "cifar10", "--loader", "dali"])
+    assert capsys.readouterr().err.endswith("error: --loader dali lists an image folder (--dataset folder); cifar10 "
+                                            "needs no list (see --help)\n")
 
 
 @pytest.mark.oldest_torch  # its environment has no DALI

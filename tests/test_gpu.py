@@ -9,7 +9,7 @@ debug mode); the device loader on CUDA against the CPU's, pixel for pixel, and t
 torchvision loader with workers and pinned memory; checkpoints written on one device type
 and resumed on the other, in each layout and with each side's default (re-strided momentum);
 fp16 with a skipped (overflowing) first step and the fused SGD kernel; --loader dali decoding
-on the GPU; train_ddp.py under
+on the GPU; --device cpu; train_ddp.py under
 torchrun on NCCL with its gloo control group, the replica check, a stop and a resume; DDP on
 2 GPUs (when there are 2); --compile, also with DDP; evaluation under autocast of a model that
 learned; peak memory at batch 256 and 1024; NVML's power and utilization, TensorBoard and a
@@ -434,6 +434,14 @@ def test_dali_decodes_on_the_gpu_into_cuda_tensors_the_cpus_images(tmp_path):
                             "--metrics-file", metrics), cwd=tmp_path)
     assert "Loader: NVIDIA DALI (decoding and augmentation on the GPU" in result.stdout, result.stdout
     assert {r["loader"] for r in finite_run(result, metrics)} == {"dali"}
+
+
+def test_device_cpu_trains_on_the_cpu_of_a_gpu_node(tmp_path):
+    """--device cpu (the tutorial's --no-cuda): the CPU although a GPU is there."""
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", *SHORT, "--device", "cpu", "--metrics-file", metrics), cwd=tmp_path)
+    assert re.search(r"^Device: cpu \(CPU", result.stdout, re.M), result.stdout
+    assert {r["peak_memory_gib"] for r in finite_run(result, metrics)} == {None}  # nothing on the GPU
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU DDP needs 2 GPUs")

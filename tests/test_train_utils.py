@@ -527,3 +527,11 @@ def test_an_extension_says_what_the_learning_rate_does():
         "(0.25 epochs), then cosine to 0 at epoch 5")
     assert said("constant", lr_schedule.Cycle(12, 2, 20, 1.0)) == (
         "Extending the run from 3 to 5 epochs at the constant learning rate 0.01")  # not "from 0.01 back up to 0.01"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case")
+def test_device_cuda_without_a_gpu_is_one_line_and_cpu_is_the_cpu():
+    from device_utils import get_device
+    assert get_device(0, "cpu") == get_device(0, "auto") == torch.device("cpu")
+    with pytest.raises(UserError, match=r"^--device cuda, and PyTorch sees no GPU here"):
+        get_device(0, "cuda")

@@ -34,6 +34,7 @@ FILE.py:NAME data set from --data-dir.
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -338,6 +339,12 @@ def report(opts):
     for size in (256, 1024):
         figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.steady_peak_memory(
             lambda window: project_steps([], size, 2, 3, window), ctx.device))
+    if dali_installed():  # the goals: decoding + cropping photos on the GPU; the tutorial's table
+        figures.dali = attempt("--loader dali on JPEG photos", lambda: gpu_report.dali_photos(
+            ctx.device, batch, lambda loader, n: measure_pipeline(loader, ctx.device, torch.contiguous_format, n)[0]))
+        figures.tutorial = attempt("the tutorial's table", lambda: subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("tutorial_table.py")), "--images", "10000", "--epochs", "2"],
+            check=True, stdout=subprocess.PIPE, text=True).stdout.split("\n\nMNIST as PNG", 1)[1].strip().splitlines())
     command = f"python tools/benchmark.py --report {opts.report}"
     figures.seconds = time.monotonic() - start
     print(f"\n== the figures so far (should the GPU tier overrun):\n{gpu_report.markdown(figures, command)}",

@@ -22,21 +22,31 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataset_utils import preprocessing  # noqa: E402
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
+from engine.dali_loader import DaliLoader  # noqa: E402
+from engine.data_sets import FileImages  # noqa: E402
 from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import UserError, first_line  # noqa: E402
 from engine.monitor import is_communication  # noqa: E402
+from engine.processes import available_cores  # noqa: E402
+from recipe import dali_images  # noqa: E402
+from tools.demo_data import photo  # noqa: E402
 
 BUDGET_S = 8.5 * 60  # one command may run 10 minutes on a lent machine: a margin for start-up and writing
 GOAL_IMAGES_PER_S = 25_000  # the project's goal for one H100/H200/GH200 with the defaults (issue 3)
@@ -93,6 +103,8 @@ class Figures:
     compiled: dict = None       # the project's recipe with --compile: images_per_sec, warmup_s
     split: dict = None          # profile_split of the defaults
     peaks: dict = field(default_factory=dict)  # batch -> peak GiB
+    dali: dict = None           # tools/benchmark.py's dali_photos: --loader dali's images_per_sec on photos
+    tutorial: list = None       # tools/tutorial_table.py's table, as lines
     tier: str = None            # pytest's summary of tests/test_gpu.py, or how far it got
     failures: list = field(default_factory=list)  # "part: error" of each part that raised
     seconds: float = 0.0
@@ -251,6 +263,12 @@ def markdown(figures, command):
     if peaks:
         lines.append("Peak GPU memory of training steps: " + ", ".join(
             f"batch {batch}: {gib:.2f} GiB" for batch, gib in sorted(peaks.items())))
+    if figures.dali:
+        lines.append(f"--loader dali on {figures.dali['photos']} (decode, random resized crop to 224x224, flip, "
+                     f"normalize): {figures.dali['images_per_sec']:,.0f} img/s (the goal: at least 10,000 on an H100)")
+    if figures.tutorial:
+        lines += ["", "The tutorial's table (`python tools/tutorial_table.py --images 10000 --epochs 2`): "
+                  + figures.tutorial[0], *figures.tutorial[1:], ""]
     if figures.tier:
         lines.append(f"GPU tier (`python -m pytest -q tests/test_gpu.py`): {figures.tier}")
         if figures.versions.get("gpus", 0) < 2:
@@ -259,6 +277,24 @@ def markdown(figures, command):
         lines += ["", "Failed (tracebacks in the command's output):", *(f"- {failure}" for failure in figures.failures)]
     lines += ["", *(f"- {line}" for line in recommendation(figures))]
     return "\n".join(lines) + "\n"
+
+
+def dali_photos(device, batch, measure, photos=4096, height=375, width=500):
+    """{"images_per_sec", "photos"} of --loader dali's training pipeline on ``photos`` JPEG photos
+    of ``width`` x ``height`` (written first, on threads): decode, resized crop to 224, flip;
+    ``measure(loader, batches)`` gives the images per second (tools/benchmark.py's)."""
+    with tempfile.TemporaryDirectory(prefix="dali-photos-") as folder:
+        def write(i):
+            path = Path(folder) / f"{i:05d}.jpg"
+            Image.fromarray(photo(np.random.default_rng(i), i % 3, height, width)).save(path, quality=90)
+            return str(path)
+        with ThreadPoolExecutor(available_cores()) as pool:
+            files = list(pool.map(write, range(photos)))
+        prep = preprocessing((224, 224, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(256, 256))
+        loader = DaliLoader(FileImages(files, np.zeros(photos), prep), batch, dali_images, device, True,
+                            threads=max(1, min(8, available_cores() - 1)))
+        rate = measure(loader, 4 * len(loader))
+    return {"images_per_sec": rate, "photos": f"{photos} JPEG photos of {width}x{height}"}
 
 
 def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
