@@ -48,7 +48,7 @@ from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_
 from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
-from engine.seeds import epoch_seed, restore_rng, rng_snapshot
+from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
 from engine.step_totals import LossBooks, eval_summary
 from engine.stopping import StopRequests
 from engine.task import Task
@@ -86,10 +86,9 @@ def fit(task, args, ctx):
                           task.data.held_out):
         run.log.info(line)
     if run.checkpointer.count:
-        wall = clock.elapsed()
-        run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in "
-                     f"{run.checkpointer.seconds:.1f}s ({100 * run.checkpointer.seconds / wall:.1f}% of this "
-                     f"run's {wall:.1f}s)")
+        wall, spent = clock.elapsed(), run.checkpointer.seconds
+        run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in {spent:.1f}s "
+                     f"({100 * spent / wall:.1f}% of this run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
         run.log.info(from_rank0(lambda: save_trained_weights(run.evaluated, args.save_weights, run.weights_metadata(),
                                                              final), ctx.control_group))
@@ -118,9 +117,10 @@ def run_epoch(run, state, rng_state=None):
     train_loader = run.task.train_loader
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
-    batches = islice(train_loader, run.steps)
     skipped = min(state.step, run.steps)
-    for _ in range(skipped):  # resuming mid-epoch: the same batches, skipped
+    ahead = resumed_steps(train_loader, rng_state, skipped)  # a loader that checkpointed its place (DALI) skips them
+    batches = islice(train_loader, run.steps - ahead)
+    for _ in range(skipped - ahead):  # resuming mid-epoch: the same batches, drawn and skipped
         next(batches)
     if rng_state is not None:
         restore_rng(rng_state)  # where the interrupted run was after those steps
@@ -142,7 +142,7 @@ def run_epoch(run, state, rng_state=None):
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
         path = None
         if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
-            path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(), run.ctx.control_group))
+            path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(train_loader), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
     for model in dict.fromkeys((run.module, run.evaluated)):  # evaluate exactly the model rank 0 holds (and saves)
         broadcast_buffers(model)

@@ -7,9 +7,11 @@ from a DistributedSampler seeded by (seed, epoch), the same as the other loaders
 whole batches (every rank takes the same number of steps); validation takes images rank,
 rank + world_size, ... (each counted once). Each epoch builds its own pipeline, seeded by (seed,
 epoch, rank), so an epoch's batches depend on nothing before it: a run resumed at an epoch
-boundary repeats the uninterrupted one, and mid-epoch the loop skips the batches already
-trained on (they are decoded again, not trained on). The draws depend on the rank, so a resume
-on another number of processes draws other crops (the other loaders' do not).
+boundary repeats the uninterrupted one. A stop mid-epoch keeps each rank's DALI checkpoint (its
+reader's place, its generators' states) in the project's checkpoint, and the resumed run goes
+on from there without decoding the batches already trained on. The draws depend on the rank:
+resumed on another number of processes, the epoch's batches already trained on are drawn again
+and skipped, and the crops differ from the uninterrupted run's (the other loaders' do not).
 """
 
 import importlib.util
@@ -69,10 +71,22 @@ class DaliLoader:
     def __init__(self, dataset, batch_size, graph, device, augmented, *, rank=0, world_size=1, seed=0, threads=1):
         self.dataset, self.batch_size, self.graph, self.device = dataset, batch_size, graph, device
         self.augmented, self.rank, self.world_size, self.seed, self.threads = augmented, rank, world_size, seed, threads
-        self.epoch = 0
+        self.epoch, self.batches, self.restore = 0, None, None  # the epoch's DALI iterator; a checkpoint to resume
 
     def set_epoch(self, epoch):
         self.epoch = epoch
+
+    def position(self):
+        """Where the epoch in progress is, after the batches handed out so far: DALI's checkpoint
+        (its reader's place and its generators' states: about 500 bytes), or None."""
+        return None if self.batches is None else {"epoch": self.epoch, "dali": self.batches.checkpoints()[0]}
+
+    def resume(self, position):
+        """Make the next iteration go on from ``position`` (position() of this epoch, rank and number
+        of ranks): True, or False when there is none for this epoch (then skip the batches)."""
+        usable = bool(position) and position.get("epoch") == self.epoch
+        self.restore = position["dali"] if usable else None
+        return usable
 
     def rows(self):
         """The rows of the data set this rank serves in this epoch, in order."""
@@ -89,20 +103,24 @@ class DaliLoader:
         if not rows:
             return
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy  # installed: check_dali
-        pipe = self.pipeline([self.dataset.files[i] for i in rows], [int(self.dataset.labels[i]) for i in rows])
-        batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
-                                      last_batch_policy=LastBatchPolicy.PARTIAL)
-        for out in batches:
+        checkpoint, self.restore = self.restore, None
+        pipe = self.pipeline([self.dataset.files[i] for i in rows], [int(self.dataset.labels[i]) for i in rows],
+                             checkpoint)
+        # Restored from a checkpoint, the iterator hands out the rest of the epoch only.
+        self.batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
+                                           last_batch_policy=LastBatchPolicy.PARTIAL)
+        for out in self.batches:
             # Copied by the iterator into torch tensors on DALI's device (GPU to GPU: no host copy):
             # images (B, C, H, W) float32, labels (B, 1) int32.
             yield out[0]["images"], out[0]["labels"].view(-1).long()
 
-    def pipeline(self, files, labels):
-        """The pipeline of one epoch: these files in this order, seeded by (seed, epoch, rank)."""
+    def pipeline(self, files, labels, checkpoint=None):
+        """The pipeline of one epoch: these files in this order, seeded by (seed, epoch, rank), from
+        the start or from ``checkpoint`` (position()'s)."""
         from nvidia.dali import fn, pipeline_def
         gpu = self.device.type == "cuda"
 
-        @pipeline_def
+        @pipeline_def(enable_checkpointing=True)
         def images_and_labels():
             # pad_last_batch: a partial last batch is filled with its last file, which the iterator drops.
             encoded, label = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True,
@@ -111,7 +129,8 @@ class DaliLoader:
 
         seed = derived_seed(self.seed, self.epoch, self.rank, DALI_STREAM) % 2**31
         return images_and_labels(batch_size=self.batch_size, num_threads=self.threads, seed=seed,
-                                 device_id=(self.device.index or 0) if gpu else None, prefetch_queue_depth=PREFETCH)
+                                 device_id=(self.device.index or 0) if gpu else None, prefetch_queue_depth=PREFETCH,
+                                 checkpoint=checkpoint)
 
 
 def choose_dali(decoded_bytes, memory_bytes):

@@ -68,6 +68,15 @@ def memory_figures(device):
     return device_memory(device), peak
 
 
+def held_outside_torch(device):
+    """Bytes of the GPU ``device`` in use but not by PyTorch's allocator: the CUDA context, NCCL's
+    buffers, DALI's memory pool, other processes; 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def device_memory(device):
     """Bytes of memory of ``device``: the GPU's, or what this process may use of the host's."""
     if device.type == "cuda":
@@ -140,9 +149,11 @@ def out_of_memory(where, device, args, micro_batch, image_size, precision, steps
         fixes.append(f"a smaller --image-size (now {image_size[0]}x{image_size[1]})")
     else:
         fixes.append("a smaller --model")
+    outside = held_outside_torch(device)  # DALI's pool (--loader dali) among them
+    held = f", {outside / 2**30:.1f} GiB held outside PyTorch (CUDA, NCCL, DALI)" if outside >= 2**30 else ""
     line = (f"out of memory at {where} on {device} ({total / 2**30:.1f} GiB, this process's peak "
-            f"{peak / 2**30:.1f} GiB) with micro-batches of {micro_batch} images of {image_size[0]}x{image_size[1]}; "
-            f"try, in this order: {'; then '.join(fixes)}")
+            f"{peak / 2**30:.1f} GiB{held}) with micro-batches of {micro_batch} images of {image_size[0]}x"
+            f"{image_size[1]}; try, in this order: {'; then '.join(fixes)}")
     if checkpoint:
         line += f". The last checkpoint, {checkpoint}, continues with: {resume_command(accumulate)}"
     elif args.checkpoint_dir is None:

@@ -18,8 +18,19 @@ def epoch_seed(seed, epoch, rank):
     return derived_seed(seed, epoch, rank)
 
 
-def rng_snapshot():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+def rng_snapshot(loader=None):
+    """This rank's random states for a mid-epoch checkpoint, and where ``loader`` is in its epoch
+    when it can say (a DALI loader's position(): its own generators and reader)."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "loader": loader.position() if hasattr(loader, "position") else None}
+
+
+def resumed_steps(loader, snapshot, steps):
+    """Resuming after ``steps`` steps of an epoch: ``steps`` when ``loader`` goes on from the
+    position in this rank's ``snapshot`` itself, else 0 (the loop draws those batches and skips
+    them; a snapshot of another number of ranks is None)."""
+    position = (snapshot or {}).get("loader")
+    return steps if steps and hasattr(loader, "resume") and loader.resume(position) else 0
 
 
 def restore_rng(snapshot):

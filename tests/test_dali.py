@@ -26,6 +26,7 @@ from engine.data_sets import FileImages
 from engine.errors import UserError
 from engine.image_folder import decode
 from engine.preprocessing import centre_crop, normalization, normalize
+from engine.seeds import resumed_steps, rng_snapshot
 from test_photos import ks_limit, two_sample_ks
 from test_resilience import _rank_pid
 from tools.demo_data import PHOTO_SIZES, write_photo_folder
@@ -130,6 +131,36 @@ def test_two_ranks_get_every_image_once_per_epoch_and_the_same_steps(photos):
         loader = DaliLoader(images, 4, recipe.dali_images, torch.device("cpu"), False, rank=rank, world_size=2)
         evaluated += [int(i) for _, y in loader for i in y]
     assert sorted(evaluated) == list(range(n))
+
+
+@needs_dali
+def test_a_stopped_epoch_goes_on_from_dalis_checkpoint_without_decoding_again(photos):
+    """position() after 2 of an epoch's batches, given to a new loader (a resumed run): it hands
+    out the other batches only, bit for bit the uninterrupted epoch's; the snapshot of a mid-epoch
+    checkpoint carries it, and a position of another epoch is not used (the loop skips then)."""
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
+    files = sorted(str(p) for p in photos.glob("*/*.png"))
+    images = FileImages(files, np.arange(len(files)), prep)
+
+    def loader():
+        made = DaliLoader(images, 4, recipe.dali_images, torch.device("cpu"), True, rank=1, world_size=2, seed=5)
+        made.set_epoch(3)
+        return made
+    whole = list(loader())
+    stopped = loader()
+    batches = iter(stopped)
+    first = [next(batches) for _ in range(2)]
+    snapshot = rng_snapshot(stopped)
+    resumed = loader()
+    assert resumed_steps(resumed, snapshot, 2) == 2
+    rest = list(resumed)
+    assert len(first) + len(rest) == len(whole) == 3
+    for (x, y), (x_ref, y_ref) in zip(first + rest, whole, strict=True):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    other = loader()
+    other.set_epoch(4)
+    assert resumed_steps(other, snapshot, 2) == 0 and len(list(other)) == 3  # from the start: skipped by the loop
+    assert resumed_steps(loader(), None, 2) == 0  # a checkpoint of another number of ranks has no snapshot here
 
 
 @needs_dali

@@ -35,7 +35,7 @@ from device_utils import single_process_context
 from engine.dali_loader import DaliLoader, dali_installed
 from engine.data_sets import FileImages
 from engine.device_loader import batch_temporaries
-from engine.memory import StepShape, device_memory, free_device_memory, training_bytes
+from engine.memory import StepShape, device_memory, free_device_memory, held_outside_torch, training_bytes
 from engine.precision import Precision
 from engine.preprocessing import Preprocessing
 from engine import monitor, optimizers, tensorboard_log
@@ -417,6 +417,8 @@ def test_dali_decodes_on_the_gpu_into_cuda_tensors_the_cpus_images(tmp_path):
     files = sorted(str(p) for p in photos.glob("*/*") if p.suffix.lower() in (".png", ".jpg"))
     prep = du.preprocessing((64, 64, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(73, 73))
     images = FileImages(files, np.arange(len(files)), prep)
+    torch.zeros(1, device="cuda")
+    before = held_outside_torch(torch.device("cuda"))  # the CUDA context
     served = {}
     for device in ("cpu", "cuda"):
         loader = DaliLoader(images, 8, recipe.dali_images, torch.device(device), False)
@@ -425,6 +427,7 @@ def test_dali_decodes_on_the_gpu_into_cuda_tensors_the_cpus_images(tmp_path):
     for (x_cpu, y_cpu), (x_gpu, y_gpu) in zip(served["cpu"], served["cuda"], strict=True):
         assert torch.equal(y_cpu, y_gpu.cpu())
         assert (x_cpu - x_gpu.cpu()).abs().mean() * 0.25 * 255 < 1.0  # below a grey level on average
+    assert held_outside_torch(torch.device("cuda")) > before  # DALI's pool: named in an out-of-memory line
     training = DaliLoader(images, 8, recipe.dali_images, torch.device("cuda"), True)
     x, y = next(iter(training))
     assert x.is_cuda and x.shape == (8, 3, 64, 64) and y.dtype == torch.int64
