@@ -68,7 +68,7 @@ class FileImages:
     and decodes the files itself."""
 
     def __init__(self, files, labels, prep):
-        self.files, self.labels, self.prep = list(files), np.asarray(labels, dtype=np.int64), prep
+        self.files, self.labels, self.prep = [str(f) for f in files], np.asarray(labels, dtype=np.int64), prep
 
     @property
     def nbytes(self):

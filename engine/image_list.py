@@ -183,5 +183,3 @@ def read_list(target, root):
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}
     return FolderList(splits["train"], splits.get("test"), tuple(listed["classes"]), tuple(listed["mean"]),
                       tuple(listed["std"]), listed["gray"], notes, stats, listed["layout"], skipped)
-
-
