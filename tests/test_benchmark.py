@@ -398,6 +398,7 @@ def test_report_runs_every_part_and_names_the_one_that_failed(tmp_path, monkeypa
     shares = dict(re.fullmatch(r"(.+) (\d+)%", part).groups() for part in split.split(", "))
     assert "convolutions and matmuls" in shares and "idle" in shares
     assert "Peak GPU memory" not in block  # no GPU: no peaks, and no failure either
+    assert "DALI" not in block and "tutorial" not in block  # GPU parts: not run on the CPU
     [(left_s, log)] = tier_calls
     assert 0 < left_s < gpu_report.BUDGET_S and log == tmp_path / "report.gpu_tier.log"
     assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): stub" in block

@@ -339,7 +339,7 @@ def report(opts):
     for size in (256, 1024):
         figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.steady_peak_memory(
             lambda window: project_steps([], size, 2, 3, window), ctx.device))
-    if dali_installed():  # the goals: decoding + cropping photos on the GPU; the tutorial's table
+    if ctx.device.type == "cuda" and dali_installed():  # decoding + cropping photos on the GPU; the tutorial's table
         figures.dali = attempt("--loader dali on JPEG photos", lambda: gpu_report.dali_photos(
             ctx.device, batch, lambda loader, n: measure_pipeline(loader, ctx.device, torch.contiguous_format, n)[0]))
         figures.tutorial = attempt("the tutorial's table", lambda: subprocess.run(
