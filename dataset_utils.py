@@ -191,11 +191,12 @@ def set_loader_epoch(loader, epoch):
 # ---------------------------------------------------------------------------------------------
 # --dataset of the command line: the data and what the engine knows of it (engine/task.py).
 
-def build_data(args, ctx, listed=False):
+def build_data(args, ctx, listed=False, normalization=None):
     """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both (FileImages for an image
     folder ``listed`` for --loader dali); with --val-fraction the test set is the part of the
     training images held out. --eval-only prepares the images as the --weights file records (the
-    normalization of the images it was trained on)."""
+    normalization of the images it was trained on); a resumed run as its checkpoints record
+    (``normalization``: {"mean", "std"}), whichever loader measured them first."""
     if args.dataset in DATASETS:
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
@@ -204,11 +205,22 @@ def build_data(args, ctx, listed=False):
         loaded = {}
         from_rank0(lambda: loaded.update(data=plugin_data(args)), ctx.control_group, patient=True)
         train, test, info = loaded["data"] if ctx.is_main else plugin_data(args)
+    if len(info.classes) < 2:  # an image folder says so as it is scanned; a FILE.py:NAME here
+        raise UserError(f"{info.title} has {count(len(info.classes), 'class', 'classes')}: a classifier needs at "
+                        "least two")
     for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
     if args.eval_only:
         train, test, info = as_trained(train, test, info, args.weights)
+    elif normalization and (tuple(normalization["mean"]), tuple(normalization["std"])) != (info.prep.mean,
+                                                                                          info.prep.std):
+        prep = replace(info.prep, mean=tuple(normalization["mean"]), std=tuple(normalization["std"]))
+        train, test = train.with_prep(prep), (test.with_prep(prep) if test is not None else None)
+        info = replace(info, prep=prep, notes=(*info.notes, (
+            f"Normalization: the run's own, from its checkpoint: mean {prep.mean}, std {prep.std} (measured here: "
+            f"mean {info.prep.mean}, std {info.prep.std}; --loader dali measures the whole photos, the other "
+            "loaders their stored crops)")))
     elif args.dataset not in DATASETS:
         info = replace(info, notes=(*info.notes, f"Normalization: from the training images, mean {info.prep.mean}, "
                                                  f"std {info.prep.std}"))
@@ -310,7 +322,7 @@ def folder_preprocessing(args, stats, channels, mean, std, stored=None):
 def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
     """The DataInfo of image folder --data-dir (FolderData or FolderList ``folder``)."""
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
-    source = f"the image folder {args.data_dir} ({len(folder.classes)} classes: {shown}){how}"
+    source = f"the image folder {args.data_dir} ({count(len(folder.classes), 'class', 'classes')}: {shown}){how}"
     return DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
                     data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape),
                     notes=notes, data_dir=str(Path(args.data_dir).expanduser().resolve()),

@@ -3,10 +3,11 @@ probability, the top k). Everything comes from the weights file (the model, the 
 image size and normalization), so no data set is needed, and images are prepared exactly as
 training prepared its test images: the predictions agree with the accuracy it reported.
 
-    python predict.py --weights weights.pt photos/                    # the CSV to stdout
+    python predict.py --weights weights.pt photos/                    # the CSV to stdout (as --output -)
     python predict.py --weights weights.pt photos/ a.jpg --output preds.csv --top-k 5
     python predict.py --weights ckpt/checkpoint_000012500.pt photos/ --output preds.csv   # a checkpoint
     python predict.py --weights weights.pt --held-out my_photos --output val.csv  # validation's images, labelled
+    python predict.py --weights weights.pt --held-out my_photos --confusion-matrix confusion.csv   # CSV to stdout
     python predict.py --weights weights.pt --model moved/my_net.py:Net photos/   # its model file moved
     srun --account=nnXXXXk --gpus=1 --time=00:10:00 python predict.py --weights weights.pt photos/ --output preds.csv
 
@@ -16,11 +17,15 @@ In NVIDIA's container, as singlegpu_job.sh runs python (CONTAINER_PATH there):
         /cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif python predict.py --weights weights.pt photos/
 
 Folders are searched recursively for image files (by their ending; hidden files skipped).
-An unreadable image is named on stderr and skipped; --output never replaces an existing file.
+An unreadable image is named on stderr and skipped; --output never replaces an existing file
+(one that is not a regular file, such as /dev/stdout, a FIFO or a terminal, is written to).
 --held-out DIR classifies the images training validated on: those --val-fraction held out of
 the image folder DIR (the fraction, seed and unreadable files are recorded in the weights),
 or its test/ folder; the CSV gets their true label and the accuracy is printed, which is
-training's validation accuracy of these weights.
+training's validation accuracy of these weights, then each class's accuracy. The confusion
+matrix (rows: true class, columns: predicted class, image counts) goes to --confusion-matrix
+CSV, by default beside the --output file (val-confusion.csv for val.csv), and a PNG of it
+beside that (val-confusion.png) when matplotlib is installed.
 """
 
 import argparse
@@ -54,6 +59,8 @@ from engine.weights import check_state_fits, read_weights
 REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without
 MAX_THREADS = 8  # decoding threads (Pillow releases the GIL)
 SHOWN_CLASSES = 5  # the most common predictions in the summary
+ANNOTATED_CLASSES = 30  # the confusion matrix's picture writes its counts up to this many classes (then unreadable)
+MAX_FIGURE_INCHES, FIGURE_DPI = 40, 100  # the picture's side, at most 4000 pixels
 
 
 def build_parser():
@@ -62,14 +69,20 @@ def build_parser():
                         help="image files, and folders searched recursively for image files")
     parser.add_argument("--held-out", metavar="DIR", type=Path,
                         help="instead of IMAGE_OR_FOLDER: the images of the image folder DIR that training validated "
-                             "on (held out by --val-fraction, or its test/), with their true label in the CSV and "
-                             "the accuracy printed")
+                             "on (held out by --val-fraction, or its test/), with their true label in the CSV, the "
+                             "accuracy and each class's printed, and a confusion matrix (--confusion-matrix)")
     parser.add_argument("--weights", required=True, metavar="FILE",
                         help="a file of train.py --save-weights, or a checkpoint (CHECKPOINT_DIR/checkpoint_*.pt)")
     parser.add_argument("--model", metavar="FILE.py:NAME|module:NAME",
                         help="the network (default: the --model the weights were trained with, as recorded in them)")
-    parser.add_argument("--output", metavar="CSV", type=Path,
-                        help="write the CSV to this new file (refused if it exists; default: stdout)")
+    parser.add_argument("--output", metavar="CSV", type=output_path,
+                        help="write the CSV to this new file (refused if it exists, unless it is not a regular file: "
+                             "/dev/stdout, a FIFO; default, or -: stdout)")
+    parser.add_argument("--confusion-matrix", metavar="CSV", type=Path,
+                        help="with --held-out: write the confusion matrix (a row per true class, a column per "
+                             "predicted class, image counts) to this new file, and a PNG of it beside with "
+                             "matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
+                             "when the predictions go to stdout)")
     parser.add_argument("--top-k", type=positive_int, default=3,
                         help="classes (with their probability) in the top_k column, capped at the number of "
                         "classes (default: %(default)s)")
@@ -83,8 +96,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if bool(args.paths) == bool(args.held_out):
         parser.error("give the images to classify (IMAGE_OR_FOLDER ...) or --held-out DIR, one of them")
-    if args.output is not None:
-        check_new_output(args.output)  # before any work
+    if args.confusion_matrix is not None and not args.held_out:
+        parser.error("--confusion-matrix needs --held-out DIR: only held-out images have a true class to compare")
+    confusion = confusion_destination(args.output, args.held_out, args.confusion_matrix)
+    picture = confusion.with_suffix(".png") if confusion is not None and has_matplotlib() else None
+    check_outputs(args.output, confusion, picture, defaulted=args.confusion_matrix is None)  # before any work
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.held_out:
         model, name, meta = load_trained(args.weights, args.model, device)
@@ -96,7 +112,7 @@ def main(argv=None):
         labels, what = None, None
     classes = [shown(c) for c in meta["classes"]]
     scale_shift = normalization(meta["mean"], meta["std"], torch.uint8, device)  # float32 (C,) each
-    counts, unreadable, correct, start = Counter(), 0, 0, time.perf_counter()
+    counts, unreadable, truths, guesses, start = Counter(), 0, [], [], time.perf_counter()
     with csv_destination(args.output) as out, ThreadPoolExecutor(min(MAX_THREADS, available_cores())) as pool:
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["path", *(["label"] if labels is not None else []), "prediction", "probability", "top_k"])
@@ -120,15 +136,21 @@ def main(argv=None):
                     label = None if labels is None else classes[int(labels[index])]
                     writer.writerow(csv_row(path, row, classes, args.top_k, label))
                     counts[classes[int(row.argmax())]] += 1
-                    correct += label == classes[int(row.argmax())]
+                    if labels is not None:
+                        truths.append(int(labels[index]))
+                        guesses.append(int(row.argmax()))
         if not counts:  # no CSV of a header alone
             raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
-    summary = sys.stdout if args.output else sys.stderr
+    summary = summary_stream(args.output)
     report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
     if labels is not None:
-        total = sum(counts.values())
+        matrix = confusion_matrix(truths, guesses, len(classes))
+        correct, total = int(np.trace(matrix)), int(matrix.sum())
         print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}: training's validation accuracy of "
               "these weights", file=summary)
+        for line in per_class_lines(matrix, classes):
+            print(line, file=summary)
+        print(write_confusion(matrix, classes, confusion, picture, args.output), file=summary)
 
 
 def held_out_images(root, meta, weights):
@@ -169,12 +191,78 @@ def shown(path):
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def check_new_output(path):
-    """--output must name a new file in a folder that can be written: nothing a user wrote is
-    ever replaced."""
+def output_path(value):
+    """--output's value: ``-`` is stdout (None, as without --output), anything else a path."""
+    return None if value == "-" else Path(value)
+
+
+def is_stream(path):
+    """Whether ``path`` exists and is neither a regular file nor a folder: /dev/stdout, a FIFO,
+    a terminal, /dev/null. It holds nothing that writing could replace, so it is written to as
+    it is (and nothing is put beside it)."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
+def is_stdout(path):
+    """Whether ``path`` is the file stdout writes to (/dev/stdout, the terminal stdout is)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):  # stdout closed, or replaced by an object without a file (pytest's capsys)
+        return False
+
+
+def summary_stream(output):
+    """stderr when the CSV goes to stdout (no --output, --output -, /dev/stdout): the summary
+    must not end up among its rows; stdout otherwise."""
+    return sys.stderr if output is None or is_stdout(output) else sys.stdout
+
+
+def confusion_destination(output, held_out, given):
+    """Where the confusion matrix's CSV goes: --confusion-matrix, else beside an --output file
+    (OUTPUT_STEM-confusion.csv), else nowhere (only --held-out has true classes; stdout and
+    streams have no folder to put it in)."""
+    if given is not None or not held_out or output is None or is_stream(output):
+        return given
+    return output.with_name(f"{output.stem}-confusion.csv")
+
+
+def check_outputs(output, confusion, picture, defaulted):
+    """Every file predict.py will write, checked before any work: new files (nothing a user
+    wrote is ever replaced) in folders that can be written, no two of them the same; an
+    --output that is a stream (is_stream) must be writable."""
+    if output is not None and is_stream(output):
+        if not os.access(output, os.W_OK):
+            raise UserError(f"--output {shown(output)}: cannot write it (permission denied)")
+    elif output is not None:
+        check_new_output(output)
+    if confusion is None:
+        return
+    what = f"--confusion-matrix {shown(confusion)}"
+    if defaulted:  # a file the user did not name: say where its name came from
+        what += f" (the default, beside --output {shown(output)})"
+    if str(confusion) == "-":
+        raise UserError("--confusion-matrix needs a file name, not - (stdout)")
+    named = [("--output", output), (what, confusion), (f"the picture beside {what}", picture)]
+    named = [(flag, os.path.abspath(path)) for flag, path in named if path is not None]
+    for i, (flag, path) in enumerate(named):
+        for other, same in named[i + 1:]:
+            if path == same:
+                raise UserError(f"{other} and {flag} would be the same file ({shown(path)}); choose other names")
+    check_new_output(confusion, what, "--confusion-matrix")
+    if picture is not None:
+        check_new_output(picture, f"{shown(picture)}, the picture beside {what},", "--confusion-matrix")
+
+
+def check_new_output(path, what=None, flag="--output"):
+    """``path`` must name a new file in a folder that can be written: nothing a user wrote is
+    ever replaced. ``what``: how the error line names it (default: FLAG PATH)."""
+    what = what or f"{flag} {shown(path)}"
     if os.path.lexists(path):
-        raise UserError(f"--output {shown(path)} exists already; choose a new file name (nothing is overwritten)")
-    check_writable(path, "--output")
+        # /dev/stdout with stdout redirected to a file: that file, refused like any other; say how to get stdout
+        hint = ("; leave out --output (or give --output -) to write to stdout"
+                if flag == "--output" and is_stdout(path) else "")
+        raise UserError(f"{what} exists already; choose a new file name (nothing is overwritten){hint}")
+    check_writable(path, flag)
 
 
 def find_images(paths):
@@ -209,6 +297,12 @@ def load_trained(path, model_ref, device):
         raise UserError(f"--weights {shown(path)} does not record {', '.join(missing)} (a plain state_dict, saved "
                         "by other code?): predict.py needs weights saved by train.py --save-weights, or a checkpoint "
                         "of train.py")
+    classes = list(meta["classes"])
+    if len(classes) < 2:  # softmax over one class is 1.0 for every image: predictions that say nothing
+        names = f" ({', '.join(map(shown, classes))})" if classes else ""
+        raise UserError(f"--weights {shown(path)} were trained on {count(len(classes), 'class', 'classes')}{names}: "
+                        "a classifier needs at least two; train again on a folder of class folders (did --data-dir "
+                        "point one level too high?)")
     ref = model_ref or recorded_model(meta, path)
     if not ref:
         raise UserError(f"--weights {shown(path)} does not record its --model; pass --model FILE.py:NAME")
@@ -269,9 +363,9 @@ def csv_row(path, probs, classes, k, label=None):
 
 
 @contextmanager
-def csv_destination(output):
-    """stdout, or a temporary file beside ``output`` that becomes it when complete (never
-    half-written, never replacing a file that appeared meanwhile)."""
+def csv_destination(output, flag="--output"):
+    """stdout; ``output`` itself when it is a stream (is_stream: /dev/stdout, a FIFO); or a new
+    file, through new_file. ``flag`` names it in error lines."""
     if output is None:
         try:
             yield sys.stdout
@@ -280,22 +374,118 @@ def csv_destination(output):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise UserError("stdout was closed before every row was written (piped into head?)") from None
         return
+    if is_stream(output):  # nothing in it to replace, and no folder of files to put a temporary file in
+        try:
+            with open(output, "w", newline="", encoding="utf-8") as out:
+                yield out
+        except BrokenPipeError:  # the FIFO's reader went away
+            raise UserError(f"{flag} {shown(output)} was closed before every row was written") from None
+        return
+    with new_file(output, flag) as out:
+        yield out
+
+
+@contextmanager
+def new_file(output, flag, binary=False):
+    """A temporary file beside ``output``, open for writing, that becomes ``output`` when
+    complete (never half-written, never replacing a file that appeared meanwhile)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
     try:
-        with open(handle, "w", newline="", encoding="utf-8") as out:
+        with open(handle, "wb") if binary else open(handle, "w", newline="", encoding="utf-8") as out:
             yield out
             out.flush()
             os.fsync(out.fileno())
         try:
             os.link(tmp, output)  # fails if the file exists: no overwrite
         except FileExistsError:
-            raise UserError(f"--output {shown(output)} was created by something else meanwhile; not replaced") from None
+            raise UserError(f"{flag} {shown(output)} was created by something else meanwhile; not replaced") from None
         except OSError:  # a file system without hard links
             os.replace(tmp, output)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def confusion_matrix(truths, guesses, n_classes):
+    """int64 (n_classes, n_classes): row i, column j counts the images of true class i predicted
+    as class j (the diagonal: those predicted right)."""
+    truths, guesses = np.asarray(truths, dtype=np.int64), np.asarray(guesses, dtype=np.int64)
+    return np.bincount(truths * n_classes + guesses, minlength=n_classes * n_classes).reshape(n_classes, n_classes)
+
+
+def per_class_accuracy(matrix):
+    """(right, total) int64 (n_classes,) each, per true class, of a confusion_matrix."""
+    return np.diagonal(matrix).copy(), matrix.sum(axis=1)
+
+
+def per_class_lines(matrix, classes):
+    """'  cat: 0.9500 (19 of 20)' per class, in the classes' order; a class without images
+    says so (the folder had none of it, or none readable) instead of dividing by zero."""
+    right, total = per_class_accuracy(matrix)
+    return [f"  {name}: {r / t:.4f} ({r} of {t})" if t else f"  {name}: no images"
+            for name, r, t in zip(classes, right.tolist(), total.tolist())]
+
+
+def confusion_rows(matrix, classes):
+    """The CSV: a header 'true \\ predicted,CLASS1,...', then a row per true class: its name
+    and its counts per predicted class."""
+    return [["true \\ predicted", *classes], *([name, *row] for name, row in zip(classes, matrix.tolist()))]
+
+
+def has_matplotlib():
+    """Whether matplotlib imports (the confusion matrix's picture needs it; nothing else does)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_confusion(matrix, classes, path, picture, output):
+    """Write the confusion matrix to the new file ``path`` (CSV) and its picture to ``picture``
+    (None: matplotlib is missing); returns the summary's line saying what was written."""
+    if path is None:
+        went = "stdout" if output is None else shown(output)
+        return (f"Confusion matrix not written: the predictions went to {went}, with no file to put it beside; "
+                "pass --confusion-matrix FILE.csv to write it")
+    with csv_destination(path, "--confusion-matrix") as out:
+        csv.writer(out, lineterminator="\n").writerows(confusion_rows(matrix, classes))
+    if picture is None:
+        return (f"Confusion matrix (rows: true class, columns: predicted) written to {shown(path)}; its picture "
+                f"({shown(path.with_suffix('.png'))}) was not written: matplotlib is not installed (pip install "
+                "matplotlib)")
+    plot_confusion(matrix, classes, picture)
+    return (f"Confusion matrix (rows: true class, columns: predicted) written to {shown(path)} and, as a picture, "
+            f"{shown(picture)}")
+
+
+def plot_confusion(matrix, classes, path):
+    """A PNG of the confusion matrix at the new file ``path``: counts as colours and (up to
+    ANNOTATED_CLASSES classes) as numbers, true classes down, predicted across. matplotlib's
+    Agg canvas without pyplot: no display needed on a compute node, no backend switched for
+    the process, and matplotlib imported only when a picture is drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    n = len(classes)
+    side = min(MAX_FIGURE_INCHES, 3 + 0.4 * n)  # room for the names, then a cap: 1000 classes are colours alone
+    figure = Figure(figsize=(side + 1.5, side), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    image = axes.imshow(matrix, cmap="Blues", interpolation="nearest")
+    figure.colorbar(image, ax=axes, shrink=0.8, label="images").ax.yaxis.set_major_locator(
+        MaxNLocator(integer=True))  # counts: no 0.25 images
+    axes.set_xticks(range(n), classes, rotation=90, fontsize="small" if n > 10 else None)
+    axes.set_yticks(range(n), classes, fontsize="small" if n > 10 else None)
+    axes.set(xlabel="predicted class", ylabel="true class", title="Confusion matrix")
+    if n <= ANNOTATED_CLASSES:
+        dark = matrix.max() / 2  # white numbers on the darker cells
+        for (i, j), value in np.ndenumerate(matrix):
+            axes.text(j, i, str(value), ha="center", va="center", color="white" if value > dark else "black")
+    with new_file(path, "--confusion-matrix", binary=True) as out:
+        figure.savefig(out, format="png", dpi=FIGURE_DPI)
 
 
 def report(out, counts, unreadable, ignored, device, seconds, model_name, output):

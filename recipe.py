@@ -37,7 +37,9 @@ from engine.model_ema import ema_of_floats
 
 RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
 DEFAULT_WARMUP_EPOCHS = 2.0
-DEFAULT_EMA_DECAY, DEFAULT_EMA_STEPS = 0.99, 32  # --model-ema: a half-life of 2,207 steps, 11 CIFAR epochs at 256
+DEFAULT_EMA_STEPS = 32  # --model-ema: optimizer steps between updates of the average, the references'
+EMA_UPDATES = 100  # a run shorter than this many x DEFAULT_EMA_STEPS steps updates the average more often
+EMA_HALF_LIFE = 0.05  # --model-ema's default decay: the average's half-life is this fraction of the run's steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,43 +134,83 @@ def make_batch_transform(args, num_classes):
     return transform
 
 
-def make_model_ema(model, args, total_steps):
-    """--model-ema: torch.optim.swa_utils.AveragedModel, an exponential moving average of the
-    weights and buffers of ``model`` (the plain module, not its DDP wrapper), which the loop
-    updates with update_model_ema; None without the flag. Validation, checkpoints' weights and
-    --save-weights are then the average's, so a run of fewer than --model-ema-steps optimizer
-    steps (``total_steps``), which would never update it, is refused."""
+class EmaSchedule(NamedTuple):
+    """How --model-ema averages: the decay per update, the optimizer steps between updates, and
+    the half-life that follows (optimizer steps after which an update's weight has halved)."""
+    decay: float
+    every: int
+    half_life: float
+
+
+def ema_schedule(args, total_steps):
+    """The EmaSchedule of --model-ema in a run of ``total_steps`` optimizer steps, None without
+    it. --model-ema-decay and --model-ema-steps as given; by default an update every
+    DEFAULT_EMA_STEPS steps (more often in a short run, so that it gets EMA_UPDATES of them)
+    and the decay whose half-life is EMA_HALF_LIFE of the run: the average follows the run's
+    length, as the references' decay adjustment does, instead of remembering the first epochs
+    of a short run (a fixed 0.99 every 32 steps is 110 epochs of a folder of 800 photos)."""
     if not args.model_ema:
         return None
-    if total_steps < args.model_ema_steps:
-        raise UserError(f"--model-ema-steps {args.model_ema_steps} is more than this run's {total_steps} optimizer "
-                        "steps: the average would keep the initial weights; give fewer --model-ema-steps")
-    return AveragedModel(model, multi_avg_fn=ema_of_floats(args.model_ema_decay), use_buffers=True)
+    every = args.model_ema_steps or max(1, min(DEFAULT_EMA_STEPS, total_steps // EMA_UPDATES))
+    if total_steps < every:
+        raise UserError(f"--model-ema-steps {every} is more than this run's {total_steps} optimizer steps: the "
+                        "average would keep the initial weights; give fewer --model-ema-steps")
+    decay = args.model_ema_decay
+    if decay is None:
+        decay = 0.5 ** (every / max(EMA_HALF_LIFE * total_steps, every))
+    return EmaSchedule(decay, every, math.log(0.5) / math.log(decay) * every)
+
+
+def make_model_ema(model, schedule):
+    """--model-ema: torch.optim.swa_utils.AveragedModel, an exponential moving average of the
+    weights and buffers of ``model`` (the plain module, not its DDP wrapper) with the decay of
+    ``schedule`` (ema_schedule's), which the loop updates with update_model_ema; None without.
+    Each epoch validates both the model and the average; --save-weights keeps the better."""
+    if schedule is None:
+        return None
+    return AveragedModel(model, multi_avg_fn=ema_of_floats(schedule.decay), use_buffers=True)
 
 
 # Named in the start-up block and in the metrics when on:
 BATCH_SETTINGS = ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha", "clip_grad_norm")
 
 
-def describe_regularization(args, steps_per_epoch):
+def describe_regularization(args, steps_per_epoch, ema=None):
     """The start-up block's words for the batch-level settings that are on ('' for none), with
-    the model EMA's half-life derived once, in optimizer steps and epochs."""
+    the model EMA's schedule ``ema`` (ema_schedule's) and its half-life in steps and epochs."""
     parts = [f"--{name.replace('_', '-')} {value if isinstance(value, str) else f'{value:g}'}"
-             for name, value in batch_settings(args).items() if not name.startswith("model_ema")]
-    if args.model_ema:
-        half = math.log(0.5) / math.log(args.model_ema_decay) * args.model_ema_steps  # optimizer steps
-        parts.append(f"model EMA (decay {args.model_ema_decay:g} every {args.model_ema_steps} steps: half-life "
-                     f"{half:,.0f} steps, {half / steps_per_epoch:.1f} epochs; validation, checkpoints' weights and "
-                     "--save-weights are the average's)")
+             for name, value in batch_settings(args).items()]
+    if ema:
+        run = ema.half_life / (steps_per_epoch * args.epochs)  # EMA_HALF_LIFE, or more in a very short run
+        chosen = "" if args.model_ema_decay is not None else f", {run:.0%} of the run (the default)"
+        parts.append(f"model EMA (decay {ema.decay:.6g} every {count_steps(ema.every)}: half-life "
+                     f"{count_steps(round(ema.half_life))}{chosen}, {ema.half_life / steps_per_epoch:.1f} epochs; "
+                     "each epoch validates the model and the average, --save-weights keeps the better)")
     return ", ".join(parts)
 
 
-def batch_settings(args):
-    """{flag: value} of the batch-level settings that are on: the start-up block's
-    "Regularization" line and a field of every metrics record."""
+def ema_warning(args, ema, total_steps):
+    """[one warning line] when the average's half-life is longer than the run (``total_steps``
+    optimizer steps): it would hold mostly the weights of the run's start. Else []."""
+    if not ema or ema.half_life <= total_steps:
+        return []
+    return [f"WARNING: the model EMA's half-life ({count_steps(round(ema.half_life))}) is longer than this run's "
+            f"{count_steps(total_steps)}: the average would be mostly the early weights; lower --model-ema-decay "
+            f"(now {ema.decay:g}) or --model-ema-steps (now {ema.every}), or leave both out for a half-life of "
+            f"{EMA_HALF_LIFE:.0%} of the run"]
+
+
+def count_steps(n):
+    return f"{n:,} step" if n == 1 else f"{n:,} steps"
+
+
+def batch_settings(args, ema=None):
+    """{flag: value} of the batch-level settings that are on, with the model EMA's decay and
+    steps of ``ema`` (ema_schedule's): the start-up block's "Regularization" line and a field of
+    every metrics record."""
     settings = {name: getattr(args, name) for name in BATCH_SETTINGS if getattr(args, name)}
-    if args.model_ema:
-        settings.update(model_ema_decay=args.model_ema_decay, model_ema_steps=args.model_ema_steps)
+    if ema:
+        settings.update(model_ema_decay=ema.decay, model_ema_steps=ema.every)
     return settings
 
 
@@ -382,15 +424,16 @@ def add_arguments(parser):
                              "step (after unscaling under --precision fp16); default: no clipping")
     recipe.add_argument("--model-ema", action="store_true",
                         help="keep an exponential moving average of the weights (torch.optim.swa_utils."
-                             "AveragedModel, as the references): validation, checkpoints' weights and --save-weights "
-                             "are the average's")
+                             "AveragedModel, as the references): each epoch validates the model and the average, "
+                             "--save-weights keeps the better of the two")
     recipe.add_argument("--model-ema-decay", metavar="DECAY", type=below_one, default=None,
-                        help=f"--model-ema: the average keeps DECAY of itself at each update (default "
-                             f"{DEFAULT_EMA_DECAY:g}; the start-up block gives the half-life in steps and epochs)")
+                        help=f"--model-ema: the average keeps DECAY of itself at each update (default: the decay "
+                             f"whose half-life is {EMA_HALF_LIFE:.0%}% of the run's optimizer steps; the start-up "
+                             "block gives it, and the half-life in steps and epochs)")
     recipe.add_argument("--model-ema-steps", metavar="STEPS", type=positive_int, default=None,
                         help=f"--model-ema: optimizer steps between updates of the average (default "
-                             f"{DEFAULT_EMA_STEPS}, the references'; each update waits for the GPU once: "
-                             "AveragedModel reads its count)")
+                             f"{DEFAULT_EMA_STEPS}, the references', or fewer so that a short run gets {EMA_UPDATES} "
+                             "updates; each update waits for the GPU once: AveragedModel reads its count)")
 
 
 def add_augment_argument(group):
@@ -421,9 +464,7 @@ def check_arguments(args, error):
                 error(f"--{flag} applies to --optimizer sgd, not {args.optimizer}")
     args.base_lr = choice.base_lr if args.base_lr is None else args.base_lr
     args.weight_decay = choice.weight_decay if args.weight_decay is None else args.weight_decay
-    if args.model_ema:
-        args.model_ema_decay = DEFAULT_EMA_DECAY if args.model_ema_decay is None else args.model_ema_decay
-        args.model_ema_steps = args.model_ema_steps or DEFAULT_EMA_STEPS
+    if args.model_ema:  # the defaults follow the run's length: ema_schedule derives them
         if args.model_ema_decay == 0:
             error("--model-ema-decay 0 keeps nothing of the average: give a decay between 0 and 1, or drop --model-ema")
     else:

@@ -35,7 +35,8 @@ from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, ch
                                 load_agreed_checkpoint, new_run_id, restore)
 from engine.errors import RunAborted, UserError
 from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
-                        describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp)
+                        describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp,
+                        validated, validated_ema, which_weights)
 from engine.device_loader import batch_temporaries, choose_loader
 from engine.finetune import finetune
 from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
@@ -81,7 +82,10 @@ def fit(task, args, ctx):
                     raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
             final = run.checkpointer.save(run, state) if run.checkpointer.directory else None  # no-op when just written
     if reached():
-        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}.")
+        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}"
+                     + (f" of {args.epochs} (--target-accuracy {args.target_accuracy:g} for --patience "
+                        f"{args.patience}; the LR schedule had not finished: LR {state.records[-1]['lr']:.3g}; "
+                        "--target-accuracy off trains all --epochs)" if state.epoch - 1 < args.epochs else "") + ".")
     for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
                           task.data.held_out):
         run.log.info(line)
@@ -90,20 +94,24 @@ def fit(task, args, ctx):
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in {spent:.1f}s "
                      f"({100 * spent / wall:.1f}% of this run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
-        run.log.info(from_rank0(lambda: save_trained_weights(run.evaluated, args.save_weights, run.weights_metadata(),
-                                                             final), ctx.control_group))
+        last = state.records[-1] if state.records else None
+        line = from_rank0(lambda: save_trained_weights(run.trained(last), args.save_weights,
+                                                       run.weights_metadata(last), final), ctx.control_group)
+        run.log.info(line + which_weights(last))
     return state.records
 
 
 def evaluate_once(run, test_loader):
     start = time.perf_counter()
-    result = evaluate(run, test_loader)  # ends in a host sync (the all-reduced sums)
-    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_samples": result.samples,
+    result = evaluate(run, run.module, test_loader)  # ends in a host sync (the all-reduced sums)
+    record = {"epoch": 0, "val_loss": result.loss, "val_accuracy": result.accuracy, "val_top5": result.top5,
+              "val_samples": result.samples,
               "eval_time_s": time.perf_counter() - start, "world_size": run.ctx.world_size,
               "precision": run.precision.name, "weights": str(run.args.weights),
               "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     run.log.record(record)
-    run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f} "
+    top5 = f", Top-5={result.top5:.4f}" if result.top5 is not None else ""
+    run.log.info(f"{timestamp()} Evaluation: Loss={result.loss:.4f}, Accuracy={result.accuracy:.4f}{top5} "
                  f"{accuracy_scope(record, len(test_loader.dataset), run.task.data.held_out)}")
     return record
 
@@ -144,16 +152,23 @@ def run_epoch(run, state, rng_state=None):
         if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(train_loader), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
-    for model in dict.fromkeys((run.module, run.evaluated)):  # evaluate exactly the model rank 0 holds (and saves)
+    models = [run.module, *([run.ema.module] if run.ema else [])]  # the model, and its --model-ema average
+    for model in models:  # evaluate exactly the models rank 0 holds (and saves)
         broadcast_buffers(model)
-    result = evaluate(run, run.task.test_loader, f"Evaluation after epoch {state.epoch}")
+    label = f"Evaluation after epoch {state.epoch}"
+    result, *average = (evaluate(run, model, run.task.test_loader, label if model is run.module else f"{label} (EMA)")
+                        for model in models)
     record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device))
+                          time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device),
+                          average[0] if average else None)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
-    state.history.append(result.accuracy)
+    best = max(state.history, default=-1.0)
+    state.history.append(validated(record))  # early stopping, like --save-weights, goes by the better of the two
     state.records.append(record)
     state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
+    if run.checkpointer.directory and state.history[-1] > best:  # timm's model_best: the best epoch's weights
+        run.checkpointer.save_best(run.trained(record), run.weights_metadata(record))
     if run.checkpointer.due():
         run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
@@ -216,9 +231,9 @@ def train_steps(run, batches, state):
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
-        if run.ema:  # recipe.py's model EMA, every --model-ema-steps optimizer steps; copies during the warm-up
+        if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
-            update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.args.model_ema_steps)
+            update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
         books.add(loss, y.size(0), step)
         state.step = step
         run.monitor.step(state.epoch, step)
@@ -237,16 +252,18 @@ def train_steps(run, batches, state):
 
 
 @torch.no_grad()
-def evaluate(run, loader, label="Evaluation"):
-    """Accuracy and loss over this rank's shard of the test set, summed over all ranks.
+def evaluate(run, model, loader, label="Evaluation"):
+    """Accuracy (top-1, and top-5 with more than 5 classes) and loss of ``model`` over this
+    rank's shard of the test set, summed over all ranks.
 
-    Runs the unwrapped, uncompiled model (or its --model-ema average): a DDP forward may
-    broadcast buffers, a collective that would hang when the shards have different numbers of
-    batches.
+    ``model`` is unwrapped and uncompiled (run.module, or the --model-ema average): a DDP
+    forward may broadcast buffers, a collective that would hang when the shards have different
+    numbers of batches.
     """
-    model, device, precision = run.evaluated, run.ctx.device, run.precision
+    device, precision = run.ctx.device, run.precision
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # [correct, loss sum, images]
+    top5 = len(run.task.data.classes) > 5
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # [correct, loss sum, images, top-5 correct]
     count = 0  # images, on the host too: for progress lines
     batches = min(len(loader), run.args.limit_batches or len(loader))
     progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
@@ -263,11 +280,14 @@ def evaluate(run, loader, label="Evaluation"):
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums[:2] += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         sums[2] += y.size(0)  # no host-to-device copy, no sync
+        if top5:
+            sums[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(dim=1).sum()
         count += y.size(0)
         # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
         progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
     progress.close()
-    return eval_summary(*all_reduce(sums).tolist())  # the one host sync of an evaluation
+    correct, loss_sum, images, top5_correct = all_reduce(sums).tolist()  # the one host sync of an evaluation
+    return eval_summary(correct, loss_sum, images, top5_correct if top5 else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,10 +305,12 @@ def parse_args(description, argv=None):
 def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device, the
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
+    normalization = {}  # a resumed run's own, as its checkpoints record it
     if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
-        from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()), ctx.control_group)
+        normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()),
+                                   ctx.control_group)
     loader, reason = dali_choice(args, ctx.device, ctx.control_group)  # (None, None) but for DALI
-    train_set, test_set, data = build_data(args, ctx, listed=loader == "dali")
+    train_set, test_set, data = build_data(args, ctx, listed=loader == "dali", normalization=normalization)
     layout = memory_format(args.channels_last, ctx.device)
     model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
@@ -340,17 +362,20 @@ class Run:
     monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
     mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
+    ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
-    @property
-    def evaluated(self):
-        """The model that validation evaluates and --save-weights writes: the average with --model-ema."""
-        return self.ema.module if self.ema else self.module
+    def trained(self, record=None):
+        """The weights --save-weights and model_best.pt keep: the --model-ema average when it
+        validated better than the model in ``record`` (an epoch's metrics), else the model."""
+        return self.ema.module if self.ema and validated_ema(record) else self.module
 
-    def weights_metadata(self):
-        """What the evaluated weights were trained on, and (--model-ema) that they are an average."""
-        ema = {"model_ema": recipe.batch_settings(self.args)} if self.ema else {}
-        return {**self.task.weights_metadata(), **ema}
+    def weights_metadata(self, record=None):
+        """What the weights ``trained(record)`` are trained on, that they are the average (with
+        its settings) when they are, and how they validated."""
+        ema = {"model_ema": self.regularization} if self.ema and validated_ema(record) else {}
+        scores = {"val_accuracy": validated(record), "epoch": record["epoch"]} if record else {}
+        return {**self.task.weights_metadata(), **ema, **scores}
 
 
 def prepare_run(task, args, ctx, continuing=False, clock=None):
@@ -363,6 +388,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(task.train_loader.dataset)} training images give no full batch of "
                         f"{task.train_loader.batch_size} per process; lower --batch-size")
+    ema_schedule = None if args.eval_only else recipe.ema_schedule(args, args.epochs * steps)  # --model-ema's
     module = unwrap(task.model)
     optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
     prefill_momentum(optimizer)
@@ -372,8 +398,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
                                 describe_optimizer(optimizer), describe_loss(loss_fn),
-                                recipe.describe_regularization(args, steps)))
-    for line in header:
+                                recipe.describe_regularization(args, steps, ema_schedule)))
+    for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps)]:
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):
@@ -383,7 +409,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
-    ema = None if args.eval_only else recipe.make_model_ema(module, args, args.epochs * steps)
+    ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
         state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor)
     else:
@@ -400,7 +426,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
                                continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
-              regularization=recipe.batch_settings(args))
+              ema_every=ema_schedule.every if ema_schedule else 0,
+              regularization=recipe.batch_settings(args, ema_schedule))
     return run, state, rng_state
 
 
@@ -445,6 +472,6 @@ def unwrap(model):
 # Small pure pieces.
 
 def target_reached(history, target, patience):
-    """True when the last ``patience`` validation accuracies are all >= ``target``."""
-    return len(history) >= patience and all(acc >= target for acc in history[-patience:])
+    """True when the last ``patience`` validation accuracies are all >= ``target`` (None: never)."""
+    return target is not None and len(history) >= patience and all(acc >= target for acc in history[-patience:])
 

@@ -27,12 +27,13 @@ from engine.files import atomic_save
 from engine.folder_lock import FolderLock
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
-from engine.weights import MODEL_EMA, check_weights_target, with_model_file
+from engine.weights import MODEL_EMA, check_weights_target, save_weights, with_model_file
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 
 
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
+BEST_WEIGHTS = "model_best.pt"  # the weights of the run's best epoch so far (timm's model_best), a weights file
 
 
 @dataclass
@@ -81,6 +82,9 @@ def continues_run(directory, resume):
         raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of another run (newest: "
                         f"{existing[0].name}); continue that run with --resume, or give this run another "
                         "--checkpoint-dir")
+    if directory and (Path(directory) / BEST_WEIGHTS).exists():  # its checkpoints gone, its best weights not
+        raise UserError(f"--checkpoint-dir {directory} holds {BEST_WEIGHTS}, another run's best weights: move them "
+                        "elsewhere, or give this run another --checkpoint-dir")
     return False
 
 
@@ -103,8 +107,8 @@ def claimed_folder(directory, resume, ctx, weights=None):
         yield from_rank0(claim, ctx.control_group)
 
 
-def read_checkpoint(path, device):
-    checkpoint = torch.load(path, map_location=device, weights_only=True)
+def read_checkpoint(path, device, mmap=False):
+    checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ValueError("not a checkpoint of these scripts")
     return checkpoint
@@ -210,7 +214,7 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
 def check_resume_flags(saved, args, recipe_flags):
     """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
     filled in): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
-    may grow but not shrink. Cheap enough to run before any data is read (newest_flags)."""
+    may grow but not shrink. Cheap enough to run before any data is read (newest_checkpoint)."""
     changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(getattr(args, name))})"
                for name in recipe_flags if saved.get(name) != getattr(args, name)]
     if args.epochs < saved["epochs"]:
@@ -234,19 +238,24 @@ def as_typed(value):
 def check_newest_flags(directory, args, defaults, recipe_flags):
     """--resume, before any data is read or decoded: check_resume_flags of the newest
     checkpoint in ``directory`` that reads (``defaults``: every flag's, for a checkpoint older
-    than a flag); nothing to check when none reads. Call on global rank 0."""
-    saved = newest_flags(directory)
-    if saved is not None:
-        check_resume_flags({**defaults, **saved}, args, recipe_flags)
+    than a flag); nothing to check when none reads. Returns the normalization, {"mean": (C,),
+    "std": (C,)}, that the run trained with ({} when none is recorded): the resumed run keeps it,
+    whatever its loader would measure. Call on global rank 0."""
+    saved = newest_checkpoint(directory)
+    if saved is None:
+        return {}
+    check_resume_flags({**defaults, **saved["args"]}, args, recipe_flags)
+    task = saved.get("task") or {}
+    return {key: tuple(task[key]) for key in ("mean", "std") if key in task}
 
 
-def newest_flags(directory):
-    """The flags of the newest checkpoint in ``directory`` that reads (memory-mapped: its tensors
-    are not read), or None. For the early check of a resume; choose_checkpoint, later, sets
-    aside the unreadable ones and says so."""
+def newest_checkpoint(directory):
+    """The newest checkpoint in ``directory`` that reads, memory-mapped (its tensors are not
+    read), or None. For the early check of a resume; choose_checkpoint, later, sets aside the
+    unreadable ones and says so."""
     for path in checkpoint_paths(directory):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["args"]
+            return read_checkpoint(path, "cpu", mmap=True)
         except Exception:  # unreadable, or not a checkpoint: choose_checkpoint's to report
             continue
     return None
@@ -320,6 +329,8 @@ class Checkpointer:
         if step == self.last_step:
             return path
         start = time.perf_counter()
+        last = state.records[-1] if state.records else None
+        trained = MODEL_EMA if run.trained(last) is not run.module else "model"  # what a weights file reads of it
         kept = [name for name in state.checkpoints if name != path.name] + [path.name]
         state.checkpoints, pruned = kept[-KEEP_CHECKPOINTS:], kept[:-KEEP_CHECKPOINTS]
 
@@ -330,7 +341,8 @@ class Checkpointer:
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
-                             "task": with_model_file(run.weights_metadata(), path), "world_size": run.ctx.world_size,
+                             "task": with_model_file(run.weights_metadata(last), path), "trained": trained,
+                             "world_size": run.ctx.world_size,
                              **({MODEL_EMA: run.ema.module.state_dict(), "model_ema_updates": int(run.ema.n_averaged)}
                                 if run.ema else {})}, path, "checkpoint")
             except ResourceProblem as err:
@@ -353,5 +365,17 @@ class Checkpointer:
                       "stop checkpoint may be cut (the previous one is kept): stop with --stop-file, which the "
                       "job scripts use, or give --checkpoint-dir a faster disk")
         return path
+
+    def save_best(self, model, metadata):
+        """Write ``model``'s weights to BEST_WEIGHTS in the folder, replacing the run's own earlier
+        best (global rank 0, atomically; every rank waits). One that cannot be written (a full
+        disk) is a warning: the run goes on, its checkpoints are what a resume needs."""
+        def write():
+            try:
+                save_weights(model, self.directory / BEST_WEIGHTS, metadata, BEST_WEIGHTS)
+            except ResourceProblem as err:
+                self.warn(f"WARNING: {err}; the best epoch's weights are not kept, training goes on")
+
+        from_rank0(write, self.ctx.control_group)
 
 

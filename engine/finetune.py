@@ -1,7 +1,8 @@
 """--finetune: start from weights trained for something else, typically an ImageNet network
 for your own classes. Every tensor whose name and shape fit is loaded; the rest (the new
 classifier head) keeps its fresh initialization. Only the last layers may be new: weights
-that differ earlier belong to another network, and are refused in one line.
+that differ earlier belong to another network, and are refused in one line, as is a file of
+which more is left unused than a new head explains (a deeper network of the same family).
 --freeze-backbone then trains only the new layers.
 """
 
@@ -9,6 +10,11 @@ from typing import NamedTuple
 
 from engine.errors import UserError
 from engine.weights import read_weights
+
+# The file's tensors left unused beyond those a new head explains (as many as the model's new
+# ones): more than this fraction of the file is another network, resnet34's weights for a resnet18
+# say (96 of 218 tensors unused), whose first layers fit by name and shape alone.
+MAX_UNUSED = 0.1
 
 
 class Finetuned(NamedTuple):
@@ -47,6 +53,12 @@ def load_fitting(model, path, model_name, num_classes):
                         f"{_shape(saved.get(early[0]))} there, {_shape(own[early[0]])} here"
                         + (f" (and {len(early) - 1} more)" if len(early) > 1 else "")
                         + ": weights of another --model?")
+    unused = [name for name in saved if name not in fits]  # no place in the model, or another shape
+    if len(unused) > max(len(new), MAX_UNUSED * len(saved)):
+        share = len(fits) / len(saved)
+        raise UserError(f"--finetune {path}: only {len(fits)} of its {len(saved)} tensors ({share:.0%}) fit "
+                        f"{model_name}, and {len(unused)} have no place in it (e.g. {unused[0]}): the weights of "
+                        "another network (another depth or width?); use weights of the --model you train")
     model.load_state_dict({name: saved[name] for name in fits}, strict=False)
     ignored = tuple(name for name in saved if name not in own)
     return Finetuned(tuple(fits), tuple(new), ignored, _note(path, fits, new, saved, own, num_classes, ignored))

@@ -89,12 +89,34 @@ below_one = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 open_fraction = _checked(float, lambda v: 0 < v < 1, "a number between 0 and 1 (exclusive)")
 
 
+GUIDE_TARGET_ACCURACY = 0.95  # the guide's early stop, the default on its data sets
+TARGET_OFF = "off"
+
+
+def target_accuracy(text):
+    """--target-accuracy: a fraction, or 'off'."""
+    return TARGET_OFF if text.lower() == TARGET_OFF else fraction(text)
+
+
 def plugin_ref(text):
-    """FILE.py:NAME or module:NAME, checked for form only (engine/plugins.py imports it)."""
+    """FILE.py:NAME or module:NAME, checked for form only (engine/plugins.py imports it). A
+    file without :NAME, or a torchvision model's name alone (resnet18), is told the form it
+    was meant as."""
     source, _, name = text.rpartition(":")
-    if not source or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r} is not FILE.py:NAME or module:NAME")
-    return text
+    if source and name.isidentifier():
+        return text
+    hint = ""
+    if text.removesuffix(":").endswith(".py"):
+        hint = f"; add the class or function in it after a colon: {text.removesuffix(':')}:NAME"
+    elif text.isidentifier():
+        try:  # only here: importing torchvision takes seconds, and a command line that parses needs none of it
+            import torchvision.models
+            builders = {n.lower(): n for n in torchvision.models.list_models(module=torchvision.models)}
+        except ImportError:
+            builders = {}
+        if text.lower() in builders:
+            hint = f"; did you mean torchvision.models:{builders[text.lower()]}?"
+    raise argparse.ArgumentTypeError(f"{text!r} is not FILE.py:NAME or module:NAME{hint}")
 
 
 def dataset_name(text):
@@ -106,10 +128,15 @@ def dataset_name(text):
 
 
 def image_size(text):
-    """'64' -> (64, 64); '48x64' -> (48, 64): (height, width) in pixels."""
+    """'64' -> (64, 64); '48x64' -> (48, 64): (height, width) in pixels. Under 8 pixels a
+    side is refused: a few pixels hold no shapes to learn, and the networks' strides and pools
+    shrink them to nothing."""
     parts = text.lower().split("x")
     if len(parts) in (1, 2) and all(p.isdigit() and int(p) > 0 for p in parts):
         height, width = (int(parts[0]), int(parts[-1]))
+        if min(height, width) < 8:
+            raise argparse.ArgumentTypeError(f"{text!r} is too small to learn from (under 8 pixels a side); use "
+                                             "--image-size 32 or more for photos")
         return height, width
     raise argparse.ArgumentTypeError(f"{text!r} is not a size in pixels (N or HxW, e.g. 64 or 48x64)")
 
@@ -160,9 +187,12 @@ def build_parser(description, add_recipe_arguments):
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
                       help="maximum number of passes over the training set")
-    stop.add_argument("--target-accuracy", metavar="FRACTION", type=fraction, default=0.95,
-                      help="stop early once validation accuracy (fraction 0-1) has been at or above "
-                           "this for --patience consecutive epochs")
+    stop.add_argument("--target-accuracy", metavar="FRACTION", type=target_accuracy, default=None,
+                      help="stop early once validation accuracy (fraction 0-1; with --model-ema the better of the "
+                           "model's and the average's) has been at or above this for --patience consecutive epochs; "
+                           f"off = train all --epochs. Default: the guide's {GUIDE_TARGET_ACCURACY:g} on its data "
+                           "sets; off on your own data (an image folder, FILE.py:NAME), which runs to --epochs as "
+                           "torchvision's references and timm do")
     stop.add_argument("--patience", metavar="EPOCHS", type=positive_int, default=2,
                       help="consecutive epochs (count) at or above --target-accuracy before stopping")
 
@@ -299,6 +329,9 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
+    if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
+        args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
+    args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy
     if args.synthetic and args.dataset not in DATASETS:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
     if not args.profile_dir:
@@ -334,6 +367,11 @@ def adopt_trained_settings(args, given, saved, error):
     --seed) when evaluating on the folder it was held out of. A given flag that contradicts W
     is one line: it would evaluate other images, or these otherwise than validation did."""
     trained, path = saved.metadata, args.weights
+    classes = trained.get("classes")
+    if classes is not None and len(classes) < 2:  # trained to 100% on a task of one answer
+        raise UserError(f"--weights {path} were trained on {len(classes)} class ({', '.join(map(str, classes))}): a "
+                        "classifier needs at least two; train again on a folder of class folders (did --data-dir "
+                        "name the folder that holds them?)")
     if "model" not in given and trained.get("model"):
         args.model = recorded_model(trained, path)
     dataset = trained.get("dataset")

@@ -124,6 +124,18 @@ def class_files(folder, extensions):
     return images, others
 
 
+def one_class(folder, name):
+    """The line for ``folder`` holding a single class folder ``name``: a classifier needs two.
+    Most often --data-dir is one level too high (it names a folder that holds the folder of
+    class folders), and then the line names the folder meant."""
+    inner = folder / name
+    nested = [p.name for p in inner.iterdir() if p.is_dir() and _visible(p)]
+    meant = len(nested) >= 2 or any(n in names for n in nested for names in SPLIT_FOLDERS.values())
+    return (f"{folder} holds 1 class folder ({name}): a classifier needs at least two; "
+            + (f"did you mean --data-dir {inner}?" if meant else
+               f"add a folder of images for each other class ({folder}/CLASS/IMAGE)"))
+
+
 def _scan(root, held_out):
     if not root.is_dir():
         raise DatasetError(f"--data-dir {root}: no such folder")
@@ -151,6 +163,8 @@ def _scan(root, held_out):
             raise DatasetError(f"{folder} holds no image files in its class folders")
         splits[split] = (files, np.asarray(labels, dtype=np.int64))
         ignored += strays
+    if len(classes) == 1:  # trains to 100% on a task of one answer: never what was meant
+        raise DatasetError(one_class(folders["train"], classes[0]))
     return Scanned(tuple(classes), splits, ignored, layout)
 
 

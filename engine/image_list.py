@@ -168,10 +168,12 @@ def read_list(target, root):
     except (OSError, ValueError) as err:
         raise DatasetError(f"cannot read the image list {target} ({type(err).__name__}: {err}); every node must see "
                            "the same --cache-dir, on a shared file system", same_on_every_rank=False) from None
-    root = Path(root).expanduser().resolve()
+    given, root = Path(root).expanduser(), Path(root).expanduser().resolve()
     splits = {split: ([str(root / name) for name in part["files"]], np.asarray(part["labels"], dtype=np.int64))
               for split, part in listed["splits"].items()}
-    errors = {split: [Unreadable(root / name, ValueError(reason)) for name, reason in errs]
+    # Named within --data-dir as it was given (d/train/cat/1.jpg), as the cache's notes name them:
+    # DALI reads the absolute paths, but people look for the files where they said they are.
+    errors = {split: [Unreadable(given / name, ValueError(reason)) for name, reason in errs]
               for split, errs in listed["skipped"].items()}
     stats = FolderStats(tuple(listed["stats"]["common_size"]), listed["stats"]["sizes"],
                         listed["stats"]["median_short_side"])

@@ -186,6 +186,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
         f"{args.lr_schedule}",
         *([f"Regularization: {regularization}"] if regularization else []),
+        describe_length(args.epochs, args.target_accuracy, args.patience),
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
           if args.warmup_epochs > args.epochs else []),
@@ -196,6 +197,15 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                         if args.checkpoint_interval else "after every epoch")
                      + ", on a stop request and at the end")
     return lines
+
+
+def describe_length(epochs, target, patience):
+    """The start-up block's line on when the run ends: at --epochs, or at the guide's early stop."""
+    if target is None:
+        return f"Length: {count(epochs, 'epoch', 'epochs')} (no early stop: --target-accuracy off)"
+    return (f"Length: {count(epochs, 'epoch', 'epochs')}, or fewer: early stop once validation accuracy is at least "
+            f"{target:g} for {count(patience, 'epoch', 'epochs')} in a row (--target-accuracy, --patience; "
+            "--target-accuracy off trains them all)")
 
 
 def per_process(batch, accumulate):
@@ -282,13 +292,16 @@ def describe_weights(args, continuing=False, note=""):
     return f"random initialization (--seed {args.seed})"
 
 
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib):
+def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
     """One line of --metrics-file. Times in seconds; throughput counts training images
     actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
     what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
-    whether the profiler recorded in it); ``peak_gib``: this GPU's peak memory (None on the CPU)."""
+    whether the profiler recorded in it); ``peak_gib``: this GPU's peak memory (None on the CPU);
+    ``average``: the --model-ema average's evaluation beside the model's ``result`` (None: none)."""
+    ema = ({"ema_val_loss": average.loss, "ema_val_accuracy": average.accuracy, "ema_val_top5": average.top5}
+           if average else {})
     return {"epoch": state.epoch, "train_loss": train_loss, "val_loss": result.loss,
-            "val_accuracy": result.accuracy, "val_samples": result.samples,
+            "val_accuracy": result.accuracy, "val_top5": result.top5, **ema, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
             "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
@@ -309,10 +322,49 @@ def epoch_line(record, epochs, elapsed_s, eta_s):
     peak = record.get("peak_memory_gib")
     return (f"{timestamp()} Epoch {record['epoch']}/{epochs}: Time={record['epoch_time_s']:.3f}s, "
             f"Train Loss={record['train_loss']:.4f}, Val Loss={record['val_loss']:.4f}, "
-            f"Val Accuracy={record['val_accuracy']:.4f}, Throughput={record['images_per_sec']:.1f} img/s, "
+            f"Val Accuracy={record['val_accuracy']:.4f}{scores(record)}, "
+            f"Throughput={record['images_per_sec']:.1f} img/s, "
             f"LR={record['lr']:.5g}, Eval={record['eval_time_s']:.1f}s"
             + (f", Peak memory={peak:.1f} GiB" if peak is not None else "")
             + f" | elapsed {duration(elapsed_s)}, ETA {duration(eta_s)}")
+
+
+def scores(record):
+    """What the epoch line adds to the guide's Val Accuracy: ', Top-5=0.9812' (more than 5
+    classes) and ', EMA Accuracy=0.9120' (--model-ema's average); '' for neither."""
+    top5, ema = record.get("val_top5"), record.get("ema_val_accuracy")
+    return (f", Top-5={top5:.4f}" if top5 is not None else "") + (f", EMA Accuracy={ema:.4f}" if ema is not None
+                                                                  else "")
+
+
+def validated(record):
+    """An epoch's validation accuracy: the better of the model's and its --model-ema average's."""
+    return max(record["val_accuracy"], record.get("ema_val_accuracy") or -1.0)
+
+
+def validated_ema(record):
+    """Whether the --model-ema average validated better than the model in ``record`` (None: no record)."""
+    return bool(record) and record.get("ema_val_accuracy") is not None and (
+        record["ema_val_accuracy"] > record["val_accuracy"])
+
+
+def which_weights(record):
+    """' (the EMA average: ...)' after the weights line, when the run kept one; else ''."""
+    if not record or record.get("ema_val_accuracy") is None:
+        return ""
+    ema, model = record["ema_val_accuracy"], record["val_accuracy"]
+    return (f" (the model's EMA average, which validated better: {ema:.4f} against the model's {model:.4f})"
+            if validated_ema(record) else
+            f" (the model, which validated at least as well as its EMA average: {model:.4f} against {ema:.4f})")
+
+
+def more_scores(record):
+    """[the summary's line of top-5 and --model-ema accuracy] of the final epoch's ``record``, or []."""
+    top5, ema, ema_top5 = record.get("val_top5"), record.get("ema_val_accuracy"), record.get("ema_val_top5")
+    parts = ([f"Top-5 Accuracy: {top5:.4f}"] if top5 is not None else []) + (
+        [f"EMA average: Accuracy {ema:.4f}" + (f", Top-5 {ema_top5:.4f}" if ema_top5 is not None else "")]
+        if ema is not None else [])
+    return ["; ".join(parts)] if parts else []
 
 
 def throughput(records):
@@ -338,12 +390,14 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False, held_out
     if not records:
         return []
     last = records[-1]
-    best = max(records, key=lambda r: r["val_accuracy"])
+    best = max(records, key=validated)
     accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
     train_s = sum(r["epoch_time_s"] for r in records)
     eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
+    of_best = ", the EMA average's" if validated_ema(best) else ""
     lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
-             f"{accuracy_scope(last, test_size, held_out)} (best {best['val_accuracy']:.4f} at epoch {best['epoch']})",
+             f"{accuracy_scope(last, test_size, held_out)} (best {validated(best):.4f} at epoch {best['epoch']}"
+             f"{of_best})", *more_scores(last),
              f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
              f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
              + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading "

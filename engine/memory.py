@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import UserError
-from engine.flags import FOLDER
 from engine.plugins import call_user_code
 from engine.precision import configure_precision
 from engine.processes import max_over_ranks
@@ -29,6 +28,9 @@ from engine.processes import max_over_ranks
 HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at most this share of the memory
 OPTIMIZER_STATE_VALUES = 2  # per trainable parameter: AdamW's two moments, the most recipe.py's optimizers keep
 NO_FIT = 2**62  # bytes: a training step that ran out of memory on its own, in an all-reduce of integers
+# engine.flags.FOLDER, not imported: engine.flags imports engine.models, which imports this module
+# (is_out_of_memory, for the model's first forward pass).
+FOLDER = "folder"
 
 
 class OutOfMemory(UserError):

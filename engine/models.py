@@ -8,16 +8,30 @@ models) is an RGB network: it gets none, and gray data is refused in one line.
 """
 
 import inspect
+import re
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from engine.errors import UserError
+from engine.errors import UserError, first_line
+from engine.memory import is_out_of_memory
 from engine.plugins import call_user_code, load_plugin
 from engine.weights import MODEL_FILE, MODEL_FILE_NEAR, load_weights
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
+# An error of the first forward pass that is about the images' size: torchvision's ViT ("Wrong
+# image height! Expected 224"), timm's ("Input height (64) doesn't match model (224)"), a Linear
+# sized for other images ("mat1 and mat2 shapes cannot be multiplied"), a pool or kernel larger
+# than the feature map ("Kernel size can't be greater than actual input size"). Not a device or
+# dtype mismatch, nor channels ("weight of size [16, 3, 3, 3], expected input[2, 1, 64, 64] to have 3
+# channels"), nor a bug in the model: those keep the line that names where they were raised.
+SIZE_ERROR = re.compile(r"^(?!.*channel).*?(size|shape|height|width|resolution|dimension|expected:?\s*\(?\d)",
+                        re.IGNORECASE)
+# The size the model wants, where the message says it: "Expected 224", "expected (224, 224)",
+# "Expected 224x224"; not "Expected 4D input" nor "expected 3 channels".
+EXPECTED_SIZE = re.compile(r"expected:?\s*\(?(\d+)(?:\s*[x,]\s*(\d+))?\b(?!\)?\s*channel)", re.IGNORECASE)
+
 
 def build_model(ref, data, seed, device, layout, weights=None):
     """(model, name): --model ``ref`` for the data's classes, channels and size (``data``: a
@@ -33,7 +47,8 @@ def build_model(ref, data, seed, device, layout, weights=None):
     # gives lazy modules their shapes, then in the layout training feeds it (x.view fails on
     # channels_last).
     model = model.to(device)
-    check_output(model, ref, shape, len(data.classes), device)
+    # --image-size sets the size of an image folder's images only (the only data with a data_dir).
+    check_output(model, ref, shape, len(data.classes), device, resizable=data.data_dir is not None)
     model = model.to(memory_format=layout)
     if layout != torch.contiguous_format:
         check_output(model, ref, shape, len(data.classes), device, layout)
@@ -82,15 +97,20 @@ def make_model(factory, ref, num_classes, in_channels, image_size):
     return model, f"{label}({shown})" + ("" if ref == DEFAULT_MODEL else f" from {ref.rpartition(':')[0]}")
 
 
-def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torch.contiguous_format):
+def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torch.contiguous_format,
+                 resizable=None):
     """A forward pass of two zero images in eval mode (no statistics updated, nothing
-    random): the output must be logits (2, num_classes). Lazy modules get their shapes."""
+    random): the output must be logits (2, num_classes). Lazy modules get their shapes.
+
+    ``resizable``: None where the size is not the user's choice (predict.py: the size the
+    weights were trained at); else whether --image-size sets it, and then an error about the
+    images' size is one line saying which size to give (wrong_size)."""
     images = torch.zeros(2, *image_shape, device=device).contiguous(memory_format=layout)
     what = f"--model {ref} on images (2, {', '.join(map(str, image_shape))})" + (
         "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
     model.eval()
     with torch.no_grad():
-        out = call_user_code(lambda: model(images), what, ref)
+        out = call_user_code(lambda: first_forward(model, images, ref, resizable), what, ref)
     model.train()
     shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
     if shape != (2, num_classes):
@@ -98,6 +118,32 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
                         f"(2, {num_classes}) for the data's {num_classes} classes")
 
 
+def first_forward(model, images, ref, resizable=None):
+    """``model(images)``; with ``resizable`` given (check_output), an error about the images'
+    size raised as wrong_size's line. Any other error, out of memory among them, is raised as
+    it came (call_user_code then names where); KeyboardInterrupt is not an Exception."""
+    try:
+        return model(images)
+    except Exception as err:
+        if resizable is None or is_out_of_memory(err) or not SIZE_ERROR.search(first_line(err)):
+            raise
+        raise UserError(wrong_size(ref, tuple(images.shape[1:]), err, resizable)) from None
+
+
+def wrong_size(ref, image_shape, err, resizable):
+    """'--model REF does not take images of 3 x 64 x 64 pixels (AssertionError: ...): give
+    --image-size 224', for an image folder (``resizable``); for other data, use a model that
+    takes its images."""
+    message = " ".join(first_line(err).split())
+    found = EXPECTED_SIZE.search(message)
+    sides = [n for n in found.groups() if n] if found else []
+    if resizable:
+        fix = f"give --image-size {'x'.join(sides)}" if sides else "give the --image-size it was designed for"
+    else:  # a square size said once ("Expected 224") is both sides
+        fix = (f"it takes {' x '.join(sides * (3 - len(sides)))} pixels; " if sides else "") + \
+              "use a model that takes these images (--image-size resizes the images of --dataset folder only)"
+    return (f"--model {ref} does not take images of {' x '.join(map(str, image_shape))} pixels "
+            f"({type(err).__name__}: {message}): {fix}")
 
 
 def recorded_model(metadata, weights_path, flag="--weights"):

@@ -52,10 +52,13 @@ class EvalResult(NamedTuple):
     accuracy: float  # fraction of test images classified correctly
     loss: float      # mean cross-entropy per image
     samples: int     # test images seen, summed over all ranks
+    top5: float = None  # fraction whose class is among the 5 most probable (None: 5 classes or fewer)
 
 
-def eval_summary(correct, loss_sum, count):
-    """Metrics from sums over all ranks: each image weighs the same, however uneven the shards."""
+def eval_summary(correct, loss_sum, count, top5_correct=None):
+    """Metrics from sums over all ranks: each image weighs the same, however uneven the shards.
+    ``top5_correct``: images whose class is among the five highest logits, None when not counted."""
     if count <= 0:
         return EvalResult(math.nan, math.nan, 0)
-    return EvalResult(correct / count, loss_sum / count, int(count))
+    return EvalResult(correct / count, loss_sum / count, int(count),
+                      None if top5_correct is None else top5_correct / count)

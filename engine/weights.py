@@ -138,7 +138,8 @@ def read_weights(path, flag="--weights", mmap=False):
         metadata = state.get("task") or state.get("data") or {}  # "data": checkpoints before "task" existed
         if "model" not in metadata and state.get("model_key"):
             metadata = {**metadata, "model": state["model_key"]}
-        state = state.get(MODEL_EMA) or state["model"]  # --model-ema: the average is the trained model
+        # --model-ema: the average when it validated better ("trained"; checkpoints before it: always)
+        state = state.get(state.get("trained", MODEL_EMA)) or state["model"]
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise UserError(f"{flag} {path} holds a {type(state).__name__} that is not a state_dict (names -> tensors)")
     metadata = getattr(state, "_metadata", {}).get("", {}).get(WEIGHTS_METADATA, metadata)

@@ -107,6 +107,29 @@ def test_dali_learns_resumes_exactly_and_evaluates_alike_on_1_and_2_processes(ph
 
 
 @needs_dali
+def test_a_run_continued_by_another_loader_keeps_its_normalization(photos, tmp_path):
+    """DALI measures mean and std on the whole photos, the cache's loaders on the stored crops:
+    a run resumed with another --loader normalizes as its checkpoint records, says so, and its
+    --save-weights file keeps those statistics."""
+    folder = project(photos, tmp_path / "p")
+    (folder / "photos" / "dog" / "anim.gif").unlink()  # DALI and the cache then read the same images
+    flags = (*DALI, "--epochs", "1", "--checkpoint-dir", "ckpt", "--metrics-file", "m.jsonl", "--save-weights", "w.pt")
+    first = run([sys.executable, REPO / "train.py", *flags], cwd=folder)
+    assert first.returncode == 0, first.stderr
+    before = torch.load(folder / "w.pt", weights_only=True)._metadata[""]["task"]
+    device = [("device" if flag == "dali" else flag) for flag in flags]
+    more = run([sys.executable, REPO / "train.py", *device, "--epochs", "2", "--resume"], cwd=folder)
+    assert more.returncode == 0, more.stderr
+    measured = re.search(r"^Normalization: the run's own, from its checkpoint: mean (\(.*?\)), std (\(.*?\)) "
+                         r"\(measured here: mean (\(.*?\)), std", more.stdout, re.M)
+    assert measured and measured[1] == str(tuple(before["mean"])) and measured[2] == str(tuple(before["std"]))
+    assert measured[3] != measured[1]  # the cache's crops measure otherwise
+    after = torch.load(folder / "w.pt", weights_only=True)._metadata[""]["task"]
+    assert (after["mean"], after["std"]) == (before["mean"], before["std"])
+    assert [r["loader"] for r in read_metrics(folder / "m.jsonl")] == ["dali", "device"]
+
+
+@needs_dali
 def test_two_ranks_get_every_image_once_per_epoch_and_the_same_steps(photos):
     """Through DALI itself: labels that are the image's index show what each rank was served."""
     prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
@@ -263,6 +286,21 @@ def test_the_list_is_made_ahead_of_a_job_once_and_reused(photos, tmp_path, capsy
         du.main(["--dataset", "cifar10", "--loader", "dali"])
     assert capsys.readouterr().err.endswith("error: --loader dali lists an image folder (--dataset folder); cifar10 "
                                             "needs no list (see --help)\n")
+
+
+def test_the_list_names_unreadable_files_within_the_data_dir_as_given(photos, tmp_path, capsys, monkeypatch):
+    """As the cache names them for the other loaders (--data-dir as typed, then the file within
+    it), not by the absolute path DALI reads: when the list is made and when it is found again."""
+    monkeypatch.chdir(project(photos, tmp_path / "p"))
+    flags = ["--dataset", "folder", "--data-dir", "photos", "--val-fraction", "0.25", "--loader", "dali", "--cache-dir",
+             "cache"]
+    absolute = (tmp_path / "p" / "photos").resolve()
+    for _ in ("made", "found again"):
+        assert du.main(flags) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"^  photos/dog/cut\.jpg: image file is truncated", out, re.M), out
+        assert "\n  photos/dog/anim.gif: a .gif file, which DALI does not decode" in out
+        assert f"{absolute}/dog" not in out and f"{tmp_path}/p/photos/dog" not in out
 
 
 @pytest.mark.oldest_torch  # its environment has no DALI

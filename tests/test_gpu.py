@@ -138,8 +138,8 @@ def test_an_evaluation_waits_for_the_gpu_once():
     """The correct count, loss and images stay on the GPU until the end of an evaluation."""
     run_, _, _ = _prepared_run()
     batches = [(x.cuda(), y.cuda()) for x, y in islice(run_.task.test_loader, 6)]
-    tu.evaluate(run_, batches[:1])  # warm-up
-    few, many = (_sync_warnings(lambda: tu.evaluate(run_, batches[:n])) for n in (2, 6))
+    tu.evaluate(run_, run_.module, batches[:1])  # warm-up
+    few, many = (_sync_warnings(lambda: tu.evaluate(run_, run_.module, batches[:n])) for n in (2, 6))
     assert len(many) == len(few) == 1, many
 
 

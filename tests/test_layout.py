@@ -1,7 +1,7 @@
 """The shape of the house: the guide's files and the few a user runs or edits at the top,
 tools in tools/, the engine in engine/; imports flow one way (top -> engine, tools -> both),
-no circle and no function-level import of the project's own modules to dodge one; no
-module over 450 lines; each augmentation defined once."""
+no circle and no function-level import of the project's own modules to dodge one; each
+augmentation defined once. (No line limit: a module's size follows its concern.)"""
 
 import ast
 import re
@@ -10,7 +10,6 @@ from conftest import REPO
 
 TOP = {"train", "train_ddp", "model", "dataset_utils", "train_utils", "device_utils", "recipe", "check_network",
        "predict"}
-MAX_LINES = 450
 
 
 def project_modules():
@@ -44,12 +43,6 @@ def test_the_top_holds_the_guides_files_and_the_users_and_nothing_else():
     top = {path.stem for path in REPO.glob("*.py")}
     assert top <= TOP and len(top) <= 10, sorted(top - TOP)
     assert {p.stem for p in (REPO / "tools").glob("*.py")} >= {"benchmark", "report", "gpu_report", "demo_data"}
-
-
-def test_no_module_is_over_450_lines():
-    long = {name: n for name, path in project_modules().items()
-            if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, long
 
 
 def test_the_engines_docstring_names_each_of_its_modules():

@@ -16,7 +16,8 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, device_loader, image_cache, image_folder, preprocessing, samplers, stopping
+from engine import data_formats, device_loader, image_cache, image_folder, models, preprocessing, samplers, stopping
+from engine.errors import UserError
 from engine import weights as weights_file
 from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
@@ -329,6 +330,18 @@ def test_a_data_set_that_does_not_fit_is_streamed(tmp_path, capsys, monkeypatch)
     assert read_metrics(tmp_path / "m.jsonl")[0]["loader"] == "torchvision"
 
 
+# A network of one input size, as torchvision's ViT checks it (torchvision/models/vision_transformer.py).
+FIXED_SIZE_NET = """import torch.nn as nn
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.head = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes))
+
+    def forward(self, x):
+        assert x.shape[2] == 224, f"Wrong image height! Expected 224 but got {x.shape[2]}!"
+        return self.head(x)
+"""
+
 BAD_MODELS = {
     "missing file": ("", "nothing.py:Net", "error: --model nothing.py:Net: no such file {tmp}/nothing.py"),
     "missing name": ("class Other: pass\n", "my_net.py:Net",
@@ -357,6 +370,10 @@ BAD_MODELS = {
                      "error: --model my_net.py:Net maps images (2, 3, 32, 32) to (2, 7), not to logits (2, 100) for "
                      "the data's 100 classes"),
     "syntax": ("def Net(:\n", "my_net.py:Net", "error: --model my_net.py:Net: importing my_net.py raised SyntaxError"),
+    "fixed size": (FIXED_SIZE_NET, "my_net.py:Net",
+                   "error: --model my_net.py:Net does not take images of 3 x 32 x 32 pixels (AssertionError: Wrong "
+                   "image height! Expected 224 but got 32!): it takes 224 x 224 pixels; use a model that takes these "
+                   "images (--image-size resizes the images of --dataset folder only)"),
 }
 
 
@@ -371,6 +388,51 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     [line] = error_lines(err)
     assert line.startswith(expected.format(tmp=tmp_path, torchvision=Path(torchvision.__file__).parent)), line
     assert "Traceback" not in err
+
+
+def test_a_model_of_one_input_size_on_other_images_names_the_image_size_to_give(tmp_path, capsys):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--image-size", "64", "--model",
+                    "torchvision.models:vit_b_16", "--cache-dir", tmp_path / "c", "--epochs", "1", *FAST) == 2
+    err = capsys.readouterr().err
+    assert error_lines(err) == ["error: --model torchvision.models:vit_b_16 does not take images of 3 x 64 x 64 pixels "
+                                "(AssertionError: Wrong image height! Expected 224 but got 64!): give --image-size 224"]
+    assert "Traceback" not in err
+
+
+class Failing(torch.nn.Module):
+    """Raises ``err`` in its forward pass."""
+
+    def __init__(self, err):
+        super().__init__()
+        self.err = err
+
+    def forward(self, x):
+        raise self.err
+
+
+@pytest.mark.parametrize("err, expected", [
+    (AssertionError("input size must be 48x48"), "--model n.py:Net does not take images of 3 x 64 x 64 pixels "
+                                                 "(AssertionError: input size must be 48x48): give the --image-size it "
+                                                 "was designed for"),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x12288 and 6912x10)"),
+     "give the --image-size it was designed for"),
+    # Not about the size: the line that names where it was raised, as before.
+    (RuntimeError("Given groups=1, weight of size [8, 1, 3, 3], expected input[2, 3, 64, 64] to have 1 channels"),
+     "--model n.py:Net on images (2, 3, 64, 64) raised RuntimeError: Given groups=1"),
+    (NameError("name 'widht' is not defined"), "--model n.py:Net on images (2, 3, 64, 64) raised NameError"),
+    # Out of memory, even where its message speaks of a size, is not the image size's fault.
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB; try setting max_split_size_mb"),
+     "--model n.py:Net on images (2, 3, 64, 64) raised OutOfMemoryError"),
+])
+def test_the_first_forward_pass_blames_the_image_size_only_for_a_size_error(err, expected):
+    with pytest.raises(UserError) as info:
+        models.check_output(Failing(err), "n.py:Net", (3, 64, 64), 10, resizable=True)
+    assert str(info.value).startswith(expected) or str(info.value).endswith(expected), str(info.value)
+    with pytest.raises(KeyboardInterrupt):  # never caught
+        models.check_output(Failing(KeyboardInterrupt()), "n.py:Net", (3, 64, 64), 10, resizable=True)
+    with pytest.raises(UserError, match=r"^--model n\.py:Net on images \(2, 3, 64, 64\) raised "):
+        models.check_output(Failing(err), "n.py:Net", (3, 64, 64), 10)  # predict.py: the size the weights had
 
 
 BAD_DATA = {
@@ -459,10 +521,11 @@ def test_the_cache_can_be_built_ahead_with_trainings_flags_and_other_sizes_are_k
 def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
     root = tmp_path / "images"
     for split in ("train", "test"):
-        (root / split / "a").mkdir(parents=True)
-        Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(root / split / "a" / "x.png")
+        for name in ("a", "b"):  # two classes: one is refused
+            (root / split / name).mkdir(parents=True)
+            Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(root / split / name / "x.png")
     assert Image.open(root / "train" / "a" / "x.png").mode.startswith("I")
     data = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "c", log=lambda _: None))
-    assert data.train[0].shape == (1, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
+    assert data.train[0].shape == (2, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
 
 

@@ -27,6 +27,7 @@ from engine.image_folder import cover_size, decode, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
 from engine.splits import held_out_again, held_out_record, stratified_split
+from engine.weights import save_weights
 from tools.benchmark import TorchvisionResizedCrops
 from tools.demo_data import write_photo_folder
 
@@ -135,6 +136,33 @@ def test_a_folder_of_class_folders_needs_the_split_and_mixed_layouts_are_one_lin
     assert error_lines(capsys.readouterr().err) == [
         f"error: --data-dir {mixed} mixes two layouts: train/ beside the class folder(s) cat, dog; keep either "
         f"{mixed}/CLASS/IMAGE or {mixed}/train/CLASS/IMAGE (with {mixed}/test/CLASS/IMAGE)"]
+
+
+def test_a_folder_of_one_class_is_one_line_naming_the_folder_meant(photos, tmp_path, capsys, monkeypatch):
+    """--data-dir one level too high (a folder holding the folder of class folders) has one
+    "class": one line naming the folder meant; a folder of one real class, one line too; so is
+    --eval-only of weights trained on one class (predict.py: tests/test_predict.py)."""
+    monkeypatch.chdir(photos)
+    shutil.copytree(photos / "photos", tmp_path / "wrap" / "photos", symlinks=True)
+    (tmp_path / "solo" / "cat").mkdir(parents=True)
+    for path in sorted((photos / "photos" / "cat").glob("IMG_*"))[:4]:
+        shutil.copy(path, tmp_path / "solo" / "cat")
+    for folder, hint in (("wrap", f"did you mean --data-dir {tmp_path / 'wrap' / 'photos'}?"),
+                         ("solo", f"add a folder of images for each other class ({tmp_path / 'solo'}/CLASS/IMAGE)")):
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", tmp_path / folder, "--val-fraction", "0.2",
+                        "--cache-dir", tmp_path / "cache") == 2
+        inner = "photos" if folder == "wrap" else "cat"
+        assert error_lines(capsys.readouterr().err) == [
+            f"error: {tmp_path / folder} holds 1 class folder ({inner}): a classifier needs at least two; {hint}"]
+    assert not (tmp_path / "cache").exists()  # refused before anything is decoded
+    model = make_model(load_plugin(f"{photos}/pixel_net.py:Net", "--model"), "Net", num_classes=1, in_channels=3,
+                       image_size=(8, 8))[0]
+    save_weights(model, tmp_path / "one.pt", {"classes": ["photos"], "dataset": "folder", "image_size": [8, 8],
+                                              "in_channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3})
+    assert run_main("train.py", "--eval-only", "--weights", tmp_path / "one.pt") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --weights {tmp_path / 'one.pt'} were trained on 1 class (photos): a classifier needs at least two; "
+        "train again on a folder of class folders (did --data-dir name the folder that holds them?)"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +319,12 @@ def test_finetune_refuses_other_networks_in_one_line(tmp_path):
         load_fitting(torchvision.models.resnet34(num_classes=3), tmp_path / "r18.pt", "resnet34", 3)
     with pytest.raises(UserError, match="none of its 122 tensors fits Net"):
         load_fitting(torch.nn.Sequential(torch.nn.Linear(2, 3)), tmp_path / "r18.pt", "Net", 3)
+    # A deeper network of the same family: its first layers fit by name and shape, most of the file is unused.
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pt")
+    with pytest.raises(UserError, match=rf"^--finetune {tmp_path / 'r34.pt'}: only 120 of its 218 tensors \(55%\) fit "
+                                        r"resnet18, and 98 have no place in it \(e.g. [\w.]+\): the weights of another "
+                                        r"network \(another depth or width\?\); use weights of the --model you train$"):
+        load_fitting(torchvision.models.resnet18(num_classes=3), tmp_path / "r34.pt", "resnet18", 3)
     torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "same.pt")
     with pytest.raises(UserError, match="none is new, so nothing would train; drop --freeze-backbone"):
         finetune(torchvision.models.resnet18(num_classes=3), tmp_path / "same.pt", True, "resnet18", 3)

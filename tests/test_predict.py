@@ -1,19 +1,27 @@
 """predict.py: weights from train.py classify new images as training's evaluation did (the same
 accuracy on the test images), from a --save-weights file or a checkpoint; odd folders (an
 unreadable image, a file name that is not UTF-8, stray files) and every mistake are lines,
-never a traceback, and nothing a user wrote is overwritten."""
+never a traceback, and nothing a user wrote is overwritten. --held-out adds each class's
+accuracy and a confusion matrix (a CSV, and a PNG with matplotlib)."""
 
 import csv
+import importlib.util
 import io
 import math
 import os
 import shutil
+import stat
+import subprocess
+import sys
+import threading
 from collections import Counter
 
 import pytest
 import torch
 from PIL import Image
 
+from engine.weights import save_weights
+from predict import confusion_matrix, confusion_rows, per_class_accuracy, per_class_lines
 from predict import report as summary_report
 from conftest import clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_image_folder
 from tiny_net import Net
@@ -232,3 +240,207 @@ def test_the_summary_counts_in_words():
         "Classified 4 images with Net on cpu in 1.0 s (4 images/s)",
         "Skipped 2 unreadable images (listed on stderr); ignored 0 files that are not images",
         "Predicted (images per class): dog 3, cat 1"]
+
+
+TEST_CLASSES = [f"class_{i}" for i in range(CLASSES)]
+
+
+def images_of(project):
+    """The image files of the project's imgs/test, as the CSV names them."""
+    return sorted(str(p.relative_to(project)) for p in (project / "imgs" / "test").rglob("*.*")
+                  if p.suffix in (".png", ".jpg"))
+
+
+@pytest.fixture
+def here(trained, monkeypatch):
+    """For run_main of predict.py in this process, from the trained project: the pixel_net.py
+    it imports and the folder it adds to sys.path are this test's alone."""
+    monkeypatch.chdir(trained)
+    monkeypatch.setattr(sys, "path", sys.path[:])
+    monkeypatch.setitem(sys.modules, "pixel_net", None)
+    return trained
+
+
+def test_output_dash_and_dev_stdout_are_stdout(trained):
+    """--output - is stdout, as no --output is; /dev/stdout (a pipe here) is not a regular file,
+    so it is written to instead of refused as existing. The summary goes to stderr, not among
+    the rows."""
+    dash = predict(trained, "--weights", "w.pt", "imgs/test", "--output", "-")
+    dev = predict(trained, "--weights", "w.pt", "imgs/test", "--output", "/dev/stdout")
+    assert dash.returncode == dev.returncode == 0, dash.stderr + dev.stderr
+    lines = dash.stdout.splitlines()
+    assert lines[0] == "path,prediction,probability,top_k" and len(lines) == 1 + CLASSES * 8
+    assert sorted(line.split(",")[0] for line in lines[1:]) == images_of(trained)
+    assert dev.stdout == dash.stdout
+    assert "Predictions written to stdout" in dash.stderr.splitlines()
+    assert "Predictions written to /dev/stdout" in dev.stderr.splitlines()
+    assert not (trained / "-").exists()
+
+
+def test_dev_stdout_redirected_into_a_file_is_refused_as_any_existing_file(trained, tmp_path):
+    """/dev/stdout is then the regular file the shell opened: refused as existing (the line
+    says how to write to stdout), and nothing is written to it."""
+    with open(tmp_path / "out.csv", "w") as out:
+        result = subprocess.run([str(c) for c in python_cmd("predict.py", *MODEL, "--weights", "w.pt", "imgs/test",
+                                                            "--output", "/dev/stdout")],
+                                cwd=trained, env=CPU, stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert error_lines(result.stderr) == [
+        "error: --output /dev/stdout exists already; choose a new file name (nothing is overwritten); leave out "
+        "--output (or give --output -) to write to stdout"]
+    assert (tmp_path / "out.csv").read_text() == ""
+
+
+def test_a_fifo_is_written_to_and_an_existing_file_refused(here, tmp_path, capsys):
+    fifo = tmp_path / "rows"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    try:
+        code = run_main("predict.py", *MODEL, "--weights", "w.pt", "imgs/test", "--output", fifo)
+    finally:
+        if reader.is_alive():  # predict.py failed before opening the FIFO: let the reader's open return
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        reader.join(timeout=60)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = received[0].splitlines()
+    assert lines[0] == "path,prediction,probability,top_k" and len(lines) == 1 + CLASSES * 8
+    assert sorted(line.split(",")[0] for line in lines[1:]) == images_of(here)
+    assert f"Predictions written to {fifo}" in captured.out.splitlines()  # the summary to stdout, as for a file
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["rows"]  # no temporary file left
+
+    (tmp_path / "mine.csv").write_text("my own work\n")  # a regular file is still refused
+    assert one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "--output", tmp_path / "mine.csv") == (
+        2, f"error: --output {tmp_path / 'mine.csv'} exists already; choose a new file name (nothing is overwritten)")
+    assert (tmp_path / "mine.csv").read_text() == "my own work\n"
+
+
+def test_weights_of_one_class_are_refused_in_one_line(here, tmp_path, capsys):
+    """Before the model is built: the weights name a model that does not exist."""
+    task = {"image_size": [28, 28], "in_channels": 3, "mean": [0.5] * 3, "std": [0.25] * 3,
+            "model": "no_such_module:Net"}
+    save_weights(Net(1, 3), tmp_path / "one.pt", {**task, "classes": ["PHOTOS"]})
+    assert one_line_error(capsys, "--weights", tmp_path / "one.pt", "imgs/test") == (
+        2, f"error: --weights {tmp_path / 'one.pt'} were trained on 1 class (PHOTOS): a classifier needs at least two; "
+           "train again on a folder of class folders (did --data-dir point one level too high?)")
+    save_weights(Net(1, 3), tmp_path / "none.pt", {**task, "classes": []})
+    code, line = one_line_error(capsys, "--weights", tmp_path / "none.pt", "--held-out", "imgs")
+    assert code == 2 and line.startswith(f"error: --weights {tmp_path / 'none.pt'} were trained on 0 classes: a ")
+
+
+def confusion_csv(path):
+    """(header, [true class of each row], [[count per predicted class] of each row])."""
+    with open(path, newline="", encoding="utf-8") as f:
+        header, *rows = list(csv.reader(f))
+    return header, [row[0] for row in rows], [[int(n) for n in row[1:]] for row in rows]
+
+
+def test_held_out_prints_each_class_and_writes_the_confusion_matrix_beside(trained, tmp_path):
+    result = predict(trained, "--weights", "w.pt", "--held-out", "imgs", "--output", tmp_path / "held.csv")
+    assert result.returncode == 0, result.stderr
+    rows = read_csv(tmp_path / "held.csv")
+    assert len(rows) == CLASSES * 8 and all(row["label"] == true_class(row) for row in rows)
+    header, true_classes, counts = confusion_csv(tmp_path / "held-confusion.csv")
+    assert header == ["true \\ predicted", *TEST_CLASSES] and true_classes == TEST_CLASSES
+    pairs = Counter((row["label"], row["prediction"]) for row in rows)
+    assert counts == [[pairs[(true, guess)] for guess in TEST_CLASSES] for true in TEST_CLASSES]
+    correct = sum(row["label"] == row["prediction"] for row in rows)
+    assert sum(map(sum, counts)) == len(rows) and sum(counts[i][i] for i in range(CLASSES)) == correct
+    assert 0 < correct < len(rows)  # mistakes off the diagonal: the matrix's layout is tested
+
+    out = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("Accuracy: "))
+    assert out[at].startswith(f"Accuracy: {correct / len(rows):.4f} ({correct} of {len(rows)}) on the 24 test "
+                              "images of imgs: ")
+    per_class = out[at + 1:at + 1 + CLASSES]
+    for name, line, row in zip(TEST_CLASSES, per_class, counts):
+        right = sum(r["label"] == r["prediction"] == name for r in rows)
+        total = sum(r["label"] == name for r in rows)
+        assert (right, total) == (row[TEST_CLASSES.index(name)], sum(row))
+        assert line == f"  {name}: {right / total:.4f} ({right} of {total})"
+    picture = tmp_path / "held-confusion.png"
+    if importlib.util.find_spec("matplotlib"):
+        assert out[at + 1 + CLASSES:] == [f"Confusion matrix (rows: true class, columns: predicted) written to "
+                                          f"{tmp_path / 'held-confusion.csv'} and, as a picture, {picture}"]
+        with Image.open(picture) as image:
+            assert image.format == "PNG" and min(image.size) >= 300
+            assert len(image.convert("RGB").getcolors(maxcolors=1 << 16)) > 10  # cells, names, numbers: not blank
+        assert sorted(os.listdir(tmp_path)) == ["held-confusion.csv", "held-confusion.png", "held.csv"]
+    else:
+        assert "matplotlib is not installed" in out[at + 1 + CLASSES]
+        assert sorted(os.listdir(tmp_path)) == ["held-confusion.csv", "held.csv"]
+
+
+def test_held_out_to_stdout_names_the_flag_and_without_matplotlib_no_picture(here, tmp_path, capsys, monkeypatch):
+    assert run_main("predict.py", *MODEL, "--weights", "w.pt", "--held-out", "imgs") == 0
+    captured = capsys.readouterr()
+    rows = list(csv.DictReader(io.StringIO(captured.out)))
+    assert len(rows) == CLASSES * 8 and all(row["label"] == true_class(row) for row in rows)
+    summary = captured.err.splitlines()
+    assert len([line for line in summary if line.startswith("  class_")]) == CLASSES
+    assert summary[-1] == ("Confusion matrix not written: the predictions went to stdout, with no file to put it "
+                           "beside; pass --confusion-matrix FILE.csv to write it")
+    assert not list(here.rglob("*confusion*"))
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert run_main("predict.py", *MODEL, "--weights", "w.pt", "--held-out", "imgs",
+                    "--confusion-matrix", tmp_path / "cm" / "m.csv") == 0
+    captured = capsys.readouterr()
+    rows = list(csv.DictReader(io.StringIO(captured.out)))
+    pairs = Counter((row["label"], row["prediction"]) for row in rows)
+    header, true_classes, counts = confusion_csv(tmp_path / "cm" / "m.csv")
+    assert header[1:] == true_classes == TEST_CLASSES
+    assert counts == [[pairs[(true, guess)] for guess in TEST_CLASSES] for true in TEST_CLASSES]
+    assert captured.err.splitlines()[-1] == (
+        f"Confusion matrix (rows: true class, columns: predicted) written to {tmp_path / 'cm' / 'm.csv'}; its picture "
+        f"({tmp_path / 'cm' / 'm.png'}) was not written: matplotlib is not installed (pip install matplotlib)")
+    assert os.listdir(tmp_path / "cm") == ["m.csv"]
+
+
+def test_an_existing_confusion_matrix_is_refused_before_any_work(here, tmp_path, capsys):
+    """Checked with --output, before the weights (here: none) or the folder (none) are read;
+    nothing is written."""
+    mine = {"held-confusion.csv": "my own work\n", "cm.csv": "mine too\n", "pic.png": "a picture\n"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    nothing = ("--weights", "nope.pt", "--held-out", "no/such/folder")
+    assert one_line_error(capsys, *nothing, "--output", tmp_path / "held.csv") == (
+        2, f"error: --confusion-matrix {tmp_path / 'held-confusion.csv'} (the default, beside --output "
+           f"{tmp_path / 'held.csv'}) exists already; choose a new file name (nothing is overwritten)")
+    assert one_line_error(capsys, *nothing, "--output", tmp_path / "held.csv", "--confusion-matrix",
+                          tmp_path / "cm.csv") == (
+        2, f"error: --confusion-matrix {tmp_path / 'cm.csv'} exists already; choose a new file name (nothing is "
+           "overwritten)")
+    if importlib.util.find_spec("matplotlib"):
+        assert one_line_error(capsys, *nothing, "--confusion-matrix", tmp_path / "pic.csv") == (
+            2, f"error: {tmp_path / 'pic.png'}, the picture beside --confusion-matrix {tmp_path / 'pic.csv'}, exists "
+               "already; choose a new file name (nothing is overwritten)")
+    assert one_line_error(capsys, *nothing, "--output", tmp_path / "a.csv", "--confusion-matrix",
+                          tmp_path / "a.csv") == (
+        2, f"error: --confusion-matrix {tmp_path / 'a.csv'} and --output would be the same file ({tmp_path / 'a.csv'}); "
+           "choose other names")
+    code, line = one_line_error(capsys, "--weights", "w.pt", "imgs/test", "--confusion-matrix", tmp_path / "b.csv")
+    assert code == 2 and line.startswith("predict.py: error: --confusion-matrix needs --held-out DIR")
+    assert sorted(os.listdir(tmp_path)) == sorted(mine)
+    assert all((tmp_path / name).read_text() == text for name, text in mine.items())
+
+
+def test_confusion_matrix_and_per_class_accuracy_of_a_small_example():
+    """Rows are true classes, columns predicted ones; a class without images says so."""
+    matrix = confusion_matrix([0, 0, 0, 1, 2, 2], [0, 1, 0, 1, 0, 2], 4)
+    assert matrix.tolist() == [[2, 1, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]]
+    right, total = per_class_accuracy(matrix)
+    assert right.tolist() == [2, 1, 1, 0] and total.tolist() == [3, 1, 2, 0]
+    names = ["cat", "dog", "red, panda", "yak"]
+    assert per_class_lines(matrix, names) == ["  cat: 0.6667 (2 of 3)", "  dog: 1.0000 (1 of 1)",
+                                              "  red, panda: 0.5000 (1 of 2)", "  yak: no images"]
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(confusion_rows(matrix, names))
+    assert out.getvalue().splitlines() == ['true \\ predicted,cat,dog,"red, panda",yak', "cat,2,1,0,0", "dog,0,1,0,0",
+                                           '"red, panda",1,0,1,0', "yak,0,0,0,0"]
+    assert confusion_matrix([], [], 2).tolist() == [[0, 0], [0, 0]]

@@ -33,7 +33,7 @@ PHOTOS = ("--dataset", "folder", "--data-dir", "photos", "--val-fraction", "0.25
 REFERENCES = ("--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
               "--clip-grad-norm", "1.0", "--model-ema", "--model-ema-steps", "3")
 REFERENCES_RECORDED = {"auto_augment": "ta_wide", "random_erase": 0.25, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
-                       "clip_grad_norm": 1.0, "model_ema_decay": 0.99, "model_ema_steps": 3}
+                       "clip_grad_norm": 1.0, "model_ema_decay": 0.5, "model_ema_steps": 3}
 
 
 def recipe_docs_snippet(name):
@@ -89,8 +89,8 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
     said = ("Regularization: --auto-augment ta_wide, --random-erase 0.25, --mixup-alpha 0.2, --cutmix-alpha 1, "
-            "--clip-grad-norm 1, model EMA (decay 0.99 every 3 steps: half-life 207 steps, 51.7 epochs; validation, "
-            "checkpoints' weights and --save-weights are the average's)")
+            "--clip-grad-norm 1, model EMA (decay 0.5 every 3 steps: half-life 3 steps, 25% of the run (the default), "
+            "0.8 epochs; each epoch validates the model and the average, --save-weights keeps the better)")
     assert (said in whole.stdout.splitlines()) == bool(extra), whole.stdout
     augmentation = re.search(r"^Augmentation: .*$", whole.stdout, re.M).group()
     assert ("per image TrivialAugmentWide" in augmentation) == bool(extra), augmentation
@@ -119,6 +119,47 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     compared = ("train_loss", "val_loss", "val_accuracy", "lr")
     assert [[r[k] for k in compared] for r in records] == [[r[k] for k in compared]
                                                            for r in read_metrics(reference / "m.jsonl")]
+
+
+def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
+    """A short run with an average too slow for it: one warning line naming the flags; every
+    epoch records and prints the model's and the average's accuracy; --save-weights holds the
+    one that validated better and says which; model_best.pt holds the best epoch's."""
+    folder = tmp_path / "p"
+    shutil.copytree(project, folder)
+    result = run(single(*BASE, *PHOTOS, "--model-ema", "--model-ema-decay", "0.999", "--warmup-epochs", "0",
+                        "--checkpoint-dir", "ck", "--metrics-file", "m.jsonl", "--save-weights", "w.pt"), cwd=folder)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
+    assert warnings == ["WARNING: the model EMA's half-life (693 steps) is longer than this run's 12 steps: the "
+                        "average would be mostly the early weights; lower --model-ema-decay (now 0.999) or "
+                        "--model-ema-steps (now 1), or leave both out for a half-life of 5% of the run"]
+    assert "Length: 3 epochs (no early stop: --target-accuracy off)" in result.stdout  # photos run to --epochs
+    records = read_metrics(folder / "m.jsonl")
+    lines = re.findall(r"Val Accuracy=([\d.]+), EMA Accuracy=([\d.]+)", result.stdout)
+    assert [(f"{r['val_accuracy']:.4f}", f"{r['ema_val_accuracy']:.4f}") for r in records] == lines
+    assert len(lines) == 3
+    last = records[-1]
+    ema_better = last["ema_val_accuracy"] > last["val_accuracy"]
+    final = torch.load(sorted((folder / "ck").glob("checkpoint_*.pt"))[-1], weights_only=True)
+    kept = final["model_ema"] if ema_better else final["model"]
+    saved = torch.load(folder / "w.pt", weights_only=True)
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in kept)
+    said = "the model's EMA average, which validated better" if ema_better else "the model, which validated at least"
+    assert re.search(rf"^Model weights written to w.pt \({said}", result.stdout, re.M), result.stdout
+    assert saved._metadata[""]["task"]["val_accuracy"] == max(last["val_accuracy"], last["ema_val_accuracy"])
+    best_epoch = max(records, key=lambda r: max(r["val_accuracy"], r["ema_val_accuracy"]))["epoch"]
+    best = torch.load(folder / "ck" / "model_best.pt", weights_only=True)
+    assert best._metadata[""]["task"]["epoch"] == best_epoch
+    if best_epoch == 3:
+        assert all(torch.equal(best[k], saved[k]) for k in saved)
+    # The run's checkpoints gone, its best weights kept: a new run there would replace them, and is refused.
+    for path in (folder / "ck").glob("checkpoint_*.pt"):
+        path.unlink()
+    again = run(single(*BASE, *PHOTOS, "--checkpoint-dir", "ck"), cwd=folder)
+    assert again.returncode == 2 and error_lines(again.stderr) == [
+        "error: --checkpoint-dir ck holds model_best.pt, another run's best weights: move them elsewhere, or give "
+        "this run another --checkpoint-dir"]
 
 
 def test_mixup_and_cutmix_are_torchvisions_and_each_draw_is_its_seeds():

@@ -149,7 +149,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
         "UnpicklingError; checkpoint_000000008.pt: UnpicklingError)"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [  # nothing deleted
         "checkpoint_000000008.pt.unreadable", "checkpoint_000000012.pt.unreadable",
-        "checkpoint_000000012.pt.unreadable.2"]
+        "checkpoint_000000012.pt.unreadable.2", "model_best.pt"]
 
 
 def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path, capsys):
@@ -407,7 +407,10 @@ class _TinyRun:
         self.ctx = DistContext(device=torch.device("cpu"))
         self.ema = None
 
-    def weights_metadata(self):
+    def trained(self, record=None):
+        return self.module
+
+    def weights_metadata(self, record=None):
         return {"model": "test:linear"}
 
 
@@ -467,7 +470,8 @@ def test_default_interval_checkpoints_at_the_end_and_on_stop_not_every_epoch(tmp
     args = RUN[:i] + RUN[i + 2:]  # the default interval
     result = run(python_cmd("train.py", *args, "--checkpoint-dir", tmp_path / "ck"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["checkpoint_000000012.pt"]  # the finished run
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["checkpoint_000000012.pt",  # the finished run
+                                                                    "model_best.pt"]
     assert "Checkpoints: 1 written to" in result.stdout
     assert "at the end of an epoch at most every 5 min, on a stop request and at the end" in result.stdout
     again = run(python_cmd("train.py", *args, "--checkpoint-dir", tmp_path / "ck", "--resume=auto"), cwd=tmp_path)

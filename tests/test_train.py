@@ -77,8 +77,16 @@ def test_early_stopping_after_patience_epochs(tmp_path, cifar_dir):
     result = train(tmp_path, cifar_dir, "--epochs", "5", "--batch-size", "4", "--limit-batches", "1",
                    "--target-accuracy", "0", "--patience", "2", "--metrics-file", tmp_path / "m.jsonl")
     assert result.returncode == 0, result.stderr
-    assert "Target accuracy reached. Early stopping after epoch 2." in result.stdout
+    assert ("Length: 5 epochs, or fewer: early stop once validation accuracy is at least 0 for 2 epochs in a row "
+            "(--target-accuracy, --patience; --target-accuracy off trains them all)") in result.stdout
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert (f"Target accuracy reached. Early stopping after epoch 2 of 5 (--target-accuracy 0 for --patience 2; the "
+            f"LR schedule had not finished: LR {records[-1]['lr']:.3g}; --target-accuracy off trains all --epochs)."
+            ) in result.stdout
     assert "Final Accuracy: 0.0000 on 4 of 20 test images (--limit-batches)" in result.stdout
+    # CIFAR-100's 100 classes: top-5 accuracy too, in the metrics and the summary.
+    assert f"Top-5 Accuracy: {records[-1]['val_top5']:.4f}" in result.stdout
+    assert all(r["val_accuracy"] <= r["val_top5"] <= 1 for r in records)
     assert "[1/1]" not in result.stdout  # the default --log-interval (a minute): no progress line
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
 

@@ -1,6 +1,7 @@
 """train_utils.py: flags, LR schedule, early stopping, metric reduction, precision, weights.
 Pure functions are called directly."""
 
+import argparse
 import math
 import re
 import shlex
@@ -87,7 +88,15 @@ BAD_FLAGS = {
     "--cache-dir c": "--cache-dir applies to --dataset folder",
     "--dataset folder --data-dir d --image-size 0": "--image-size: '0' is not a size in pixels",
     "--dataset folder --data-dir d --image-size 3x": "--image-size: '3x' is not a size in pixels",
-    "--model my_net.py": "--model: 'my_net.py' is not FILE.py:NAME or module:NAME",
+    "--dataset folder --data-dir d --image-size 4": "--image-size: '4' is too small to learn from (under 8 pixels a "
+                                                    "side); use --image-size 32 or more for photos",
+    "--dataset folder --data-dir d --image-size 64x7": "--image-size: '64x7' is too small to learn from (under 8 "
+                                                       "pixels a side); use --image-size 32 or more for photos",
+    "--model my_net.py": "--model: 'my_net.py' is not FILE.py:NAME or module:NAME; add the class or function in it "
+                         "after a colon: my_net.py:NAME",
+    "--model resnet18": "--model: 'resnet18' is not FILE.py:NAME or module:NAME; did you mean "
+                        "torchvision.models:resnet18?",
+    "--model ResNet50": "did you mean torchvision.models:resnet50?",
     "--model my_net.py:2x": "--model: 'my_net.py:2x' is not FILE.py:NAME or module:NAME",
     "--augment rotate": "--augment: invalid choice: 'rotate'",
     "--dataset my_data.py:make --synthetic": "--synthetic makes random data of a built-in data set's shape",
@@ -106,6 +115,14 @@ def test_bad_flags_are_one_line_and_exit_2(line, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and BAD_FLAGS[line] in err
+
+
+def test_flags_that_parse_near_a_refusal():
+    """8 to 15 pixels a side are small but taken; a name that is no torchvision model gets no guess."""
+    assert flags.image_size("8") == (8, 8) and flags.image_size("15x8") == (15, 8)
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        flags.plugin_ref("my_net")
+    assert str(info.value) == "'my_net' is not FILE.py:NAME or module:NAME"
 
 
 def test_help_shows_every_real_default():
@@ -289,8 +306,14 @@ def test_model_ema_is_the_average_of_the_weights_every_n_steps():
     assert not all(torch.equal(average[k], now[k]) for k in now)
     counts = {k: v for k, v in run.ema.module.state_dict().items() if not v.is_floating_point()}  # BN's batches seen
     assert counts and all(torch.equal(v, run.module.state_dict()[k]) for k, v in counts.items())  # copied, not averaged
-    assert run.evaluated is run.ema.module and run.weights_metadata()["model_ema"] == {"model_ema_decay": 0.5,
-                                                                                      "model_ema_steps": 2}
+    # --save-weights and model_best.pt keep the better of the two on validation, and say which.
+    better, worse = {"epoch": 1, "val_accuracy": 0.5, "ema_val_accuracy": 0.6}, {"epoch": 1, "val_accuracy": 0.6,
+                                                                                 "ema_val_accuracy": 0.5}
+    assert run.trained(better) is run.ema.module and run.weights_metadata(better)["model_ema"] == {
+        "model_ema_decay": 0.5, "model_ema_steps": 2}
+    assert run.weights_metadata(better)["val_accuracy"] == 0.6
+    assert run.trained(worse) is run.module and "model_ema" not in run.weights_metadata(worse)
+    assert run.trained({**better, "ema_val_accuracy": 0.5}) is run.module  # a tie: the model
     # During the LR warm-up (2 epochs of 2 steps) each update copies: the average follows the model.
     run, state, loader = _small_run(["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.5"])
     tu.train_steps(run, list(loader) * 2, state)  # steps 1-4: updates at 2 and 4, both copies
@@ -299,6 +322,37 @@ def test_model_ema_is_the_average_of_the_weights_every_n_steps():
     _small_run(["--model-ema", "--model-ema-steps", "200", "--epochs", "100"])  # 100 epochs of 2 steps: one update
     with pytest.raises(UserError, match="^--model-ema-steps 201 is more than this run's 200 optimizer steps"):
         _small_run(["--model-ema", "--model-ema-steps", "201", "--epochs", "100"])
+
+
+def test_model_ema_follows_the_runs_length_by_default():
+    """--model-ema without its decay and steps: an update every 32 steps (more often in a short
+    run, 100 updates at least), and a half-life of 5% of the run; a given decay whose half-life
+    is longer than the run is one warning line naming the flags."""
+    args = tu.parse_args("test", ["--model-ema"])
+    for total, every in ((360, 3), (100_000, 32), (50, 1)):
+        ema = recipe.ema_schedule(args, total)
+        assert ema.every == every and ema.half_life == pytest.approx(max(0.05 * total, every))
+        assert recipe.ema_warning(args, ema, total) == []
+    long = recipe.ema_schedule(tu.parse_args("test", ["--model-ema", "--model-ema-decay", "0.99"]), 360)
+    assert (long.every, long.decay) == (3, 0.99) and long.half_life == pytest.approx(206.9, abs=0.1)
+    assert recipe.ema_warning(args, long, 36) == [
+        "WARNING: the model EMA's half-life (207 steps) is longer than this run's 36 steps: the average would be "
+        "mostly the early weights; lower --model-ema-decay (now 0.99) or --model-ema-steps (now 3), or leave both "
+        "out for a half-life of 5% of the run"]
+    assert recipe.ema_schedule(tu.parse_args("test", []), 360) is None
+
+
+def test_evaluation_counts_top5_from_the_models_own_outputs():
+    """Top-1 and top-5 accuracy of an evaluation, against the model's logits read directly."""
+    run, _, loader = _small_run([])
+    result = tu.evaluate(run, run.module, loader)
+    run.module.eval()
+    with torch.no_grad():
+        logits, labels = map(torch.cat, zip(*[(run.module(x), y) for x, y in loader]))
+    assert result.samples == len(labels) == 16
+    assert result.accuracy == (logits.argmax(1) == labels).double().mean().item()
+    assert result.top5 == (logits.topk(5, 1).indices == labels[:, None]).any(1).double().mean().item()
+    assert result.top5 >= result.accuracy
 
 
 def test_clip_grad_norm_bounds_the_gradients_each_step_applies():

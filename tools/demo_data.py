@@ -4,13 +4,17 @@
     python tools/demo_data.py --dataset folder my_images    # my_images/train/CLASS/*.png|jpg, my_images/test/...
     python tools/demo_data.py --dataset photos my_photos    # photos of varied sizes in my_photos/CLASS/
     python tools/demo_data.py --dataset cifar100 demo       # demo/cifar-100-python/{train,test,meta}
+    python tools/demo_data.py --dataset real-photos crops   # crops of 8 real photographs (pip install scikit-image)
 
 Each class is a colour plus noise, so a network learns it in a few epochs: a check that
-data, augmentation and training work end to end, not a score to compare.
+data, augmentation and training work end to end, not a score to compare. real-photos is the
+exception: crops of real photographs, whose class is the photograph they were cut from, for
+comparing recipes on real pixels (docs/recipe.md's table).
 """
 
 import argparse
 import gzip
+import importlib.util
 import pickle
 import sys
 from pathlib import Path
@@ -190,15 +194,58 @@ def write_photo_folder(root, per_class=20, seed=0, classes=PHOTO_CLASSES):
     return root
 
 
+# The photographs scikit-image ships in its wheel (skimage/data), one class each: what a crop of
+# them shows is a real photo's texture, edges and colour (or its lack: camera is gray).
+REAL_PHOTOS = {"astronaut": "astronaut.png", "camera": "camera.png", "cat": "chelsea.png", "coffee": "coffee.png",
+               "hubble": "hubble_deep_field.jpg", "rocket": "rocket.jpg", "retina": "retina.jpg", "tissue": "ihc.png"}
+
+
+def real_photos_folder():
+    """scikit-image's folder of sample photographs, found without importing it (seconds); a
+    one-line SystemExit when it is not installed."""
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("error: --dataset real-photos cuts its crops from the photographs scikit-image ships: "
+                         "pip install scikit-image")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def write_real_photo_crops(root, per_class=104, seed=0, source=None):
+    """root/CLASS/crop_I.{jpg,png}: ``per_class`` random crops of each REAL_PHOTOS photograph, a
+    side of 12-45% of its shorter side, some shrunk by up to 2x (46 to 230 pixels here), one in
+    three saved as PNG. Returns root."""
+    rng, source, root = np.random.default_rng(seed), Path(source or real_photos_folder()), Path(root)
+    for name, file in REAL_PHOTOS.items():
+        photo_ = Image.open(source / file)
+        photo_.load()
+        width, height = photo_.size
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            side = int(rng.uniform(0.12, 0.45) * min(width, height))
+            aspect = rng.uniform(0.75, 1.33)
+            w, h = min(width, int(side * aspect ** 0.5)), min(height, int(side / aspect ** 0.5))
+            left, top = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+            crop = photo_.crop((left, top, left + w, top + h))
+            shrink = rng.uniform(1.0, 2.0)
+            crop = crop.resize((max(8, round(w / shrink)), max(8, round(h / shrink))), Image.BILINEAR)
+            if i % 3:
+                crop.convert("RGB" if crop.mode not in ("L", "RGB") else crop.mode).save(
+                    root / name / f"crop_{i:03d}.jpg", quality=90)
+            else:
+                crop.save(root / name / f"crop_{i:03d}.png")
+    return root
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description="Write a small learnable copy of a data set into DIR (each class a "
                                                  "colour plus noise), to try the scripts without downloading: 512 "
                                                  "training and 128 test images of 10 classes in the data set's own "
                                                  "format, or for folder an image folder of 4 classes with PNG and "
                                                  "JPEG, RGB and gray images of two sizes.")
-    parser.add_argument("--dataset", choices=(*DATASETS, "folder", "photos"), default="cifar100",
+    parser.add_argument("--dataset", choices=(*DATASETS, "folder", "photos", "real-photos"), default="cifar100",
                         help="which format (folder: DIR/train/CLASS/IMAGE and DIR/test/CLASS/IMAGE; photos: "
-                             "DIR/CLASS/IMAGE, photos of varied sizes)")
+                             "DIR/CLASS/IMAGE, photos of varied sizes; real-photos: DIR/CLASS/IMAGE, 104 crops of "
+                             "each of 8 photographs scikit-image ships, the class being the photograph)")
     parser.add_argument("directory", metavar="DIR", type=Path,
                         help="where to write it (must not hold that data set already)")
     return parser
@@ -209,12 +256,16 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     root, dataset = args.directory, args.dataset
-    first = {"folder": "train", "photos": PHOTO_CLASSES[0]}  # what a copy there already would have
+    first = {"folder": "train", "photos": PHOTO_CLASSES[0], "real-photos": next(iter(REAL_PHOTOS))}  # a copy's
     target = root / (first[dataset] if dataset in first else DATASETS[dataset].folder)
     if target.exists():
         print(f"error: {target} exists already; give another folder", file=sys.stderr)
         return 2
-    if dataset == "photos":
+    if dataset == "real-photos":
+        write_real_photo_crops(root)
+        print(f"Wrote 104 crops of each of {len(REAL_PHOTOS)} photographs ({', '.join(REAL_PHOTOS)}; JPEG and PNG) "
+              f"into {root}, one folder per class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
+    elif dataset == "photos":
         write_photo_folder(root)
         print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, JPEG and PNG, "
               f"60x80 to 500x333 pixels) into {root}, one folder per class: train with --dataset folder --data-dir "
