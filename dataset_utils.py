@@ -172,12 +172,16 @@ def with_image_transforms(train_set, transforms):
     v2.Compose, or None) per image, those transforms in words for --loader's choice, or None)."""
     if not transforms:
         return train_set, None
-    names = ", ".join(type(transform).__name__ for transform in transforms.transforms)
     channels = train_set.source.shape[-1]
     if train_set.source.dtype != np.uint8 or channels not in (1, 3):  # what torchvision's image transforms take
-        raise UserError(f"recipe.py's per-image {names} works on 8-bit images of 1 or 3 channels; these are "
+        raise UserError(f"{transform_names(transforms)} works on 8-bit images of 1 or 3 channels; these are "
                         f"{train_set.source.dtype} with {channels}: drop --auto-augment (or the transforms)")
-    return train_set.with_prep(replace(train_set.prep, per_image=transforms)), f"recipe.py's per-image {names}"
+    return train_set.with_prep(replace(train_set.prep, per_image=transforms)), transform_names(transforms)
+
+
+def transform_names(transforms):
+    """"recipe.py's per-image ColorJitter, TrivialAugmentWide" for a v2.Compose of them."""
+    return f"recipe.py's per-image {', '.join(type(t).__name__ for t in transforms.transforms)}"
 
 
 def set_loader_epoch(loader, epoch):
@@ -343,21 +347,22 @@ def folder_list_data(args, ctx):
                                     ", decoded by DALI")
 
 
-def dali_choice(args, device, group=None):
+def dali_choice(args, device, group=None, per_image=None):
     """("dali" or None, why) for --loader: dali (one line without DALI, for data that is not an
-    image folder, or with --auto-augment, which runs in the DataLoader's workers), or auto for an
-    image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
-    rank 0 reads the folder's headers, the others wait)."""
+    image folder, or with recipe.py's per-image transforms ``per_image``, a v2.Compose that runs
+    in the DataLoader's workers), or auto for an image folder on a GPU with DALI installed that
+    would not fit the device (choose_dali; global rank 0 reads the folder's headers, the others
+    wait)."""
     if args.loader == "dali":
         if args.dataset != FOLDER:
             raise UserError(f"--loader dali reads image files: it takes --dataset {FOLDER}, not {args.dataset} "
                             "(use --loader device or torchvision)")
-        if args.auto_augment and not args.eval_only:
-            raise UserError("--auto-augment transforms each image in the DataLoader's workers: use --loader "
-                            "torchvision (or auto) with it, not dali")
+        if per_image:
+            raise UserError(f"{transform_names(per_image)} transforms each image in the DataLoader's workers, which "
+                            "DALI has no operator for: use --loader torchvision (or auto) with it, not dali")
         check_dali()
         return "dali", "--loader dali"
-    if (args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or args.auto_augment
+    if (args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image
             or not dali_installed()):
         return None, None
     request = folder_size(args.augment, args.image_size)

@@ -98,13 +98,19 @@ AUTO_AUGMENT = {"ta_wide": "TrivialAugmentWide", "ra": "RandAugment", "augmix": 
 
 
 def image_transforms(args):
-    """The per-image transforms (a v2.Compose), or None: add any v2 transform to the list, e.g.
-    v2.ColorJitter(0.4, 0.4, 0.4) (docs/recipe.md)."""
-    if not args.auto_augment or args.eval_only:  # test images are never augmented
+    """The per-image transforms of a training image (a v2.Compose), or None for none. Add any
+    v2 transform to the list, e.g. v2.ColorJitter(0.4, 0.4, 0.4) (docs/recipe.md): the DataLoader
+    applies it, and the loaders that cannot (device, dali) refuse it in one line naming it."""
+    if args.eval_only:  # test images are never augmented
         return None
-    # Here, not at the top: importing torchvision costs 2 s per process, paid only when asked for.
+    # Here, not at the top: importing torchvision costs 2 s per process, paid by the runs that use it.
     from torchvision.transforms import v2
-    return v2.Compose([getattr(v2, AUTO_AUGMENT[args.auto_augment])()])
+    transforms = [
+        # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here
+    ]
+    if args.auto_augment:
+        transforms.append(getattr(v2, AUTO_AUGMENT[args.auto_augment])())
+    return v2.Compose(transforms) if transforms else None
 
 
 # ---------------------------------------------------------------------------------------------

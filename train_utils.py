@@ -86,6 +86,9 @@ def fit(task, args, ctx):
                      + (f" of {args.epochs} (--target-accuracy {args.target_accuracy:g} for --patience "
                         f"{args.patience}; the LR schedule had not finished: LR {state.records[-1]['lr']:.3g}; "
                         "--target-accuracy off trains all --epochs)" if state.epoch - 1 < args.epochs else "") + ".")
+    elif args.target_accuracy is not None and state.records:
+        run.log.info(f"Early stop not reached (--target-accuracy {args.target_accuracy:g} for --patience "
+                     f"{args.patience}): all {args.epochs} epochs trained.")
     for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
                           task.data.held_out):
         run.log.info(line)
@@ -309,7 +312,8 @@ def build_task(args, ctx):
     if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
         normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()),
                                    ctx.control_group)
-    loader, reason = dali_choice(args, ctx.device, ctx.control_group)  # (None, None) but for DALI
+    per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
+    loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI
     train_set, test_set, data = build_data(args, ctx, listed=loader == "dali", normalization=normalization)
     layout = memory_format(args.channels_last, ctx.device)
     model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
@@ -320,7 +324,7 @@ def build_task(args, ctx):
         measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
         stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
         temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
-        train_set, per_image = with_image_transforms(train_set, recipe.image_transforms(args))
+        train_set, per_image = with_image_transforms(train_set, per_image)
         data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too
         loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
                                        measured, temporaries, per_image)

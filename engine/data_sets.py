@@ -64,7 +64,7 @@ class InMemoryImages(Dataset):
 
 class FileImages:
     """Image files (absolute paths) and int64 labels (N,), prepared as ``prep`` (a Preprocessing)
-    says: what dataset_utils.InMemoryImages is to the other loaders, for --loader dali, which reads
+    says: what engine.data_sets.InMemoryImages is to the other loaders, for --loader dali, which reads
     and decodes the files itself."""
 
     def __init__(self, files, labels, prep):

@@ -9,7 +9,7 @@ from engine.preprocessing import augmentation_seeds
 
 
 class AugmentSampler(Sampler):
-    """The indices of ``sampler``, as (index, seed) keys for dataset_utils.InMemoryImages: the
+    """The indices of ``sampler``, as (index, seed) keys for engine.data_sets.InMemoryImages: the
     seed of the image's per-image transforms in this epoch (augmentation_seeds, a function of
     (seed, epoch, index) alone), drawn at the start of the epoch in one call, so persistent
     workers, which never see ``set_epoch``, need no RNG of their own and a resumed run, with any

@@ -21,7 +21,7 @@ class DataInfo:
     title: str             # for people: CIFAR-100, image folder DIR, my_data.py:make
     source: str            # where the images come from, for the start-up block
     classes: tuple         # label i is classes[i]
-    prep: object           # dataset_utils.Preprocessing: image shape, normalization, augmentation
+    prep: object           # engine.preprocessing.Preprocessing: image shape, normalization, augmentation
     fingerprint: dict      # identifies images and labels: a resume on other data is refused
     expected_sizes: dict = None  # official images per split, for a warning when a copy differs
     notes: tuple = ()      # how the data was prepared, for the start-up block
@@ -57,7 +57,7 @@ class Task:
     train_loader: object   # this rank's batches of (float32 images (B, C, H, W), int64 labels (B,))
     test_loader: object
     data: DataInfo
-    loader: str            # device or torchvision, as chosen
+    loader: str            # device, torchvision or dali, as chosen
     loader_reason: str     # why, for the start-up block
     weights_note: str = ""  # where the initial weights come from, when not --weights or random (--finetune)
     model_file: str = None  # --model FILE.py:NAME's file, absolute (None for module:NAME)

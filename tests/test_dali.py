@@ -265,8 +265,13 @@ def test_dali_is_chosen_and_refused_in_one_line(tmp_path):
 
     with pytest.raises(UserError, match="^--loader dali reads image files: it takes --dataset folder, not cifar10"):
         du.dali_choice(flags(dataset="cifar10"), torch.device("cpu"))
-    with pytest.raises(UserError, match="^--auto-augment transforms each image in the DataLoader's workers"):
-        du.dali_choice(flags(auto_augment="ta_wide"), torch.device("cpu"))
+    # recipe.py's per-image transforms, --auto-augment's or a user's, run in the DataLoader's workers only.
+    with pytest.raises(UserError, match="^recipe.py's per-image TrivialAugmentWide transforms each image in the "
+                                        "DataLoader's workers, which DALI has no operator for: use --loader torchvision"):
+        du.dali_choice(flags(), torch.device("cpu"), per_image=recipe.image_transforms(flags(auto_augment="ta_wide")))
+    with pytest.raises(UserError, match="^recipe.py's per-image ColorJitter transforms each image"):
+        du.dali_choice(flags(), torch.device("cpu"), per_image=torchvision.transforms.v2.Compose(
+            [torchvision.transforms.v2.ColorJitter(0.4)]))
     # auto never takes DALI on the CPU: the folder is not even read.
     assert du.dali_choice(flags(loader="auto", data_dir=str(tmp_path / "none")), torch.device("cpu")) == (None, None)
 

@@ -162,6 +162,30 @@ def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
         "this run another --checkpoint-dir"]
 
 
+def test_a_v2_transform_added_to_recipe_py_applies_or_is_refused_by_name(project, tmp_path):
+    """A v2 transform added to image_transforms' list, as its docstring says: the DataLoader
+    applies it to each training image (--loader auto takes it, and says why); the device
+    loader and DALI, which cannot, refuse it in one line naming it."""
+    folder = tmp_path / "p"
+    shutil.copytree(project, folder)
+    source = (folder / "recipe.py").read_text()
+    mine = "        v2.ColorJitter(0.4, 0.4, 0.4),\n"
+    (folder / "recipe.py").write_text(source.replace("        # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here\n", mine))
+    assert mine in (folder / "recipe.py").read_text()
+    args = (*BASE, *PHOTOS, "--epochs", "1")
+    result = run(single(*args), cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^Loader: torchvision DataLoader, 0 worker processes per training process; auto: recipe.py's "
+                     r"per-image ColorJitter transforms each image, in the DataLoader's workers$", result.stdout, re.M)
+    assert re.search(r"^Augmentation: resized-crop \(resized_crop, flip, per image ColorJitter;", result.stdout, re.M)
+    for loader, refusal in (("device", "error: recipe.py's per-image ColorJitter transforms each image on its own, in "
+                                       "the DataLoader's workers: --loader device transforms whole batches"),
+                            ("dali", "error: recipe.py's per-image ColorJitter transforms each image in the "
+                                     "DataLoader's workers, which DALI has no operator for")):
+        refused = run(single(*args, "--loader", loader), cwd=folder)
+        assert refused.returncode == 2 and [line[:len(refusal)] for line in error_lines(refused.stderr)] == [refusal]
+
+
 def test_mixup_and_cutmix_are_torchvisions_and_each_draw_is_its_seeds():
     """MixUp blends each image with the one before it (v2.MixUp), CutMix pastes a box of it
     (v2.CutMix), both into soft labels that sum to 1; one of the two per batch when both are
