@@ -88,7 +88,7 @@ def fit(task, args, ctx):
                         "--target-accuracy off trains all --epochs)" if state.epoch - 1 < args.epochs else "") + ".")
     elif args.target_accuracy is not None and state.records:
         run.log.info(f"Early stop not reached (--target-accuracy {args.target_accuracy:g} for --patience "
-                     f"{args.patience}): all {args.epochs} epochs trained.")
+                     f"{args.patience}): trained to --epochs {args.epochs}.")
     for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
                           task.data.held_out):
         run.log.info(line)

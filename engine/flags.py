@@ -95,7 +95,12 @@ TARGET_OFF = "off"
 
 def target_accuracy(text):
     """--target-accuracy: a fraction, or 'off'."""
-    return TARGET_OFF if text.lower() == TARGET_OFF else fraction(text)
+    if text.lower() == TARGET_OFF:
+        return TARGET_OFF
+    try:
+        return fraction(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}, or {TARGET_OFF}") from None
 
 
 def plugin_ref(text):

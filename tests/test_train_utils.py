@@ -39,6 +39,19 @@ def test_guide_command_lines_keep_their_meaning(line):
     assert (args.epochs, args.target_accuracy, args.patience) == (100, 0.95, 2)
 
 
+def test_the_guides_early_stop_is_the_default_on_its_data_only():
+    """--target-accuracy: the guide's 0.95 on its data sets; off (None: run to --epochs) on your
+    own data, as the references and timm; 'off' or a fraction as given on any."""
+    assert tu.parse_args("test", []).target_accuracy == 0.95
+    assert tu.parse_args("test", ["--dataset", "mnist"]).target_accuracy == 0.95
+    folder = ["--dataset", "folder", "--data-dir", "photos"]
+    assert tu.parse_args("test", folder).target_accuracy is None
+    assert tu.parse_args("test", ["--dataset", "my_data.py:make"]).target_accuracy is None
+    assert tu.parse_args("test", [*folder, "--target-accuracy", "0.9"]).target_accuracy == 0.9
+    assert tu.parse_args("test", ["--target-accuracy", "off"]).target_accuracy is None
+    assert not tu.target_reached([1.0, 1.0, 1.0], None, 2)
+
+
 def test_one_recipe_by_default():
     args = tu.parse_args("test", [])
     assert (args.momentum, args.nesterov, args.weight_decay) == (0.9, True, 5e-4)
