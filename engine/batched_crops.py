@@ -52,7 +52,10 @@ def crop_resize(images, top, left, height, width, size):
     """The part [top, top + height) x [left, left + width) of each image (B, H, W, C) (box
     edges (B,) float64, in pixels), resized bilinearly to ``size`` (h, w) as torchvision's
     resized_crop without antialiasing: pixel centres at +0.5, edges clamped to the part.
-    Batched: one gather per axis, no loop over images, no host sync; uint8 in, uint8 out."""
+    Batched: one gather per axis, no loop over images, no host sync; uint8 in, uint8 out.
+    Not torchvision.ops.roi_align(aligned=True), the batched library op closest to it: that
+    samples half a pixel outside a box smaller than ``size``, where resized_crop (and the
+    DataLoader's v2.RandomResizedCrop) clamp to it (tests/test_photos.py compares both)."""
     batch = torch.arange(len(images), device=images.device)[:, None]
     first_row, next_row, down = bilinear_taps(top, height, size[0], images.shape[1])  # (B, h)
     first_col, next_col, across = bilinear_taps(left, width, size[1], images.shape[2])  # (B, w)

@@ -109,7 +109,10 @@ def _visible(path):
 
 
 def class_files(folder, extensions):
-    """(image files, other files) below ``folder``, recursively, sorted; hidden ones skipped."""
+    """(image files, other files) below ``folder``, recursively, sorted; hidden ones skipped.
+    Not torchvision.datasets.folder's find_classes and make_dataset: they take a hidden folder
+    (.ipynb_checkpoints) for a class and its files for images, and do not list the files they
+    pass over, which the start-up block names."""
     images, others = [], []
 
     def unreadable(err):
@@ -217,7 +220,9 @@ def folder_stats(sizes):
 def cover_size(height, width, size):
     """(h, w) an image of ``height`` x ``width`` is resized to so that it covers ``size`` (H, W)
     with its aspect ratio kept: the binding side exactly, the other rounded down as
-    torchvision's Resize(int) rounds it (so for a square ``size`` this is Resize(S) itself)."""
+    torchvision's Resize(int) rounds it (so for a square ``size`` this is Resize(S) itself).
+    Computed here because torchvision's Resize covers square sizes only: Resize(int) scales the
+    shorter side, whichever side a non-square size needs to cover."""
     target_h, target_w = size
     if target_h * width >= target_w * height:  # target_h / height >= target_w / width: the height binds
         return target_h, max(target_w, int(target_h * width / height))
@@ -225,16 +230,12 @@ def cover_size(height, width, size):
 
 
 def resize_and_crop(image, size):
-    """The PIL ``image`` resized to cover ``size`` (H, W) and centre-cropped to it, as
-    torchvision's resize and center_crop do it to a PIL image (Pillow's bilinear resize, the
-    offsets rounded as Python rounds): for a square size exactly v2.Resize(S), v2.CenterCrop(S)
-    (tests/test_photos.py compares them). Pillow itself, not torchvision, which would add 2 s
-    of imports to every process."""
-    height, width = cover_size(image.height, image.width, size)
-    if (height, width) != (image.height, image.width):
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    top, left = int(round((height - size[0]) / 2)), int(round((width - size[1]) / 2))
-    return image.crop((left, top, left + size[1], top + size[0]))
+    """The PIL ``image`` resized to cover ``size`` (H, W) (cover_size) and centre-cropped to it,
+    by torchvision's own resize and center_crop (Pillow's bilinear resize on a PIL image): for a
+    square size exactly v2.Resize(S), v2.CenterCrop(S) (tests/test_photos.py compares them)."""
+    from torchvision.transforms.v2 import functional  # here: 2 s of imports, paid by the runs that decode
+    image = functional.resize(image, list(cover_size(image.height, image.width, size)))
+    return functional.center_crop(image, list(size))
 
 
 def decode(path, size, mode):
