@@ -103,7 +103,8 @@ def image_transforms(args):
     applies it, and the loaders that cannot (device, dali) refuse it in one line naming it."""
     if args.eval_only:  # test images are never augmented
         return None
-    # Here, not at the top: importing torchvision costs 2 s per process, paid by the runs that use it.
+    # Here, not at the top: a training run pays torchvision's import (about 2 s per process, once),
+    # --eval-only, predict.py and the tools do not.
     from torchvision.transforms import v2
     transforms = [
         # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here

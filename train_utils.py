@@ -166,12 +166,10 @@ def run_epoch(run, state, rng_state=None):
                           average[0] if average else None)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
-    best = max(state.history, default=-1.0)
     state.history.append(validated(record))  # early stopping, like --save-weights, goes by the better of the two
     state.records.append(record)
     state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
-    if run.checkpointer.directory and state.history[-1] > best:  # timm's model_best: the best epoch's weights
-        run.checkpointer.save_best(run.trained(record), run.weights_metadata(record))
+    run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
     if run.checkpointer.due():
         run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)

@@ -27,7 +27,7 @@ from engine.files import atomic_save
 from engine.folder_lock import FolderLock
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
-from engine.weights import MODEL_EMA, check_weights_target, save_weights, with_model_file
+from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
 
@@ -211,12 +211,28 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
     check_resume_flags(saved, args, recipe_flags)
 
 
+# Checkpoints written before --model-ema's defaults followed the run's length recorded the old
+# defaults filled in: such a run, resumed without those flags, goes on (with the derived ones).
+FILLED_IN_BEFORE = {"model_ema_decay": 0.99, "model_ema_steps": 32}
+
+
+def recorded_accuracy(path):
+    """The validation accuracy a weights file of keep_best records, -1 when there is none."""
+    if not path.exists():
+        return -1.0
+    try:
+        return float(read_weights(path, BEST_WEIGHTS, mmap=True).metadata.get("val_accuracy", -1.0))
+    except UserError:  # unreadable: replaced by the run's first epoch, as by a new file
+        return -1.0
+
+
 def check_resume_flags(saved, args, recipe_flags):
     """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
     filled in): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
     may grow but not shrink. Cheap enough to run before any data is read (newest_checkpoint)."""
     changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(getattr(args, name))})"
-               for name in recipe_flags if saved.get(name) != getattr(args, name)]
+               for name in recipe_flags if saved.get(name) != getattr(args, name)
+               and not (getattr(args, name) is None and FILLED_IN_BEFORE.get(name) == saved.get(name))]
     if args.epochs < saved["epochs"]:
         changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
                        "--epochs, not shortened)")
@@ -308,6 +324,10 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.last_step = None  # optimizer step of the newest checkpoint written or loaded
         self.count, self.seconds = 0, 0.0
+        # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
+        # kill (or a requeued job's first attempt) is replaced only by better weights.
+        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS),
+                               ctx.control_group) if self.directory else -1.0
 
     def loaded(self, step):
         """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""
@@ -366,10 +386,15 @@ class Checkpointer:
                       "job scripts use, or give --checkpoint-dir a faster disk")
         return path
 
-    def save_best(self, model, metadata):
-        """Write ``model``'s weights to BEST_WEIGHTS in the folder, replacing the run's own earlier
-        best (global rank 0, atomically; every rank waits). One that cannot be written (a full
+    def keep_best(self, accuracy, model, metadata):
+        """When ``accuracy`` (an epoch's validation) beats the weights in BEST_WEIGHTS, write
+        ``model``'s there in their place (global rank 0, atomically; every rank waits, and every
+        rank decides alike: the accuracy is all-reduced). One that cannot be written (a full
         disk) is a warning: the run goes on, its checkpoints are what a resume needs."""
+        if self.directory is None or accuracy <= self.best:
+            return
+        self.best = accuracy
+
         def write():
             try:
                 save_weights(model, self.directory / BEST_WEIGHTS, metadata, BEST_WEIGHTS)

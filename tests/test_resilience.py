@@ -414,6 +414,27 @@ class _TinyRun:
         return {"model": "test:linear"}
 
 
+def test_model_best_is_replaced_only_by_better_weights_also_after_a_restart(tmp_path):
+    """model_best.pt: an epoch's weights when they validate better than the file's; a new
+    Checkpointer on the folder (a resume after kill -9, a requeued job) starts from the
+    accuracy the file records, so a worse epoch never replaces it."""
+    ctx = DistContext(device=torch.device("cpu"))
+    first, second, third = (torch.nn.Linear(2, 2) for _ in range(3))
+    checkpointer = checkpoints.Checkpointer(tmp_path, 0, ctx)
+    assert checkpointer.best == -1.0  # no file yet
+    checkpointer.keep_best(0.5, first, {"val_accuracy": 0.5, "epoch": 1})
+    checkpointer.keep_best(0.4, second, {"val_accuracy": 0.4, "epoch": 2})  # worse: kept as it was
+    saved = weights_file.read_weights(tmp_path / "model_best.pt")
+    assert saved.metadata["epoch"] == 1 and torch.equal(saved.state["weight"], first.weight)
+    again = checkpoints.Checkpointer(tmp_path, 0, ctx)  # the run restarted from an older checkpoint
+    assert again.best == 0.5
+    again.keep_best(0.45, third, {"val_accuracy": 0.45, "epoch": 2})
+    assert weights_file.read_weights(tmp_path / "model_best.pt").metadata["epoch"] == 1
+    again.keep_best(0.6, third, {"val_accuracy": 0.6, "epoch": 3})
+    saved = weights_file.read_weights(tmp_path / "model_best.pt")
+    assert saved.metadata["epoch"] == 3 and torch.equal(saved.state["weight"], third.weight)
+
+
 def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_path):
     foreign = [tmp_path / "checkpoint_000000001.pt", tmp_path / "checkpoint_000000099.pt"]
     for path in foreign:

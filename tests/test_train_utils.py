@@ -17,7 +17,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import device_loader, flags, lr_schedule, optimizers, precision, processes, step_totals
+from engine import checkpoints, device_loader, flags, lr_schedule, optimizers, precision, processes, step_totals
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -353,6 +353,18 @@ def test_model_ema_follows_the_runs_length_by_default():
         "mostly the early weights; lower --model-ema-decay (now 0.99) or --model-ema-steps (now 3), or leave both "
         "out for a half-life of 5% of the run"]
     assert recipe.ema_schedule(tu.parse_args("test", []), 360) is None
+
+
+def test_a_run_from_before_the_derived_ema_defaults_resumes_without_its_flags():
+    """Checkpoints from before ema_schedule recorded --model-ema's old defaults filled in (0.99
+    every 32 steps): resuming without those flags goes on; any other recorded value must be given."""
+    args = tu.parse_args("x", ["--model-ema"])
+    defaults, recipe_flags = tu.resume_rules()
+    saved = {**defaults, **vars(args), "model_ema_decay": 0.99, "model_ema_steps": 32}
+    checkpoints.check_resume_flags(saved, args, recipe_flags)  # no error
+    with pytest.raises(UserError, match=r"needs the checkpoint's recipe, but it had --model-ema-decay 0.9 \(now not "
+                                        r"given\); rerun with its values"):
+        checkpoints.check_resume_flags({**saved, "model_ema_decay": 0.9}, args, recipe_flags)
 
 
 def test_evaluation_counts_top5_from_the_models_own_outputs():

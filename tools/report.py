@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 
 from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import ResourceProblem  # noqa: E402
-from engine.log import throughput  # noqa: E402
+from engine.log import throughput, validated  # noqa: E402
 
 FIGURE_INCHES, FIGURE_DPI = (12, 8), 100  # the PNG is 1200 x 800 pixels
 # What must be equal for runs to be compared in the scaling table.
@@ -185,12 +185,12 @@ def runs_table(runs):
     rows = []
     for run in runs:
         last = run.records[-1]
-        best = max(run.records, key=lambda r: r["val_accuracy"])
+        best = max(run.records, key=validated)  # with --model-ema, the better of the model and its average
         peaks = [r["peak_memory_gib"] for r in run.records if r.get("peak_memory_gib") is not None]
         rows.append([
             run.label, len(run.records), run.world_size, run.value("nodes", "-"), run.value("per_process_batch", "-"),
             run.value("precision", "-"), f"{last['val_accuracy']:.4f}",
-            f"{best['val_accuracy']:.4f} (epoch {best['epoch']})",
+            f"{validated(best):.4f} (epoch {best['epoch']})",
             last.get("val_samples", "-"), _number(sum(r["epoch_time_s"] for r in run.records)),
             _number(sum(r.get("eval_time_s", 0.0) for r in run.records)), _number(throughput(run.records)),
             _number(throughput(run.steady())), _number(max(peaks), 2) if peaks else "-",
