@@ -18,7 +18,7 @@ Three loaders serve batches of (float32 images (B, C, H, W), int64 labels (B,)):
 - ``device`` (the training scripts' default): the whole data set is copied to the device
   once as uint8 (150 MB for CIFAR's training set, 47 MB for MNIST's); each batch is a gather
   plus the augmentation and normalization as batched tensor operations there
-  (engine/device_loader.py). No worker processes, no host-to-device copies and no CPU time
+  (``DeviceLoader`` below). No worker processes, no host-to-device copies and no CPU time
   per image.
 - ``torchvision``: the guide's DataLoader, for data that does not fit on the device or for
   comparison; with ``num_workers`` persistent worker processes, each applying torchvision's
@@ -32,6 +32,7 @@ with any number of workers and after a resume; DALI seeds each epoch's pipeline 
 rank). They draw the same distribution of crops, not the same crops.
 """
 
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -39,25 +40,24 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
 from engine.dali_loader import DaliLoader, check_dali, choose_dali, dali_installed
-from engine.device_loader import DeviceLoader
+from engine.disk_space import size_text
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
                                 read_folder_cache)
 from engine.image_folder import channel_stats
-from engine.data_sets import FileImages, InMemoryImages
 from engine.image_list import decoded_bytes, prepare_list, read_list
 from engine.log import count, flag_value
+from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
 from engine.plugins import plugin_key
-from engine.preprocessing import Preprocessing, trained_preprocessing
+from engine.preprocessing import Preprocessing, augmentation_seeds, trained_preprocessing
 from engine.processes import available_cores, from_rank0
-from engine.samplers import AugmentSampler, ShardSampler
 from engine.stopping import ignore_ctrl_c
 from engine.task import DataInfo, data_fingerprint
 from engine.splits import check_labels, describe_split, held_out_record, stratified_split
@@ -194,6 +194,280 @@ def set_loader_epoch(loader, epoch):
 
 # ---------------------------------------------------------------------------------------------
 # --dataset of the command line: the data and what the engine knows of it (engine/task.py).
+
+# ---------------------------------------------------------------------------------------------
+# What the loaders serve: stored images made the model's input (normalized, centre-cropped), the
+# data sets, the DataLoader's samplers, and the device loader.
+
+def transformed(image, transform, seed):
+    """``transform`` (torchvision v2, per image) of one image (C, H, W), its draws from torch's
+    global CPU generator seeded with ``seed`` and put back after (in a 0-worker DataLoader it is
+    the training process's own): the image's draws depend on nothing that ran before."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        return transform(image)
+
+
+def centre_crop(images, size):
+    """The central ``size`` (h, w) of images (B, H, W, C), offsets rounded as torchvision's
+    CenterCrop rounds them: the test view of images stored larger than the model's input."""
+    height, width = size
+    top, left = round((images.shape[1] - height) / 2), round((images.shape[2] - width) / 2)
+    return images[:, top:top + height, left:left + width]
+
+
+def normalization(mean, std, dtype, device="cpu"):
+    """(scale, shift), float32 (C,) on ``device``, for stored images of ``dtype``: uint8 images
+    become x * scale + shift = (x / 255 - mean) / std, ToTensor + Normalize's; a data set of
+    floats (x + shift) * scale = (x - mean) / std, subtracting first, so that a mean far from 0
+    (in units of std) loses no precision. Computed in float64, rounded once."""
+    mean, std = torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
+    if dtype == torch.uint8:
+        return (1 / (255 * std)).float().to(device), (-mean / std).float().to(device)
+    return (1 / std).float().to(device), (-mean).float().to(device)
+
+
+def normalize(images, scale, shift):
+    """Stored images (B, H, W, C) -> float32 (B, C, H, W), with ``normalization``'s scale and
+    shift on the images' device: uint8 read as it is, one fused multiply-add per value, within
+    one float32 rounding (2.4e-7) of ToTensor + Normalize (the lookup table that matched them
+    bit for bit cost 4.6x as much on a CPU and an int64 copy of the batch on a GPU); floats
+    shifted, then scaled. The result is channels-last in memory (the permute is a view), the
+    layout the model wants on the GPU."""
+    if images.dtype == torch.uint8:
+        return torch.addcmul(shift, images, scale).permute(0, 3, 1, 2)
+    return ((images.float() + shift) * scale).permute(0, 3, 1, 2)
+
+
+def normalizer(prep, dtype, device):
+    """The function that makes stored images (B, H, W, C) of ``dtype`` on ``device`` the
+    model's input (B, C, H, W) float32."""
+    scale, shift = normalization(prep.mean, prep.std, dtype, device)
+    return lambda images: normalize(images, scale, shift)
+
+
+class InMemoryImages(Dataset):
+    """Images (N, H, W, C), uint8 or float32, in memory (or memory-mapped), and labels (N,);
+    items are (float32 tensor (C, H, W), int), prepared as ``prep`` (a Preprocessing) says.
+
+    A key is an index (no augmentation: test images, the guide's plain use) or, from
+    AugmentSampler, (index, seed): ``transform`` (recipe.loader_transforms) with the image's
+    draws seeded by ``seed``. No worker process draws random numbers of its own.
+    """
+
+    def __init__(self, images, labels, prep, rows=None, transform=None):
+        self.source, self.source_labels, self.prep, self.transform = images, labels, prep, transform
+        self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
+        self.labels = labels if rows is None else np.asarray(labels)[rows]
+        stored = torch.uint8 if images.dtype == np.uint8 else torch.float32
+        self.scale_shift = normalization(prep.mean, prep.std, stored)  # float32 (C,) each
+
+    @property
+    def images(self):
+        """The images (N, H, W, C): the array itself, or a copy of a subset's rows."""
+        return self.source if self.rows is None else self.source[self.rows]
+
+    @property
+    def nbytes(self):
+        return len(self) * self.source[0].nbytes
+
+    def with_prep(self, prep):
+        """The same images, prepared as ``prep`` says (no copy)."""
+        return InMemoryImages(self.source, self.source_labels, prep, self.rows)
+
+    def with_transform(self, transform):
+        """The same images, training keys (index, seed) transformed by ``transform`` (no copy)."""
+        return InMemoryImages(self.source, self.source_labels, self.prep, self.rows, transform)
+
+    def subset(self, rows):
+        """The images at ``rows`` (indices into this set) of a held-out split, without a copy."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows if self.rows is None else self.rows[rows]
+        return InMemoryImages(self.source, self.source_labels, self.prep, rows)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, key):
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        row = index if self.rows is None else self.rows[index]
+        image = torch.from_numpy(np.array(self.source[row])).permute(2, 0, 1)  # (C, H, W): a copy, out of the map
+        if seed is not None and self.transform is not None:  # a training image
+            image = transformed(image, self.transform, seed)
+        image = centre_crop(image.permute(1, 2, 0)[None], self.prep.image_shape[:2])  # (1, h, w, C); test images
+        return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
+
+
+class FileImages:
+    """Image files (absolute paths) and int64 labels (N,), prepared as ``prep`` (a Preprocessing)
+    says: what InMemoryImages is to the other loaders, for --loader dali, which reads
+    and decodes the files itself."""
+
+    def __init__(self, files, labels, prep):
+        self.files, self.labels, self.prep = [str(f) for f in files], np.asarray(labels, dtype=np.int64), prep
+
+    @property
+    def nbytes(self):
+        """What the images would take decoded at their stored size (uint8): what the cache would hold."""
+        return len(self) * int(np.prod(self.prep.stored)) * self.prep.image_shape[2]
+
+    def with_prep(self, prep):
+        return FileImages(self.files, self.labels, prep)
+
+    def subset(self, rows):
+        """The images at ``rows`` (indices into this set) of a held-out split."""
+        return FileImages([self.files[i] for i in rows], self.labels[np.asarray(rows, dtype=np.int64)], self.prep)
+
+    def __len__(self):
+        return len(self.labels)
+
+
+class AugmentSampler(Sampler):
+    """The indices of ``sampler``, as (index, seed) keys for InMemoryImages: the
+    seed of the image's per-image transforms in this epoch (augmentation_seeds, a function of
+    (seed, epoch, index) alone), drawn at the start of the epoch in one call, so persistent
+    workers, which never see ``set_epoch``, need no RNG of their own and a resumed run, with any
+    number of workers, draws what the uninterrupted one drew."""
+
+    def __init__(self, sampler, size, seed):
+        self.sampler, self.size, self.seed, self.epoch = sampler, size, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        seeds = augmentation_seeds(self.size, self.seed, self.epoch).tolist()
+        return ((index, seeds[index]) for index in self.sampler)
+
+    def __len__(self):
+        return len(self.sampler)
+
+
+class ShardSampler(Sampler):
+    """Indices rank, rank + world_size, ...: across all ranks every index exactly once.
+
+    Unlike DistributedSampler it never pads the shards with repeated samples, so an
+    evaluation summed over ranks counts each test image once. Shards may differ in length
+    by one: evaluation only all-reduces sums, so that is fine.
+    """
+
+    def __init__(self, length, rank=0, world_size=1):
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def augment(images, rand, ops, prep):
+    """``ops`` (recipe.AUGMENTATIONS[...]) applied in order to images (B, H, W, C); rand
+    (B, len(ops), per_op) on the images' device."""
+    for i, op in enumerate(ops):
+        images = op(images, rand[:, i], prep)
+    return images
+
+
+def model_view(images, rand, prep):
+    """What the model sees of stored images (B, H, W, C): the training augmentation
+    (``prep.ops``) with each image's random numbers ``rand`` (None for test images: none),
+    then the centre of the model's input size ``prep.image_shape`` if still larger (images
+    stored 8/7 of it for resized-crop: the usual resize 256, centre crop 224)."""
+    if rand is not None:
+        images = augment(images, rand, prep.ops, prep)
+    if tuple(images.shape[1:3]) != tuple(prep.image_shape[:2]):
+        images = centre_crop(images, prep.image_shape[:2])
+    return images
+
+
+def batch_temporaries(prep, batch, dtype, device):
+    """Bytes of the GPU ``device`` that the device loader takes, beyond the batch it returns, to
+    make one training batch of ``batch`` stored images: the gathered images and the
+    augmentation's intermediates (a resized crop's are float32).
+    Measured on zeros by the allocator's peak (host-side counts: no sync). 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    images = torch.zeros((batch, *prep.stored, prep.image_shape[2]), dtype=dtype, device=device)
+    rand = prep.randoms(batch, 0, 1).to(device) if prep.ops else None
+    out = normalizer(prep, dtype, device)(model_view(images, rand, prep))
+    peak = torch.cuda.max_memory_allocated(device) - before - out.nbytes
+    del images, rand, out
+    torch.cuda.empty_cache()
+    return peak
+
+
+class DeviceLoader:
+    """Batches of (images float32 (B, C, H, W), labels int64 (B,)) cut from a data set that
+    lives on ``device`` as uint8 (or float). Indices come from ``sampler`` (a
+    DistributedSampler for training, so the order and sharding are exactly the torchvision
+    loader's); training batches get the data set's augmentation (``dataset.prep.ops``) with
+    each image's random numbers of the epoch, so batch k of an epoch is the same whether or
+    not batches before it were drawn (mid-epoch resume skips them)."""
+
+    num_workers = 0  # for the start-up block: no worker processes
+
+    def __init__(self, dataset, batch_size, sampler, device, augmented, drop_last, seed=0):
+        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
+        self.prep = dataset.prep
+        self.augmented = augmented and bool(self.prep.ops)
+        self.device, self.drop_last, self.seed = device, drop_last, seed
+        self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
+        self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
+        self.normalize = normalizer(self.prep, self.images.dtype, device)
+
+    def __len__(self):
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (rest > 0 and not self.drop_last)
+
+    def __iter__(self):
+        # One small host-to-device copy per epoch: this rank's indices (N / world_size int64).
+        indices = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.device)
+        if self.augmented:
+            # The whole data set's numbers, copied once per epoch (8 bytes each, 32 per operation
+            # and image): each image's, whatever rank serves it.
+            rand = self.prep.randoms(len(self.labels), self.seed, getattr(self.sampler, "epoch", 0)).to(self.device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            images = model_view(self.images[batch], rand[batch] if self.augmented else None, self.prep)
+            yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64
+
+
+def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_bytes=0, per_image=None):
+    """(loader, why) for --loader. auto puts the data set on the device when it fits beside
+    training and the device loader's own ``loader_bytes`` per batch (batch_temporaries) in
+    HEADROOM of the device's free memory (``measured``: engine.memory.Measured), or, where
+    nothing is measured (the CPU), in DEVICE_DATA_FRACTION of its ``memory_bytes``; else the
+    DataLoader streams it from host memory. ``per_image`` (the per-image transforms, in words)
+    needs the DataLoader's workers: the device loader transforms whole batches."""
+    if per_image and requested != "torchvision":
+        if requested == "device":
+            raise UserError(f"{per_image} transforms each image on its own, in the DataLoader's workers: --loader "
+                            "device transforms whole batches; use --loader torchvision (or auto)")
+        return "torchvision", f"auto: {per_image} transforms each image, in the DataLoader's workers"
+    if requested != "auto":
+        return requested, f"--loader {requested}"
+    data = size_text(data_bytes)
+    if measured is None:
+        fits = data_bytes <= DEVICE_DATA_FRACTION * memory_bytes
+        return ("device" if fits else "torchvision",
+                f"auto: the data set ({data}) {'fits' if fits else 'does not fit'} in {DEVICE_DATA_FRACTION:.0%} "
+                f"of the device's {size_text(memory_bytes)}")
+    fits = data_bytes + measured.training + loader_bytes <= HEADROOM * measured.free
+    training = ("out of memory on its own" if math.isinf(measured.training)
+                else f"{size_text(measured.training)}, measured")
+    return ("device" if fits else "torchvision",
+            f"auto: the data set ({data}), training ({training}) and the device loader's batch "
+            f"({size_text(loader_bytes)}) {'fit' if fits else 'do not fit'} together in {HEADROOM:.0%} of the "
+            f"device's free {size_text(measured.free)} (of {size_text(measured.total)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's data, from its flags.
 
 def build_data(args, ctx, listed=False, normalization=None):
     """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both (FileImages for an image

@@ -13,31 +13,33 @@ augmentations from recipe.py. Only global rank 0 prints and writes files.
 from __future__ import annotations  # Run names Precision and friends in its annotations
 
 import argparse
+import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from functools import partial
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import (build_data, build_loaders, dali_choice, default_num_workers, set_loader_epoch,
-                           with_image_transforms)
+from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice, default_num_workers,
+                           set_loader_epoch, with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
 from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, check_resumable, claimed_folder,
                                 load_agreed_checkpoint, new_run_id, restore)
 from engine.errors import RunAborted, UserError
-from engine.log import (Progress, RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
+from engine.log import (RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp,
                         validated, validated_ema, which_weights)
-from engine.device_loader import batch_temporaries, choose_loader
 from engine.finetune import finetune
 from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
@@ -50,7 +52,6 @@ from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
-from engine.step_totals import LossBooks, eval_summary
 from engine.stopping import StopRequests
 from engine.task import Task
 from engine.weights import check_state_fits, save_trained_weights
@@ -190,7 +191,7 @@ def train_step(run, x, y):
     for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
         # DDP all-reduces gradients during the last micro-batch's backward only.
         with ddp.no_sync() if i < parts - 1 and hasattr(ddp, "no_sync") else nullcontext():
-            with run.precision.autocast(run.ctx.device):
+            with run.autocast():
                 loss = run.loss_fn(run.model(xs), ys)  # logits (B / N, classes) -> a scalar
                 loss = loss / parts if parts > 1 else loss  # the mean over all B images (no kernel when N is 1)
             run.scaler.scale(loss).backward()
@@ -237,7 +238,8 @@ def train_steps(run, batches, state):
             update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
         books.add(loss, y.size(0), step)
         state.step = step
-        run.monitor.step(state.epoch, step)
+        if run.monitor.profile is not None:  # --profile-dir: the profiler's window counts the steps
+            run.monitor.step(state.epoch, step)
         # Reads the running loss (a GPU sync) only when a line is shown.
         progress.update(step, books.images * run.ctx.world_size,
                         lambda: f"loss {books.sums[0].item() / books.images:.4f}")
@@ -252,6 +254,110 @@ def train_steps(run, batches, state):
     return books.totals(lr, stop)
 
 
+# ---------------------------------------------------------------------------------------------
+# The progress of a phase, as it runs.
+
+TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
+
+
+class Progress:
+    """Progress within one phase (an epoch's training steps, an evaluation), on rank 0.
+
+    On a terminal: one line redrawn at most every TERMINAL_INTERVAL_S, erased at the end. In a
+    batch log (stdout not a terminal): a timestamped line at most every ``log_interval_s``
+    seconds (0: never). ``update`` only reads a clock; ``detail()`` (e.g. the running loss,
+    which waits for the GPU) is called only for a line that is shown: one GPU sync per line.
+    """
+
+    def __init__(self, enabled, label, total, log_interval_s, first=0, stream=None, clock=time.perf_counter):
+        self.stream = stream or sys.stdout
+        self.terminal = self.stream.isatty()
+        self.interval_s = TERMINAL_INTERVAL_S if self.terminal else log_interval_s
+        self.enabled = enabled and self.interval_s > 0
+        self.label, self.total, self.first, self.clock = label, total, first, clock  # first: batches done before
+        self.start = self.last = clock()
+        self.shown = False
+
+    def update(self, done, images, detail=None):
+        """``done`` of ``total`` batches, ``images`` processed on all ranks so far."""
+        if not self.enabled or done >= self.total or self.clock() - self.last < self.interval_s:
+            return  # (the last batch is followed by the epoch's or the evaluation's own line)
+        text = detail() if detail else ""  # may wait for the GPU: before reading the clock
+        now = self.clock()
+        self.last, self.shown = now, True
+        elapsed, done_here = now - self.start, done - self.first
+        left = elapsed / done_here * (self.total - done) if done_here > 0 else None
+        left = str(timedelta(seconds=round(left))) if left is not None else "?"  # H:MM:SS
+        line = (f"{self.label} [{done}/{self.total}]{f' {text}' if text else ''}, "
+                f"{images / max(elapsed, 1e-9):.1f} img/s, {left} left")
+        if self.terminal:
+            self.stream.write(f"\r{line}\033[K")
+        else:
+            self.stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.shown and self.terminal:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# The books of an epoch's steps and of an evaluation: kept on the device, so that no step waits
+# for the GPU, and summed over the ranks once, at the end of the epoch (or at a stop).
+
+class StepTotals(NamedTuple):
+    """What ``train_steps`` did, summed over all ranks."""
+    loss_sum: float  # training loss times images
+    images: int
+    first_bad: int   # first step with a non-finite loss, 0 if none
+    lr: float        # of the last step
+    stop: int        # the agreed stop request (engine.stopping.NO_STOP, STOP_FILE or STOP_SIGNAL)
+
+
+class LossBooks:
+    """The running loss sum and the first step with a non-finite loss, kept on the device so
+    that no step waits for the GPU; read once, summed over ranks, by ``totals``."""
+
+    NONE = 2**62  # "no non-finite loss yet": larger than any step, so the minimum over ranks works
+
+    def __init__(self, device):
+        # [loss times images, images]: float64 counts images exactly (up to 2**53).
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self.images = 0  # the same count on the host, for progress lines
+
+    def add(self, loss, images, step):
+        self.sums[0] += loss * images
+        self.sums[1] += images  # a Python number into a kernel's arguments: no copy, no sync
+        self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, torch.clamp(self.first_bad, max=step))
+        self.images += images
+
+    def totals(self, lr, stop):
+        """Summed over all ranks: both all-reduces are queued, then one host sync reads them,
+        once per epoch (or stop). NONE (2**62) and step numbers are exact in float64."""
+        first_bad = all_reduce(self.first_bad.clone(), op="min").double()
+        loss_total, images_total, first_bad = torch.cat([all_reduce(self.sums.clone()), first_bad[None]]).tolist()
+        first_bad = int(first_bad)
+        return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)
+
+
+class EvalResult(NamedTuple):
+    accuracy: float  # fraction of test images classified correctly
+    loss: float      # mean cross-entropy per image
+    samples: int     # test images seen, summed over all ranks
+    top5: float = None  # fraction whose class is among the 5 most probable (None: 5 classes or fewer)
+
+
+def eval_summary(correct, loss_sum, count, top5_correct=None):
+    """Metrics from sums over all ranks: each image weighs the same, however uneven the shards.
+    ``top5_correct``: images whose class is among the five highest logits, None when not counted."""
+    if count <= 0:
+        return EvalResult(math.nan, math.nan, 0)
+    return EvalResult(correct / count, loss_sum / count, int(count),
+                      None if top5_correct is None else top5_correct / count)
+
+
 @torch.no_grad()
 def evaluate(run, model, loader, label="Evaluation"):
     """Accuracy (top-1, and top-5 with more than 5 classes) and loss of ``model`` over this
@@ -261,7 +367,7 @@ def evaluate(run, model, loader, label="Evaluation"):
     forward may broadcast buffers, a collective that would hang when the shards have different
     numbers of batches.
     """
-    device, precision = run.ctx.device, run.precision
+    device = run.ctx.device
     model.eval()
     top5 = len(run.task.data.classes) > 5
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # [correct, loss sum, images, top-5 correct]
@@ -272,7 +378,7 @@ def evaluate(run, model, loader, label="Evaluation"):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
         y = y.to(device, non_blocking=True)
         try:
-            with precision.autocast(device):
+            with run.autocast():
                 logits = model(x)  # (B, classes)
         except Exception as err:
             if not is_out_of_memory(err):
@@ -351,6 +457,7 @@ class Run:
     scaler: torch.amp.GradScaler
     loss_fn: nn.Module
     precision: Precision
+    autocast: object       # precision.autocaster: () -> the forward pass's context (torch.autocast or none)
     memory_format: torch.memory_format  # of the input batches: the model's layout
     ctx: object            # engine.processes.DistContext: who this process is
     args: argparse.Namespace
@@ -419,10 +526,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
         cycles = [list(first_cycle(args.epochs, args.warmup_epochs, steps))]
         state = TrainState(run_id=from_rank0(new_run_id, ctx.control_group), lr_cycles=cycles)  # one ID: traces
-        rng_state, scheduler = None, make_scheduler(optimizer, cycles, factor)
+        rng_state, scheduler = None, make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     run = Run(model=torch.compile(task.model) if args.compile else task.model,  # compiles during the first steps
               module=module, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=loss_fn,
-              precision=precision, memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
+              precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
@@ -449,7 +556,7 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
     if args.epochs > planned and not finished:
         cycles = extend(cycles, args.epochs, args.warmup_epochs, steps, checkpoint["scheduler"]["last_epoch"], factor)
         log.info(describe_extension(planned, args, Cycle(*cycles[-1]), steps))
-    scheduler = make_scheduler(optimizer, cycles, factor)
+    scheduler = make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     kernels = kernel_choices(optimizer)
     state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
     state.lr_cycles = [list(c) for c in cycles]

@@ -17,21 +17,17 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     data_formats.py  the built-in data sets' files: fetched, read, checked
     image_folder.py  --dataset folder: scanned and decoded
     image_list.py    --loader dali's list of an image folder: each image checked once, no copy kept
-    data_sets.py     what the loaders serve: images in memory (or mapped), or files for DALI
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     splits.py        --val-fraction: a stratified validation split of the training images
-    preprocessing.py stored images to the model's input: normalization, centre crop, each image's draws
+    preprocessing.py Preprocessing (input shape, normalization, augmentation); each image's draws
     dali_loader.py   --loader dali: DALI's pipeline per epoch, the project's order and shards
-    device_loader.py batches on the device, augmented a batch at a time; --loader auto
     batched_crops.py boxes in a whole batch on the device: resized crops, erasing
-    samplers.py      the DataLoader's samplers: each image's seed, test shards
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
     optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it
     lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
-    step_totals.py   an epoch's loss, images and first non-finite step, summed once per epoch; eval metrics
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start

@@ -19,8 +19,8 @@ import importlib.util
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from engine.device_loader import DEVICE_DATA_FRACTION
 from engine.disk_space import size_text
+from engine.memory import DEVICE_DATA_FRACTION
 from engine.errors import UserError
 from engine.seeds import derived_seed
 

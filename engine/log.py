@@ -21,9 +21,6 @@ from typing import Callable
 
 from engine.disk_space import space_problem
 
-TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
-
-
 def timestamp(now=None):
     """Local wall-clock time, as a batch log wants it: 2026-11-21 14:03:07."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
@@ -113,47 +110,6 @@ class RunLogger:
                       + (", and in the checkpoints" if self.checkpointed else ""))
             return
         self.pending = []
-
-
-class Progress:
-    """Progress within one phase (an epoch's training steps, an evaluation), on rank 0.
-
-    On a terminal: one line redrawn at most every TERMINAL_INTERVAL_S, erased at the end. In a
-    batch log (stdout not a terminal): a timestamped line at most every ``log_interval_s``
-    seconds (0: never). ``update`` only reads a clock; ``detail()`` (e.g. the running loss,
-    which waits for the GPU) is called only for a line that is shown: one GPU sync per line.
-    """
-
-    def __init__(self, enabled, label, total, log_interval_s, first=0, stream=None, clock=time.perf_counter):
-        self.stream = stream or sys.stdout
-        self.terminal = self.stream.isatty()
-        self.interval_s = TERMINAL_INTERVAL_S if self.terminal else log_interval_s
-        self.enabled = enabled and self.interval_s > 0
-        self.label, self.total, self.first, self.clock = label, total, first, clock  # first: batches done before
-        self.start = self.last = clock()
-        self.shown = False
-
-    def update(self, done, images, detail=None):
-        """``done`` of ``total`` batches, ``images`` processed on all ranks so far."""
-        if not self.enabled or done >= self.total or self.clock() - self.last < self.interval_s:
-            return  # (the last batch is followed by the epoch's or the evaluation's own line)
-        text = detail() if detail else ""  # may wait for the GPU: before reading the clock
-        now = self.clock()
-        self.last, self.shown = now, True
-        elapsed, done_here = now - self.start, done - self.first
-        left = elapsed / done_here * (self.total - done) if done_here > 0 else None
-        line = (f"{self.label} [{done}/{self.total}]{f' {text}' if text else ''}, "
-                f"{images / max(elapsed, 1e-9):.1f} img/s, {duration(left)} left")
-        if self.terminal:
-            self.stream.write(f"\r{line}\033[K")
-        else:
-            self.stream.write(f"{timestamp()} {line}\n")
-        self.stream.flush()
-
-    def close(self):
-        if self.shown and self.terminal:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ checkpoints, so every later resume follows the same schedule.
 of --base-lr); nothing here knows its formula.
 """
 
+import operator
 from functools import partial
 from typing import NamedTuple
 
@@ -50,11 +51,15 @@ def extend(cycles, epochs, warmup_epochs, steps_per_epoch, at_step, factor):
     return [*cycles, Cycle(at_step, warmup, end, schedule_factor(at_step, cycles, factor))]
 
 
-def make_scheduler(optimizer, cycles, factor):
+def make_scheduler(optimizer, cycles, factor, total_steps=0):
     """Per-step LR schedule: LambdaLR multiplies each group's initial LR by ``schedule_factor``
-    of ``cycles``."""
+    of ``cycles``, computed once for every optimizer step of the run (to the last cycle's end,
+    or ``total_steps`` if more): a step looks its factor up in a list (8 bytes a step; a
+    450,000-step ImageNet run's is 3.6 MB) and runs no project code."""
     cycles = [tuple(c) for c in cycles]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(schedule_factor, cycles=cycles, factor=factor))
+    last = max(total_steps, *(c[2] for c in cycles))
+    factors = [schedule_factor(step, cycles, factor) for step in range(last + 1)]  # step 0 ... last, inclusive
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(operator.getitem, factors))
 
 
 def describe_extension(planned, args, cycle, steps_per_epoch):

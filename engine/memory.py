@@ -26,6 +26,7 @@ from engine.precision import configure_precision
 from engine.processes import max_over_ranks
 
 HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at most this share of the memory
+DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
 OPTIMIZER_STATE_VALUES = 2  # per trainable parameter: AdamW's two moments, the most recipe.py's optimizers keep
 NO_FIT = 2**62  # bytes: a training step that ran out of memory on its own, in an all-reduce of integers
 # engine.flags.FOLDER, not imported: engine.flags imports engine.models, which imports this module

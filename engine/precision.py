@@ -2,6 +2,7 @@
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -15,10 +16,15 @@ class Precision:
     name: str                     # bf16, fp16, tf32 or fp32
     autocast_dtype: object = None  # torch dtype for autocast, None for fp32 math
 
-    def autocast(self, device):
+    def autocaster(self, device):
+        """A function of no arguments that returns the forward pass's context on ``device``:
+        built once, so that a step enters torch.autocast (or nullcontext) directly."""
         if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+            return nullcontext
+        return partial(torch.autocast, device.type, dtype=self.autocast_dtype)
+
+    def autocast(self, device):
+        return self.autocaster(device)()
 
 
 def configure_precision(requested, device):

@@ -89,12 +89,6 @@ def launcher_pid():
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-def launcher_gone(ctx: DistContext) -> bool:
-    """True when torchrun has exited under this rank (it is now some other process's child).
-    One system call, cheap enough for every step."""
-    return ctx.launcher_pid is not None and os.getppid() != ctx.launcher_pid
-
-
 def synchronize(device: torch.device):
     """Wait for queued GPU work, so that a clock read afterwards measures it."""
     if device.type == "cuda":

@@ -3,13 +3,14 @@ after every step, and the loop stops after the same step on every rank, checkpoi
 exits (EXIT_STOPPED after a signal, 0 after the stop file).
 """
 
+import os
 import signal
 import threading
 from pathlib import Path
 
 from engine.checkpoints import checkpoint_paths
 from engine.errors import TrainingStopped
-from engine.processes import PendingMax, group_active, launcher_gone, max_over_ranks
+from engine.processes import PendingMax, group_active, max_over_ranks
 
 EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
 
@@ -48,6 +49,7 @@ class StopRequests:
         self.file_seen = False
         self._previous = {}
         self._pending = None  # the agreement started after the last step (PendingMax)
+        self._agree = group_active()  # with other ranks, after every step; the group outlives the loop
         self._done = threading.Event()
 
     def __enter__(self):
@@ -94,7 +96,7 @@ class StopRequests:
         return f"nothing saved since {newest[0]}"
 
     def _local(self):
-        if not self.received and launcher_gone(self.ctx):  # an orphan: nobody would see its output or exit
+        if not self.received and launcher_gone(self.ctx.launcher_pid):  # an orphan: nobody would see its output
             self.received = "torchrun, its launcher, has exited"
         if self.received:
             return STOP_SIGNAL
@@ -106,7 +108,7 @@ class StopRequests:
         meanwhile (a one-element gloo all-reduce on the CPU: tens of microseconds, no GPU sync);
         then the next one starts with this rank's flag. Every rank reads the same results in
         the same order, so all stop after the same step."""
-        if not group_active():
+        if not self._agree:
             return self._local()
         agreed = self.drain()
         if agreed == NO_STOP:
@@ -130,6 +132,12 @@ class StopRequests:
                  STOP_SIGNAL: self.received or "a signal to another rank"}[kind]
         saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
         return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
+
+
+def launcher_gone(launcher_pid):
+    """True when the torchrun of PID ``launcher_pid`` (None: none) has exited under this rank
+    (it is now some other process's child). One system call, cheap enough for every step."""
+    return launcher_pid is not None and os.getppid() != launcher_pid
 
 
 def _repeat_ignored(signum, frame):

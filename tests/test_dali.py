@@ -22,7 +22,7 @@ import recipe
 from conftest import (REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd,
                       wait_held)
 from engine.dali_loader import DaliLoader, choose_dali, dali_installed, dali_package, epoch_rows
-from engine.data_sets import FileImages
+from dataset_utils import FileImages
 from engine.errors import UserError
 from engine.image_folder import decode
 from engine.preprocessing import centre_crop, normalization, normalize

@@ -14,7 +14,7 @@ import torchvision
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, samplers
+from engine import data_formats
 from conftest import run_main, write_cifar100
 
 
@@ -49,7 +49,7 @@ def test_training_images_are_flipped_and_padded_crops(cifar_dir):
     candidates = [(dy, dx, flip) for dy in range(9) for dx in range(9) for flip in (False, True)]
     mean, std = torch.tensor(du.CIFAR100.mean)[:, None, None], torch.tensor(du.CIFAR100.std)[:, None, None]
     train_set = train_set.with_transform(recipe.loader_transforms(train_set.prep))  # what the DataLoader serves
-    sampler = samplers.AugmentSampler([3], len(train_set), 0)  # what the training loader asks for
+    sampler = du.AugmentSampler([3], len(train_set), 0)  # what the training loader asks for
     seen = set()
     for epoch in range(40):
         sampler.set_epoch(epoch)
@@ -164,9 +164,9 @@ def test_only_global_rank_0_fetches_and_the_data_set_is_built_once(cifar_dir, mo
 @pytest.mark.parametrize("length", [40, 41])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_shard_sampler_covers_every_index_once(length, world_size):
-    shards = [list(samplers.ShardSampler(length, rank, world_size)) for rank in range(world_size)]
+    shards = [list(du.ShardSampler(length, rank, world_size)) for rank in range(world_size)]
     assert sorted(i for shard in shards for i in shard) == list(range(length))
-    assert sum(len(samplers.ShardSampler(length, r, world_size)) for r in range(world_size)) == length
+    assert sum(len(du.ShardSampler(length, r, world_size)) for r in range(world_size)) == length
 
 
 def test_every_test_image_is_evaluated_once_across_ranks(tmp_path):

@@ -33,8 +33,7 @@ import recipe
 import train_utils as tu
 from device_utils import single_process_context
 from engine.dali_loader import DaliLoader, dali_installed
-from engine.data_sets import FileImages
-from engine.device_loader import batch_temporaries
+from dataset_utils import FileImages, batch_temporaries
 from engine.memory import StepShape, device_memory, free_device_memory, held_outside_torch, training_bytes
 from engine.precision import Precision
 from engine.preprocessing import Preprocessing

@@ -11,7 +11,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 import dataset_utils as du
 import recipe
-from engine import device_loader, preprocessing, samplers
 
 CPU = torch.device("cpu")
 CIFAR = du.spec_preprocessing(du.CIFAR100)
@@ -112,8 +111,8 @@ def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
     rand = torch.stack([randoms_for(top, left, flip, CIFAR.padding) for top, left, flip in combos])
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = preprocessing.normalize(device_loader.augment(batch, rand, CIFAR.ops, CIFAR),
-                                        *preprocessing.normalization(CIFAR.mean, CIFAR.std, torch.uint8))
+    on_device = du.normalize(du.augment(batch, rand, CIFAR.ops, CIFAR),
+                                        *du.normalization(CIFAR.mean, CIFAR.std, torch.uint8))
     references = []
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).
@@ -188,7 +187,7 @@ def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_d
         assert all(torch.equal(x, x_ref) for x, x_ref in zip(batches, reference, strict=True))
 
     def keys(epoch):
-        sampler = samplers.AugmentSampler(range(64), 64, 2)
+        sampler = du.AugmentSampler(range(64), 64, 2)
         sampler.set_epoch(epoch)
         return list(sampler)
 

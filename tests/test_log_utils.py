@@ -14,6 +14,7 @@ from engine import cli
 from engine import log as run_log
 from engine.errors import UserError
 from engine.processes import DistContext
+import train_utils as tu
 
 
 class FakeTerminal(io.StringIO):
@@ -32,7 +33,7 @@ class FakeClock:
 def _show(stream, clock, interval_s, steps=4):
     """Run a 4-batch phase, one second per batch; count the calls of the (GPU-syncing) detail."""
     calls = []
-    progress = run_log.Progress(True, "Epoch 1/3", steps, interval_s, stream=stream, clock=clock)
+    progress = tu.Progress(True, "Epoch 1/3", steps, interval_s, stream=stream, clock=clock)
     for step in range(1, steps + 1):
         clock.now += 1.0
         progress.update(step, 8 * step, lambda: calls.append(step) or "loss 2.0000")
@@ -59,14 +60,14 @@ def test_progress_on_a_terminal_is_one_updating_line_and_none_when_disabled():
     assert "\rEpoch 1/3 [1/4] loss 2.0000, 8.0 img/s, 0:00:03 left\033[K" in shown and shown.endswith("\r\033[K")
     for enabled, interval_s in ((True, 0), (False, 1)):  # --log-interval 0, or not rank 0
         log = io.StringIO()
-        progress = run_log.Progress(enabled, "x", 4, interval_s, stream=log, clock=FakeClock())
+        progress = tu.Progress(enabled, "x", 4, interval_s, stream=log, clock=FakeClock())
         progress.update(1, 8, lambda: pytest.fail("no line, so no GPU sync"))
         assert log.getvalue() == ""
 
 
 def test_progress_of_a_resumed_epoch_counts_only_its_own_batches():
     log, clock = io.StringIO(), FakeClock()
-    progress = run_log.Progress(True, "Epoch 2/3", 10, 1.0, first=6, stream=log, clock=clock)
+    progress = tu.Progress(True, "Epoch 2/3", 10, 1.0, first=6, stream=log, clock=clock)
     clock.now += 2.0
     progress.update(8, 16)  # 2 batches in 2 s: 2 left take 2 s
     assert "[8/10], 8.0 img/s, 0:00:02 left" in log.getvalue()

@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import REPO, clean_env, error_lines, python_cmd, run, torchrun_cmd, write_cifar10
 from tools.demo_data import write_image_folder
 from engine import image_cache
-from engine.device_loader import choose_loader
+from dataset_utils import choose_loader
 from engine.errors import UserError
 from engine.memory import (Measured, OutOfMemory, StepShape, host_memory, is_out_of_memory, probe_step,
                            suggested_accumulate, training_bytes)

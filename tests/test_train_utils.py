@@ -17,7 +17,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import checkpoints, device_loader, flags, lr_schedule, optimizers, precision, processes, step_totals
+from engine import checkpoints, flags, lr_schedule, optimizers, precision, processes
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -196,9 +196,9 @@ def test_eval_summary_weighs_every_image_equally():
     # Two shards of 5 and 4 images: the mean of per-shard accuracies would be wrong.
     shards = [(5, 10.0, 5), (0, 8.0, 4)]
     totals = [sum(values) for values in zip(*shards)]
-    result = step_totals.eval_summary(*totals)
-    assert result == step_totals.EvalResult(accuracy=5 / 9, loss=2.0, samples=9)
-    assert math.isnan(step_totals.eval_summary(0, 0, 0).accuracy)
+    result = tu.eval_summary(*totals)
+    assert result == tu.EvalResult(accuracy=5 / 9, loss=2.0, samples=9)
+    assert math.isnan(tu.eval_summary(0, 0, 0).accuracy)
 
 
 def test_precision_on_cpu():
@@ -256,11 +256,11 @@ def test_fast_settings_by_default():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     args = tu.parse_args("test", [])
     assert args.loader == "auto" and not args.compile
-    assert device_loader.choose_loader("auto", 10e6, 80e9) == (
+    assert du.choose_loader("auto", 10e6, 80e9) == (
         "device", "auto: the data set (10.0 MB) fits in 25% of the device's 80 GB")
-    assert device_loader.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
-    assert device_loader.choose_loader("auto", 10, 40)[0] == "device"
-    assert device_loader.choose_loader("device", 11, 40) == ("device", "--loader device")
+    assert du.choose_loader("auto", 11, 40)[0] == "torchvision"  # more than a quarter of the memory
+    assert du.choose_loader("auto", 10, 40)[0] == "device"
+    assert du.choose_loader("device", 11, 40) == ("device", "--loader device")
     assert device_utils.memory_format(args.channels_last, cuda) == torch.channels_last  # tensor cores want NHWC
     assert device_utils.memory_format(args.channels_last, cpu) == torch.contiguous_format
     assert device_utils.memory_format(False, cuda) == torch.contiguous_format  # --no-channels-last

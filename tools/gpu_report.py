@@ -37,10 +37,9 @@ from PIL import Image
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset_utils import preprocessing  # noqa: E402
+from dataset_utils import FileImages, preprocessing  # noqa: E402
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
 from engine.dali_loader import DaliLoader  # noqa: E402
-from engine.data_sets import FileImages  # noqa: E402
 from engine.disk_space import space_problem  # noqa: E402
 from engine.errors import UserError, first_line  # noqa: E402
 from engine.monitor import is_communication  # noqa: E402
