@@ -45,14 +45,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.dali_loader import DaliLoader, check_dali, choose_dali, dali_installed
 from engine.disk_space import size_text
 from engine.errors import UserError
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
-from engine.image_cache import (MOST_COMMON, SizeRequest, default_cache_dir, fixed_size, prepare_folder,
-                                read_folder_cache)
-from engine.image_folder import channel_stats
-from engine.image_list import decoded_bytes, prepare_list, read_list
 from engine.log import count, flag_value
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
 from engine.plugins import plugin_key
@@ -61,7 +56,6 @@ from engine.processes import available_cores, from_rank0
 from engine.stopping import ignore_ctrl_c
 from engine.task import DataInfo, data_fingerprint
 from engine.splits import check_labels, describe_split, held_out_record, stratified_split
-from engine.user_data import read_user_data
 from engine.weights import read_weights
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
@@ -144,6 +138,7 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {LOADERS}, not {loader!r}")
     if loader == "dali":
+        from engine.dali_loader import DaliLoader  # imported where DALI runs: the other loaders never need it
         common = dict(device=torch.device(device or "cpu"), rank=rank, world_size=world_size, seed=seed,
                       threads=max(1, num_workers))
         return (DaliLoader(train_set, batch_size, recipe.dali_images, augmented=True, **common),
@@ -541,6 +536,7 @@ def folder_size(augment, image_size):
     """The image_cache.SizeRequest of --augment and --image-size: the training images' most
     common size, or --image-size (8/7 of it for resized-crop); with --augment auto that
     depends on whether the images are photos, which the cache's header pass finds out."""
+    from engine.image_cache import MOST_COMMON, SizeRequest, fixed_size
     if not image_size:
         return MOST_COMMON
 
@@ -564,6 +560,7 @@ def prepare_folder_cache(args, log=print):
     """The cache of --data-dir for the data flags ``args`` (--cache-dir, --image-size, --augment,
     --val-fraction), built if missing: train.py and ``python dataset_utils.py --dataset folder``
     both call this, so training reuses what the pre-decoding built."""
+    from engine.image_cache import default_cache_dir, prepare_folder
     return prepare_folder(args.data_dir, Path(args.cache_dir) if args.cache_dir else default_cache_dir(),
                           folder_size(args.augment, args.image_size), log, held_out=bool(args.val_fraction))
 
@@ -572,6 +569,7 @@ def folder_data(args, ctx):
     """The image folder, decoded into its cache by global rank 0 (the others wait), then
     memory-mapped by every rank. With resized-crop the cache keeps the images at 8/7 of the
     training size (recipe.stored_size); --augment auto looks at the images' own size."""
+    from engine.image_cache import read_folder_cache
     target = from_rank0(lambda: str(prepare_folder_cache(args)), ctx.control_group, patient=True)
     folder = read_folder_cache(Path(target))
     prep, notes = folder_preprocessing(args, folder.stats, folder.train[0].shape[3], folder.mean, folder.std,
@@ -610,6 +608,8 @@ def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
 def folder_list_data(args, ctx):
     """The image folder for --loader dali: checked and listed by global rank 0 (the others wait),
     its files decoded by DALI every epoch; sizes and augmentation chosen as folder_data's."""
+    from engine.image_cache import default_cache_dir
+    from engine.image_list import prepare_list, read_list
     root, cache_dir = Path(args.data_dir).expanduser(), Path(args.cache_dir or default_cache_dir())
     target = from_rank0(lambda: str(prepare_list(root, cache_dir, held_out=bool(args.val_fraction))),
                         ctx.control_group, patient=True)
@@ -628,6 +628,7 @@ def dali_choice(args, device, group=None, per_image=None):
     would not fit the device (choose_dali; global rank 0 reads the folder's headers, the others
     wait)."""
     if args.loader == "dali":
+        from engine.dali_loader import check_dali
         if args.dataset != FOLDER:
             raise UserError(f"--loader dali reads image files: it takes --dataset {FOLDER}, not {args.dataset} "
                             "(use --loader device or torchvision)")
@@ -636,8 +637,11 @@ def dali_choice(args, device, group=None, per_image=None):
                             "DALI has no operator for: use --loader torchvision (or auto) with it, not dali")
         check_dali()
         return "dali", "--loader dali"
-    if (args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image
-            or not dali_installed()):
+    if args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image:
+        return None, None
+    from engine.dali_loader import choose_dali, dali_installed
+    from engine.image_list import decoded_bytes
+    if not dali_installed():
         return None, None
     request = folder_size(args.augment, args.image_size)
     decoded = from_rank0(lambda: decoded_bytes(args.data_dir, bool(args.val_fraction), request), group, patient=True)
@@ -647,6 +651,8 @@ def dali_choice(args, device, group=None, per_image=None):
 
 def plugin_data(args):
     """NAME(data_dir) of --dataset FILE.py:NAME, read whole into memory."""
+    from engine.image_folder import channel_stats
+    from engine.user_data import read_user_data
     ref, data_dir = args.dataset, args.data_dir or str(default_data_dir())
     data = read_user_data(ref, data_dir)
     images = data.train[0]
@@ -707,6 +713,8 @@ def main(argv=None):
 def list_image_folder(args):
     """``python dataset_utils.py --dataset folder --data-dir DIR --loader dali``: the list train.py
     --loader dali with the same --data-dir and --cache-dir reuses, made ahead of a job."""
+    from engine.image_cache import default_cache_dir
+    from engine.image_list import prepare_list, read_list
     root, cache_dir = Path(args.data_dir).expanduser(), Path(args.cache_dir or default_cache_dir())
     target = prepare_list(root, cache_dir, held_out=bool(args.val_fraction))
     folder = read_list(target, root)
@@ -722,6 +730,7 @@ def prepare_image_folder(args):
     """``python dataset_utils.py --dataset folder --data-dir DIR [train.py's data flags]``: build
     the cache train.py with these flags reuses, ahead of a job (on a login node, so that no
     allocation waits for it), and say what it holds, the unreadable images first."""
+    from engine.image_cache import read_folder_cache
     target = prepare_folder_cache(args)
     data = read_folder_cache(target)
     for note in data.notes[:-1]:  # the last names the cache, which the summary does

@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import RunAborted, UserError, first_line
-from engine.interfaces import DOCS, NetworkSetupError, check_interfaces
 from engine.log import count
-from engine.nccl_log import refused_network
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
 from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, env_int,
                               group_active, launcher_pid)
@@ -130,6 +128,8 @@ def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, tra
     unless the environment names a place already. ``not_under_torchrun``: the entry point's
     one line when torchrun's variables are missing. ``device``: --device (cpu: gloo on a GPU node).
     """
+    from engine.interfaces import DOCS, NetworkSetupError, check_interfaces
+    from engine.nccl_log import refused_network
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UserError(not_under_torchrun)
     rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)

@@ -33,7 +33,6 @@ from torch.optim.swa_utils import AveragedModel
 from engine.batched_crops import crop_resize, random_boxes, random_erase
 from engine.errors import UserError
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
-from engine.model_ema import ema_of_floats
 
 RECIPE_GROUP = "recipe (identical for train.py and train_ddp.py)"  # a resume must keep every flag in it
 DEFAULT_WARMUP_EPOCHS = 2.0
@@ -175,6 +174,7 @@ def make_model_ema(model, schedule):
     Each epoch validates both the model and the average; --save-weights keeps the better."""
     if schedule is None:
         return None
+    from engine.model_ema import ema_of_floats
     return AveragedModel(model, multi_avg_fn=ema_of_floats(schedule.decay), use_buffers=True)
 
 

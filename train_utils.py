@@ -40,10 +40,8 @@ from engine.errors import RunAborted, UserError
 from engine.log import (RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
                         describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp,
                         validated, validated_ema, which_weights)
-from engine.finetune import finetune
 from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
-from engine.model_ema import update_model_ema
 from engine.models import build_model
 from engine.monitor import Monitors
 from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_to_params, kernel_choices,
@@ -209,6 +207,8 @@ def train_steps(run, batches, state):
     """Train on ``batches`` (steps state.step + 1 ... of epoch state.epoch), stopping early
     when any rank has a stop request. The loss stays on the device; the host waits for the
     GPU only in the final all-reduce."""
+    if run.ema:
+        from engine.model_ema import update_model_ema  # --model-ema only
     device, start = run.ctx.device, state.step
     run.model.train()
     books = LossBooks(device)
@@ -422,7 +422,10 @@ def build_task(args, ctx):
     layout = memory_format(args.channels_last, ctx.device)
     model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
-    note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes)) if args.finetune else ""
+    note = ""
+    if args.finetune:
+        from engine.finetune import finetune
+        note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes))
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
     if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
         measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured

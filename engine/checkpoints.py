@@ -24,7 +24,6 @@ import torch
 
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
-from engine.folder_lock import FolderLock
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
@@ -99,6 +98,7 @@ def claimed_folder(directory, resume, ctx, weights=None):
             if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
                 raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
             if directory:
+                from engine.folder_lock import FolderLock
                 held.enter_context(FolderLock(directory))
             continuing = continues_run(directory, resume)
             check_weights_target(weights, directory, continuing)

@@ -18,7 +18,6 @@ from engine.data_formats import DATASETS
 from engine.errors import UserError
 from engine.log import flag_value
 from engine.models import DEFAULT_MODEL, recorded_model
-from engine.tensorboard_log import tensorboard_missing
 from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, launcher_pid, rank_or_zero
 from engine.stopping import EXIT_STOPPED
 from engine.weights import read_weights
@@ -343,8 +342,10 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         for flag in ("profile_skip", "profile_steps"):
             if getattr(args, flag) != parser.get_default(flag):
                 parser.error(f"--{flag.replace('_', '-')} applies with --profile-dir DIR")
-    if args.tensorboard and (why := tensorboard_missing()):  # not a usage mistake: no "see --help"
-        raise UserError(why)
+    if args.tensorboard:
+        from engine.tensorboard_log import tensorboard_missing
+        if why := tensorboard_missing():  # not a usage mistake: no "see --help"
+            raise UserError(why)
     if args.eval_only and not args.weights:
         parser.error("--eval-only needs --weights PATH (a state_dict or a checkpoint file); without it the "
                      "model would be random")

@@ -27,7 +27,6 @@ from engine.disk_space import space_warning
 from engine.errors import first_line
 from engine.log import count
 from engine.processes import gather_objects, synchronize
-from engine.tensorboard_log import TensorBoardLog
 
 GPU_SAMPLE_INTERVAL_S = 1.0  # NVML's utilization counter is itself an average over up to 1 s
 NVML_PIP = "pip install nvidia-ml-py"
@@ -365,6 +364,7 @@ class Monitors:
         if args.tensorboard and ctx.is_main:
             # A resume rewrites the checkpoint's last epoch: a process killed between its
             # checkpoint and its TensorBoard event would otherwise leave that epoch out.
+            from engine.tensorboard_log import TensorBoardLog
             first_epoch = self.last_record["epoch"] if self.last_record else 1
             self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed, self.log.info)
             self.stack.callback(self.tensorboard.close)

@@ -1,12 +1,15 @@
 """The shape of the house: the guide's files and the few a user runs or edits at the top,
 tools in tools/, the engine in engine/; imports flow one way (top -> engine, tools -> both),
-no circle and no function-level import of the project's own modules to dodge one; each
-augmentation defined once. (No line limit: a module's size follows its concern.)"""
+no circle, a function-level import of the project's own only for an engine module whose
+feature is off in a plain run (and none of those imported by one); each augmentation defined
+once. (No line limit: a module's size follows its concern.)"""
 
 import ast
 import re
+import subprocess
+import sys
 
-from conftest import REPO
+from conftest import REPO, TINY_MODEL
 
 TOP = {"train", "train_ddp", "model", "dataset_utils", "train_utils", "device_utils", "recipe", "check_network",
        "predict"}
@@ -51,12 +54,18 @@ def test_the_engines_docstring_names_each_of_its_modules():
     assert listed == {path.name for path in (REPO / "engine").glob("*.py")} - {"__init__.py"}
 
 
-def test_imports_flow_one_way_with_no_circle_and_no_lazy_import_of_our_own():
+# Machinery a plain run does not use, imported where its feature is on (issue 52).
+FEATURES = {"engine.dali_loader", "engine.image_cache", "engine.image_folder", "engine.image_list", "engine.user_data",
+            "engine.finetune", "engine.model_ema", "engine.folder_lock", "engine.tensorboard_log", "engine.interfaces",
+            "engine.nccl_log"}
+
+
+def test_imports_flow_one_way_with_no_circle_and_lazy_only_for_features():
     modules = project_modules()
     graph = {}
     for name, path in modules.items():
         found = imports_of(path, modules)
-        lazy = [imported for imported, at_top in found if not at_top]
+        lazy = {imported for imported, at_top in found if not at_top} - FEATURES
         assert not lazy, f"{name} imports {lazy} inside a function"
         graph[name] = {imported for imported, _ in found} - {name}
         if name.startswith("engine"):
@@ -77,6 +86,22 @@ def test_imports_flow_one_way_with_no_circle_and_no_lazy_import_of_our_own():
 
     for name in graph:
         visit(name)
+
+
+def test_a_plain_run_imports_no_machinery_it_does_not_use():
+    """train.py --synthetic without a checkpoint folder, DALI, an image folder, your data, --finetune,
+    --model-ema or --tensorboard imports none of their modules (nor DDP's network checks)."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['train.py', '--synthetic', '--epochs', '1', '--limit-batches', '1', '--batch-size', '8', "
+            f"*{list(TINY_MODEL)!r}]\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit as stop:\n"
+            "    assert not stop.code, stop.code\n"
+            "print(sorted(m for m in sys.modules if m.startswith('engine.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    imported = set(eval(done.stdout.splitlines()[-1]))
+    assert "engine.checkpoints" in imported and "engine.stopping" in imported  # what it does use
+    assert not imported & FEATURES, sorted(imported & FEATURES)
 
 
 def test_each_augmentation_is_defined_once_in_recipe_py():
