@@ -20,8 +20,7 @@ like with like.
 
 from device_utils import single_process_context
 from engine.cli import run_cli
-from engine.files import check_outputs
-from train_utils import build_task, fit, parse_args
+from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():

@@ -21,9 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from device_utils import no_forward_buffer_sync, setup_distributed
 from engine.cli import run_cli
-from engine.files import check_outputs
 from engine.lost_ranks import process_group_scope
-from train_utils import build_task, fit, parse_args
+from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():

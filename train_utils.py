@@ -33,14 +33,14 @@ from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_
                            set_loader_epoch, with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
-from engine import flags
+from engine import files, flags
 from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, check_resumable, claimed_folder,
                                 load_agreed_checkpoint, new_run_id, restore)
 from engine.errors import RunAborted, UserError
-from engine.log import (RunClock, RunLogger, accuracy_scope, describe_evaluation, describe_resume,
-                        describe_run, epoch_line, epoch_record, eta_seconds, reconcile_metrics, summarize, timestamp,
-                        validated, validated_ema, which_weights)
-from engine.memory import device_memory, is_out_of_memory, measured_training, run_out_of_memory
+from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
+                        describe_resume, epoch_line, epoch_record, eta_seconds, per_process, processes,
+                        reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema, which_weights)
+from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -160,7 +160,7 @@ def run_epoch(run, state, rng_state=None):
     label = f"Evaluation after epoch {state.epoch}"
     result, *average = (evaluate(run, model, run.task.test_loader, label if model is run.module else f"{label} (EMA)")
                         for model in models)
-    record = epoch_record(state, run, loss_sum / max(images, 1), result, images, seconds,
+    record = epoch_record(state, run.record_fields(), loss_sum / max(images, 1), result, images, seconds,
                           time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device),
                           average[0] if average else None)
     if not run.args.check_sync_every:
@@ -409,12 +409,20 @@ def parse_args(description, argv=None):
     return flags.parse_args(build_parser(description), recipe.check_arguments, argv)
 
 
+def check_outputs(args, ctx):
+    """Every output the flags name, checked before any data is read: an unwritable one fails now
+    (one line), not after hours of training (engine/files.py)."""
+    files.check_outputs({"--metrics-file": args.metrics_file, "--save-weights": args.save_weights},
+                        {"--checkpoint-dir": args.checkpoint_dir, "--tensorboard": args.tensorboard,
+                         "--profile-dir": args.profile_dir}, ctx.control_group)
+
+
 def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device, the
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
     normalization = {}  # a resumed run's own, as its checkpoints record it
     if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
-        normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, args, *resume_rules()),
+        normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args), *resume_rules()),
                                    ctx.control_group)
     per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
     loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI
@@ -428,7 +436,8 @@ def build_task(args, ctx):
         note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes))
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
     if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
-        measured = measured_training(model, args, ctx, data.prep.image_shape, batch, layout)  # None: not measured
+        measured = (measured_training(model, args.model, args.precision, args.accumulate, ctx, data.prep.image_shape,
+                                      batch, layout) if args.loader == "auto" and not args.eval_only else None)
         stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
         temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
         train_set, per_image = with_image_transforms(train_set, per_image)
@@ -477,6 +486,15 @@ class Run:
     ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
+    def record_fields(self):
+        """What the run is, the same in each epoch's metrics record (engine.log.epoch_record)."""
+        return {"world_size": self.ctx.world_size, "nodes": self.ctx.num_nodes, "batch_size": self.args.batch_size,
+                "per_process_batch": self.args.batch_size // self.ctx.world_size, "loader": self.task.loader,
+                "precision": self.precision.name, "synthetic": self.args.synthetic, "dataset": self.args.dataset,
+                "model": self.args.model, "epochs": self.args.epochs, "optimizer": type(self.optimizer).__name__,
+                "loss": type(self.loss_fn).__name__, "augment": [op.__name__ for op in self.task.data.prep.ops],
+                "regularization": self.regularization, "device": self.device_name}
+
     def trained(self, record=None):
         """The weights --save-weights and model_best.pt keep: the --model-ema average when it
         validated better than the model in ``record`` (an epoch's metrics), else the model."""
@@ -488,6 +506,70 @@ class Run:
         ema = {"model_ema": self.regularization} if self.ema and validated_ema(record) else {}
         scores = {"val_accuracy": validated(record), "epoch": record["epoch"]} if record else {}
         return {**self.task.weights_metadata(), **ema, **scores}
+
+
+# ---------------------------------------------------------------------------------------------
+# The start-up block: the run's derived values, printed once.
+
+def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
+                 optimizer="", loss="", regularization=""):
+    """The derived values, printed once at the start of training (``task``: the task.Task;
+    ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
+    is resumed; ``optimizer``, ``loss``: what runs, described from the objects;
+    ``regularization``: the recipe's words for its batch-level settings that are on)."""
+    data = task.data
+    workers = task.train_loader.num_workers
+    loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
+              "dali": f"NVIDIA DALI (decoding and augmentation on the {'GPU' if ctx.device.type == 'cuda' else 'CPU'}, "
+                      f"{count(getattr(task.train_loader, 'threads', 0), 'CPU thread', 'CPU threads')} per process)",
+              }.get(task.loader, f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per "
+                                 "training process")
+    lines = [
+        f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
+        f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "
+        f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
+        describe_device(ctx, name, precision, channels_last, args.compile),
+        f"Loader: {loader}; {task.loader_reason}",
+        f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {count(steps, 'step', 'steps')} per epoch",
+        *data.notes,
+        *size_warning(data),
+        f"Augmentation: {data.prep.describe()}",
+        f"Weights: {describe_weights(args, continuing, task.weights_note)}",
+        f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
+        f"{args.lr_schedule}",
+        *([f"Regularization: {regularization}"] if regularization else []),
+        describe_length(args.epochs, args.target_accuracy, args.patience),
+        *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
+           f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
+          if args.warmup_epochs > args.epochs else []),
+    ]
+    if args.checkpoint_dir:
+        lines.append(f"Checkpoints: {args.checkpoint_dir}, "
+                     + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
+                        if args.checkpoint_interval else "after every epoch")
+                     + ", on a stop request and at the end")
+    return lines
+
+
+def describe_evaluation(args, ctx, name, precision, channels_last, task):
+    """The start-up block of --eval-only: what is evaluated where, no training recipe."""
+    split = "held-out images" if task.data.held_out else "test set"
+    return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} {split} "
+            f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
+            describe_device(ctx, name, precision, channels_last, False),
+            f"Data: {describe_data(task.data, None, task.test_loader)}",
+            *task.data.notes,
+            *size_warning(task.data)]
+
+
+def describe_weights(args, continuing=False, note=""):
+    if continuing:
+        return f"from the newest readable checkpoint in {args.checkpoint_dir} (resuming)"
+    if note:
+        return note
+    if args.weights:
+        return f"loaded from {args.weights}"
+    return f"random initialization (--seed {args.seed})"
 
 
 def prepare_run(task, args, ctx, continuing=False, clock=None):
@@ -519,7 +601,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
-    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info)
+    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info, vars(args))
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
@@ -535,8 +617,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
-              monitor=Monitors(args, ctx, log, state.run_id, state.records[-1] if state.records else None,
-                               continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps),
+              monitor=Monitors(ctx, log, state.run_id, state.records[-1] if state.records else None, continuing,
+                               (args.epochs - state.epoch + 1) * steps - state.step, steps, args.tensorboard,
+                               args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
               regularization=recipe.batch_settings(args, ema_schedule))
@@ -549,7 +632,7 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
     --epochs extends its LR schedule by a warm restart."""
     module = unwrap(task.model)
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
-    check_resumable(checkpoint, args, task.data.fingerprint, task.model_key, optimizer,
+    check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
                     partial(check_state_fits, module, model_name=task.model_name), *resume_rules())
     saved = checkpoint["args"]
     planned = saved["epochs"]
@@ -558,7 +641,7 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
     finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
     if args.epochs > planned and not finished:
         cycles = extend(cycles, args.epochs, args.warmup_epochs, steps, checkpoint["scheduler"]["last_epoch"], factor)
-        log.info(describe_extension(planned, args, Cycle(*cycles[-1]), steps))
+        log.info(describe_extension(planned, args.epochs, args.base_lr, args.lr_schedule, Cycle(*cycles[-1]), steps))
     scheduler = make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     kernels = kernel_choices(optimizer)
     state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
@@ -573,6 +656,17 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
                                   ctx.control_group):
             log.info(warning)
     return state, rng_state, scheduler
+
+
+def run_out_of_memory(run, state, where, steps_done):
+    """engine.memory.out_of_memory for this run: its micro-batch, image size, precision and
+    newest checkpoint (of ``state``, a TrainState, or None)."""
+    checkpoints = state.checkpoints if state else []
+    kept = Path(run.args.checkpoint_dir) / checkpoints[-1] if checkpoints else None
+    micro = run.task.train_loader.batch_size // run.args.accumulate
+    return out_of_memory(where, run.ctx.device, run.args.accumulate, micro, run.task.data.prep.image_shape[:2],
+                         run.precision.name, steps_done, kept, sized_images=run.args.dataset == flags.FOLDER,
+                         checkpointed=run.args.checkpoint_dir is not None)
 
 
 def unwrap(model):

@@ -178,27 +178,28 @@ def load_agreed_checkpoint(directory, ctx, log):
     return Path(path), chosen["checkpoint"]
 
 
-def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags):
+def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags):
     """Refuse to continue a run with another model, data set, optimizer or recipe (it would not
-    be the same run). ``check_fits(state_dict, source)`` raises when the model's shape differs;
+    be the same run). ``flags``: this run's, by name, as a checkpoint records them (its "args").
+    ``check_fits(state_dict, source)`` raises when the model's shape differs;
     ``optimizer`` is the one this run built; ``recipe_flags``: the names of the flags a resume
     must keep. A checkpoint written before a flag existed ran with its default (``defaults``:
     the flags' defaults, by name)."""
     saved = {**defaults, **checkpoint["args"]}
     trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
     if trained_on != fingerprint["dataset"]:
-        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {args.dataset}; "
+        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {flags['dataset']}; "
                         f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
     if checkpoint.get("model_key", defaults["model"]) != model_key:
-        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {args.model}; "
+        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {flags['model']}; "
                         f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
     saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
     if saved_class != now:
-        fix = (f"resume with --optimizer {saved['optimizer']}" if saved["optimizer"] != args.optimizer
-               else f"restore recipe.py's --optimizer {args.optimizer} as it was")
+        fix = (f"resume with --optimizer {saved['optimizer']}" if saved["optimizer"] != flags["optimizer"]
+               else f"restore recipe.py's --optimizer {flags['optimizer']} as it was")
         raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
-                        f"(--optimizer {args.optimizer}, recipe.py): its state would not fit; {fix}, or start a new "
+                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; {fix}, or start a new "
                         "run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
@@ -208,7 +209,7 @@ def check_resumable(checkpoint, args, fingerprint, model_key, optimizer, check_f
         raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
                         f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
                         + "".join(f", {other[key]}" for key in other if key in differ) + ")")
-    check_resume_flags(saved, args, recipe_flags)
+    check_resume_flags(saved, flags, recipe_flags)
 
 
 # Checkpoints written before --model-ema's defaults followed the run's length recorded the old
@@ -226,20 +227,20 @@ def recorded_accuracy(path):
         return -1.0
 
 
-def check_resume_flags(saved, args, recipe_flags):
+def check_resume_flags(saved, flags, recipe_flags):
     """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
-    filled in): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
+    filled in) against this run's ``flags`` (by name): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
     may grow but not shrink. Cheap enough to run before any data is read (newest_checkpoint)."""
-    changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(getattr(args, name))})"
-               for name in recipe_flags if saved.get(name) != getattr(args, name)
-               and not (getattr(args, name) is None and FILLED_IN_BEFORE.get(name) == saved.get(name))]
-    if args.epochs < saved["epochs"]:
-        changed.append(f"--epochs {saved['epochs']} (now {args.epochs}: a run can be extended with a larger "
+    changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(flags[name])})"
+               for name in recipe_flags if saved.get(name) != flags[name]
+               and not (flags[name] is None and FILLED_IN_BEFORE.get(name) == saved.get(name))]
+    if flags["epochs"] < saved["epochs"]:
+        changed.append(f"--epochs {saved['epochs']} (now {flags['epochs']}: a run can be extended with a larger "
                        "--epochs, not shortened)")
     if changed:
         raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir"
-                        + smaller_steps_hint(saved.get("batch_size"), args.batch_size, args.accumulate))
+                        + smaller_steps_hint(saved.get("batch_size"), flags["batch_size"], flags["accumulate"]))
 
 
 def as_typed(value):
@@ -251,7 +252,7 @@ def as_typed(value):
     return flag_value(value)
 
 
-def check_newest_flags(directory, args, defaults, recipe_flags):
+def check_newest_flags(directory, flags, defaults, recipe_flags):
     """--resume, before any data is read or decoded: check_resume_flags of the newest
     checkpoint in ``directory`` that reads (``defaults``: every flag's, for a checkpoint older
     than a flag); nothing to check when none reads. Returns the normalization, {"mean": (C,),
@@ -260,7 +261,7 @@ def check_newest_flags(directory, args, defaults, recipe_flags):
     saved = newest_checkpoint(directory)
     if saved is None:
         return {}
-    check_resume_flags({**defaults, **saved["args"]}, args, recipe_flags)
+    check_resume_flags({**defaults, **saved["args"]}, flags, recipe_flags)
     task = saved.get("task") or {}
     return {key: tuple(task[key]) for key in ("mean", "std") if key in task}
 
@@ -313,10 +314,12 @@ SLOW_CHECKPOINT_S = 20
 class Checkpointer:
     """Writes one run's checkpoints into its folder: global rank 0 writes, every rank waits
     for the file (so none exits while it is written). Records how often and how long, and
-    warns once through ``warn`` when one takes so long that a stop signal could cut it."""
+    warns once through ``warn`` when one takes so long that a stop signal could cut it.
+    ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks)."""
 
-    def __init__(self, directory, interval_minutes, ctx, warn=print):
+    def __init__(self, directory, interval_minutes, ctx, warn=print, flags=None):
         self.directory = Path(directory) if directory else None
+        self.flags = flags or {}
         self.interval_s = interval_minutes * 60
         self.ctx = ctx
         self.warn = warn
@@ -359,7 +362,7 @@ class Checkpointer:
                 atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
                              "optimizer": run.optimizer.state_dict(),
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
-                             "scaler": run.scaler.state_dict(), "rng": rng_states, "args": vars(run.args),
+                             "scaler": run.scaler.state_dict(), "rng": rng_states, "args": self.flags,
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": with_model_file(run.weights_metadata(last), path), "trained": trained,
                              "world_size": run.ctx.world_size,

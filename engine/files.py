@@ -49,21 +49,21 @@ def atomic_save(obj, path, what="file"):
         raise
 
 
-def check_outputs(args, ctx):
-    """Every output path of the command line, checked by global rank 0 before any data is read
-    or any step trained: a folder that cannot be written (someone else's project area, a
-    read-only mount) is one line and exit status 2 at start, not a traceback after hours of
-    training that loses the model. Every rank gets rank 0's verdict."""
+def check_outputs(output_files, output_folders, group=None):
+    """Every output path of the command line ({flag: path or None} of files and of folders),
+    checked by global rank 0 before any data is read or any step trained: a folder that cannot
+    be written (someone else's project area, a read-only mount) is one line and exit status 2 at
+    start, not a traceback after hours of training that loses the model. Every rank gets rank
+    0's verdict (``group``: the gloo control group)."""
     def check():
-        for flag, path in (("--metrics-file", args.metrics_file), ("--save-weights", args.save_weights)):
+        for flag, path in output_files.items():
             if path:
                 check_writable(path, flag)
-        for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard),
-                                ("--profile-dir", args.profile_dir)):
+        for flag, directory in output_folders.items():
             if directory:
                 check_writable_dir(directory, flag)
 
-    from_rank0(check, ctx.control_group)
+    from_rank0(check, group)
 
 
 def check_writable(path, flag):

@@ -115,46 +115,6 @@ class RunLogger:
 # ---------------------------------------------------------------------------------------------
 # Start-up block, epoch lines, summary.
 
-def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
-                 optimizer="", loss="", regularization=""):
-    """The derived values, printed once at the start of training (``task``: the task.Task;
-    ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
-    is resumed; ``optimizer``, ``loss``: what runs, described from the objects;
-    ``regularization``: the recipe's words for its batch-level settings that are on)."""
-    data = task.data
-    workers = task.train_loader.num_workers
-    loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
-              "dali": f"NVIDIA DALI (decoding and augmentation on the {'GPU' if ctx.device.type == 'cuda' else 'CPU'}, "
-                      f"{count(getattr(task.train_loader, 'threads', 0), 'CPU thread', 'CPU threads')} per process)",
-              }.get(task.loader, f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per "
-                                 "training process")
-    lines = [
-        f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
-        f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "
-        f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
-        describe_device(ctx, name, precision, channels_last, args.compile),
-        f"Loader: {loader}; {task.loader_reason}",
-        f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {count(steps, 'step', 'steps')} per epoch",
-        *data.notes,
-        *size_warning(data),
-        f"Augmentation: {data.prep.describe()}",
-        f"Weights: {describe_weights(args, continuing, task.weights_note)}",
-        f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
-        f"{args.lr_schedule}",
-        *([f"Regularization: {regularization}"] if regularization else []),
-        describe_length(args.epochs, args.target_accuracy, args.patience),
-        *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
-           f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
-          if args.warmup_epochs > args.epochs else []),
-    ]
-    if args.checkpoint_dir:
-        lines.append(f"Checkpoints: {args.checkpoint_dir}, "
-                     + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
-                        if args.checkpoint_interval else "after every epoch")
-                     + ", on a stop request and at the end")
-    return lines
-
-
 def describe_length(epochs, target, patience):
     """The start-up block's line on when the run ends: at --epochs, or at the guide's early stop."""
     if target is None:
@@ -202,17 +162,6 @@ def processes(ctx, n):
     return count(n, "GPU", "GPUs") if ctx.device.type == "cuda" else count(n, "CPU process", "CPU processes")
 
 
-def describe_evaluation(args, ctx, name, precision, channels_last, task):
-    """The start-up block of --eval-only: what is evaluated where, no training recipe."""
-    split = "held-out images" if task.data.held_out else "test set"
-    return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} {split} "
-            f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
-            describe_device(ctx, name, precision, channels_last, False),
-            f"Data: {describe_data(task.data, None, task.test_loader)}",
-            *task.data.notes,
-            *size_warning(task.data)]
-
-
 def describe_device(ctx, name, precision, channels_last, compiled):
     return (f"Device: {ctx.device} ({name}), precision {precision.name}, "
             f"{'channels_last' if channels_last else 'contiguous (NCHW)'}{', torch.compile' if compiled else ''}")
@@ -238,18 +187,9 @@ def size_warning(data):
     return [f"WARNING: this {data.title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
 
 
-def describe_weights(args, continuing=False, note=""):
-    if continuing:
-        return f"from the newest readable checkpoint in {args.checkpoint_dir} (resuming)"
-    if note:
-        return note
-    if args.weights:
-        return f"loaded from {args.weights}"
-    return f"random initialization (--seed {args.seed})"
-
-
-def epoch_record(state, run, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
-    """One line of --metrics-file. Times in seconds; throughput counts training images
+def epoch_record(state, fields, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
+    """One line of --metrics-file: ``fields``, what the run is (the same every epoch: world size,
+    batch size, data set, model, optimizer...), and what this epoch did. Times in seconds; throughput counts training images
     actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
     what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
     whether the profiler recorded in it); ``peak_gib``: this GPU's peak memory (None on the CPU);
@@ -260,14 +200,7 @@ def epoch_record(state, run, train_loss, result, images, train_time, eval_time, 
             "val_accuracy": result.accuracy, "val_top5": result.top5, **ema, "val_samples": result.samples,
             "epoch_time_s": train_time, "eval_time_s": eval_time,
             "images_per_sec": images / train_time, "train_images": images, "lr": lr,
-            "world_size": run.ctx.world_size, "nodes": run.ctx.num_nodes, "batch_size": run.args.batch_size,
-            "per_process_batch": run.args.batch_size // run.ctx.world_size, "loader": run.task.loader,
-            "precision": run.precision.name, "synthetic": run.args.synthetic,
-            "dataset": run.args.dataset, "model": run.args.model, "epochs": run.args.epochs,
-            "optimizer": type(run.optimizer).__name__, "loss": type(run.loss_fn).__name__,
-            "augment": [op.__name__ for op in run.task.data.prep.ops], "regularization": run.regularization,
-            "lr_cycle": len(state.lr_cycles),
-            "device": run.device_name, "peak_memory_gib": peak_gib, **phase,
+            **fields, "lr_cycle": len(state.lr_cycles), "peak_memory_gib": peak_gib, **phase,
             "run_id": state.run_id, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 

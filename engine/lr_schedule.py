@@ -62,11 +62,13 @@ def make_scheduler(optimizer, cycles, factor, total_steps=0):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(operator.getitem, factors))
 
 
-def describe_extension(planned, args, cycle, steps_per_epoch):
-    extending = f"Extending the run from {planned} to {args.epochs} epochs"
-    if cycle.start_factor == 1 and args.lr_schedule != "cosine":  # a constant LR: nothing to restart
-        return f"{extending} at the constant learning rate {args.base_lr:g}"
-    then = f"then {args.lr_schedule} to 0 at epoch {args.epochs}" if args.lr_schedule == "cosine" else "then constant"
+def describe_extension(planned, epochs, base_lr, schedule, cycle, steps_per_epoch):
+    """The line of a run extended from ``planned`` to ``epochs`` by ``cycle``, of the recipe's
+    --lr-schedule ``schedule`` and --base-lr ``base_lr``."""
+    extending = f"Extending the run from {planned} to {epochs} epochs"
+    if cycle.start_factor == 1 and schedule != "cosine":  # a constant LR: nothing to restart
+        return f"{extending} at the constant learning rate {base_lr:g}"
+    then = f"then {schedule} to 0 at epoch {epochs}" if schedule == "cosine" else "then constant"
     steps = count(cycle.warmup, 'step', 'steps')
-    return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * args.base_lr:.3g} back up to "
-            f"{args.base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")
+    return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * base_lr:.3g} back up to "
+            f"{base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")

@@ -29,9 +29,6 @@ HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at
 DEVICE_DATA_FRACTION = 0.25  # --loader auto, where training cannot be measured: the data set's share of memory
 OPTIMIZER_STATE_VALUES = 2  # per trainable parameter: AdamW's two moments, the most recipe.py's optimizers keep
 NO_FIT = 2**62  # bytes: a training step that ran out of memory on its own, in an all-reduce of integers
-# engine.flags.FOLDER, not imported: engine.flags imports engine.models, which imports this module
-# (is_out_of_memory, for the model's first forward pass).
-FOLDER = "folder"
 
 
 class OutOfMemory(UserError):
@@ -137,18 +134,22 @@ def suggested_accumulate(accumulate, micro_batch, peak, total, steps_done):
     return min(suggestion, batch)
 
 
-def out_of_memory(where, device, args, micro_batch, image_size, precision, steps_done, checkpoint):
-    """The OutOfMemory error for a failure ``where`` (e.g. "step 3 of epoch 1 (training)").
-    ``checkpoint``: the newest checkpoint's path, or None; ``steps_done``: steps that ran."""
+def out_of_memory(where, device, accumulate, micro_batch, image_size, precision, steps_done, checkpoint,
+                  sized_images=False, checkpointed=True):
+    """The OutOfMemory error for a failure ``where`` (e.g. "step 3 of epoch 1 (training)") of a
+    run with --accumulate ``accumulate`` and --precision ``precision``. ``checkpoint``: the
+    newest checkpoint's path, or None; ``steps_done``: steps that ran; ``sized_images``: the
+    images' size is --image-size's (an image folder); ``checkpointed``: --checkpoint-dir given."""
+    given = accumulate
     total, peak = memory_figures(device)
     fixes = []
     if precision in ("fp32", "tf32") and device.type == "cuda":
         fixes.append("--precision bf16")
-    batch = micro_batch * args.accumulate
-    accumulate = suggested_accumulate(args.accumulate, micro_batch, peak, total, steps_done)
-    if accumulate > args.accumulate:
+    batch = micro_batch * given
+    accumulate = suggested_accumulate(given, micro_batch, peak, total, steps_done)
+    if accumulate > given:
         fixes.append(f"--accumulate {accumulate} (micro-batches of {batch // accumulate}; the recipe is unchanged)")
-    if args.dataset == FOLDER:
+    if sized_images:
         fixes.append(f"a smaller --image-size (now {image_size[0]}x{image_size[1]})")
     else:
         fixes.append("a smaller --model")
@@ -159,7 +160,7 @@ def out_of_memory(where, device, args, micro_batch, image_size, precision, steps
             f"{image_size[1]}; try, in this order: {'; then '.join(fixes)}")
     if checkpoint:
         line += f". The last checkpoint, {checkpoint}, continues with: {resume_command(accumulate)}"
-    elif args.checkpoint_dir is None:
+    elif not checkpointed:
         line += ". Nothing was saved (no --checkpoint-dir)"
     return OutOfMemory(line, same_on_every_rank=False)
 
@@ -177,30 +178,20 @@ def cache_out_of_memory(images, folder, largest, threads):
         "was removed and earlier ones are kept")
 
 
-def run_out_of_memory(run, state, where, steps_done):
-    """out_of_memory for a train_utils.Run: its micro-batch, image size, precision and newest
-    checkpoint (of ``state``, a TrainState, or None)."""
-    checkpoints = state.checkpoints if state else []
-    kept = Path(run.args.checkpoint_dir) / checkpoints[-1] if checkpoints else None
-    micro = run.task.train_loader.batch_size // run.args.accumulate
-    return out_of_memory(where, run.ctx.device, run.args, micro, run.task.data.prep.image_shape[:2],
-                         run.precision.name, steps_done, kept)
-
-
 def resume_command(accumulate):
     """This process's command line with --accumulate ``accumulate`` and --resume (torchrun's
     own options are not known here: they stay as they were)."""
-    args, skip = [], False
+    kept, skip = [], False
     for word in sys.argv[1:]:
         if skip:
             skip = False
         elif word == "--accumulate":
             skip = True
         elif not (word.startswith("--accumulate=") or word == "--resume" or word.startswith("--resume=")):
-            args.append(word)
+            kept.append(word)
     script = os.path.basename(sys.argv[0])
     launcher = "python" if script == "train.py" else "torchrun (with its options as before)"
-    return f"{launcher} {shlex.join([script, *args, '--accumulate', str(accumulate), '--resume'])}"
+    return f"{launcher} {shlex.join([script, *kept, '--accumulate', str(accumulate), '--resume'])}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,18 +267,18 @@ class Measured(NamedTuple):
     total: int        # the GPU's memory
 
 
-def measured_training(model, args, ctx, image_shape, batch, memory_format):
+def measured_training(model, model_ref, precision, accumulate, ctx, image_shape, batch, memory_format):
     """``Measured`` for --loader auto, after a probed training step on this rank's GPU (every
-    rank must choose the same loader, so the most needed and the least free of any rank). None
-    where nothing is measured: a loader chosen by flag, --eval-only, the CPU. An error of the
-    model's own in the probed step is one line naming its code (engine/plugins.py), as in
-    training."""
-    if args.loader != "auto" or args.eval_only or ctx.device.type != "cuda":
+    rank must choose the same loader, so the most needed and the least free of any rank), of
+    --model ``model_ref`` at --precision ``precision`` and --accumulate ``accumulate``. None on
+    the CPU, where nothing is measured. An error of the model's own in the probed step is one
+    line naming its code (engine/plugins.py), as in training."""
+    if ctx.device.type != "cuda":
         return None
-    shape = StepShape(batch, args.accumulate, image_shape)
-    precision = configure_precision(args.precision, ctx.device)
+    shape = StepShape(batch, accumulate, image_shape)
+    precision = configure_precision(precision, ctx.device)
     needed = call_user_code(lambda: training_bytes(model, shape, precision, ctx.device, memory_format),
-                            f"--model {args.model} in a training step (measured for --loader auto)", args.model)
+                            f"--model {model_ref} in a training step (measured for --loader auto)", model_ref)
     most = max_over_ranks(min(needed, NO_FIT), ctx.control_group)  # an all-reduce of integers: no infinity
     least_free = -max_over_ranks(-free_device_memory(ctx.device), ctx.control_group)
     return Measured(math.inf if most >= NO_FIT else most, least_free, device_memory(ctx.device))

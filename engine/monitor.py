@@ -334,9 +334,11 @@ class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
     ``Monitors()`` is all off (tools/benchmark.py's timed steps)."""
 
-    def __init__(self, args=None, ctx=None, log=None, run_id=None, last_record=None, resumed=False, steps_left=None,
-                 steps_per_epoch=None):
-        self.args, self.ctx, self.log = args, ctx, log
+    def __init__(self, ctx=None, log=None, run_id=None, last_record=None, resumed=False, steps_left=None,
+                 steps_per_epoch=None, tensorboard=None, profile_dir=None, profile_skip=0, profile_steps=0):
+        self.ctx, self.log = ctx, log
+        self.tensorboard_dir = tensorboard  # --tensorboard DIR, or None
+        self.profile_dir, self.profile_skip, self.profile_steps = profile_dir, profile_skip, profile_steps
         self.run_id, self.last_record, self.resumed = run_id, last_record, resumed  # last_record: the checkpoint's
         self.steps_left = steps_left  # training steps this process has to go (None: as many as asked)
         self.steps_per_epoch = steps_per_epoch
@@ -352,27 +354,27 @@ class Monitors:
         return self
 
     def _start(self):
-        if self.args is None:
+        if self.ctx is None:
             return
-        args, ctx = self.args, self.ctx
+        ctx = self.ctx
         read, why_not = nvml_reader(ctx.device)
         if read is not None:
             self.sampler = self.stack.enter_context(GpuSampler(read))
         if ctx.device.type == "cuda":
             self.log.info("GPU utilization and power: " + (f"sampled every {GPU_SAMPLE_INTERVAL_S:g} s by NVML, "
                                                             "means per epoch in the metrics" if read else why_not))
-        if args.tensorboard and ctx.is_main:
+        if self.tensorboard_dir and ctx.is_main:
             # A resume rewrites the checkpoint's last epoch: a process killed between its
             # checkpoint and its TensorBoard event would otherwise leave that epoch out.
             from engine.tensorboard_log import TensorBoardLog
             first_epoch = self.last_record["epoch"] if self.last_record else 1
-            self.tensorboard = TensorBoardLog(args.tensorboard, self.run_id, first_epoch, self.resumed, self.log.info)
+            self.tensorboard = TensorBoardLog(self.tensorboard_dir, self.run_id, first_epoch, self.resumed, self.log.info)
             self.stack.callback(self.tensorboard.close)
             if self.last_record:
                 self.tensorboard.add(self.last_record)
-            self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {args.tensorboard})")
-        if args.profile_dir:
-            skip = fitted_skip(args.profile_skip, args.profile_steps, self.steps_left, self.steps_per_epoch)
+            self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {self.tensorboard_dir})")
+        if self.profile_dir:
+            skip = fitted_skip(self.profile_skip, self.profile_steps, self.steps_left, self.steps_per_epoch)
             to_go = count(self.steps_left or 0, "training step", "training steps")
             if skip is None or self.steps_per_epoch == 1:
                 why = ("each epoch has one training step, and a window never spans two epochs"
@@ -380,14 +382,14 @@ class Monitors:
                                                 "(it autotunes and compiles)")
                 self.log.info(f"Profiler: no trace: {why}")
                 return
-            self.profile = ProfileWindow(args.profile_dir, skip, args.profile_steps, ctx, self.run_id, self.log,
+            self.profile = ProfileWindow(self.profile_dir, skip, self.profile_steps, ctx, self.run_id, self.log,
                                          self.steps_per_epoch)
             self.stack.callback(self.profile.end_of_training_phase)  # a stop or an error: what was recorded
             self.stack.callback(self._no_trace_said)
-            moved = (f" (--profile-skip {args.profile_skip} moved to {skip}: this run has {to_go} to go)"
-                     if skip != args.profile_skip else "")
-            self.log.info(f"Profiler: {args.profile_steps} training steps after the first {skip} of this process"
-                          f"{moved}, traces in {args.profile_dir}")
+            moved = (f" (--profile-skip {self.profile_skip} moved to {skip}: this run has {to_go} to go)"
+                     if skip != self.profile_skip else "")
+            self.log.info(f"Profiler: {self.profile_steps} training steps after the first {skip} of this process"
+                          f"{moved}, traces in {self.profile_dir}")
 
     def _no_trace_said(self):
         if self.profile.where is None:  # stopped (a signal, an error, early stopping) before the window

@@ -72,9 +72,9 @@ class TensorBoardLog:
             threading.excepthook = self._thread_hook
             raise
 
-    def _writer_thread_failed(self, args):
-        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
-            self._thread_hook(args)
+    def _writer_thread_failed(self, failure):  # threading.excepthook's ExceptHookArgs
+        if not (isinstance(failure.exc_value, OSError) and type(failure.thread).__name__ == "_AsyncWriterThread"):
+            self._thread_hook(failure)
 
     def _failed(self, err, epoch):
         writer, self.writer = self.writer, None

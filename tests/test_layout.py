@@ -88,6 +88,19 @@ def test_imports_flow_one_way_with_no_circle_and_lazy_only_for_features():
         visit(name)
 
 
+def test_no_engine_module_but_flags_reads_the_command_line():
+    """The engine is passed the values it uses: no function of engine/ takes the argparse
+    Namespace (a parameter ``args``) or reads one (``.args``), but engine/flags.py, which
+    defines and checks it."""
+    for path in (REPO / "engine").glob("*.py"):
+        if path.name == "flags.py":
+            continue
+        tree = ast.parse(path.read_text())
+        params = [node.arg for node in ast.walk(tree) if isinstance(node, ast.arg) and node.arg == "args"]
+        reads = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "args"]
+        assert not params and not reads, (path.name, params, reads)
+
+
 def test_a_plain_run_imports_no_machinery_it_does_not_use():
     """train.py --synthetic without a checkpoint folder, DALI, an image folder, your data, --finetune,
     --model-ema or --tensorboard imports none of their modules (nor DDP's network checks)."""

@@ -160,8 +160,8 @@ def test_a_resume_writes_the_checkpoints_last_epoch_again(tmp_path):
     first = tensorboard_log.TensorBoardLog(tmp_path / "tb", "run", 1, resumed=False)
     first.add(records[0])  # killed before epoch 2's event
     first.close()
-    args = parse_args("t", ["--synthetic", "--tensorboard", str(tmp_path / "tb")])
-    with monitor.Monitors(args, _cpu_context(), _Log(), "run", records[-1], resumed=True) as monitors:
+    with monitor.Monitors(_cpu_context(), _Log(), "run", records[-1], resumed=True,
+                          tensorboard=tmp_path / "tb") as monitors:
         monitors.record({"epoch": 3, "train_loss": 1.5, "val_accuracy": 0.3})
     assert _scalars(tmp_path / "tb" / "run")["loss/train"] == [(1, 4.0), (2, 3.0), (3, 1.5)]
 
@@ -303,8 +303,7 @@ def test_a_window_cut_short_by_the_end_of_the_epoch_is_written(tmp_path, capsys)
 
 
 def test_no_profiler_and_no_thread_unless_asked(tmp_path):
-    args = parse_args("t", ["--synthetic"])
-    with monitor.Monitors(args, _cpu_context(), _Log(), "run", None, False) as monitors:
+    with monitor.Monitors(_cpu_context(), _Log(), "run", None, False) as monitors:
         assert (monitors.sampler, monitors.tensorboard, monitors.profile) == (None, None, None)
         assert not any(t.name == "gpu-sampler" for t in threading.enumerate())
         assert monitors.end_of_training_phase(0, time.perf_counter()) == {

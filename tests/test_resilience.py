@@ -213,7 +213,7 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     def check(checkpoint, run_args=args, fingerprint=data, key="model:WideResNet", optimizer_class="SGD"):
         parser = tu.build_parser("x")
         optimizer = getattr(torch.optim, optimizer_class)(model.parameters())
-        checkpoints.check_resumable(checkpoint, run_args, fingerprint, key, optimizer, _fits(model),
+        checkpoints.check_resumable(checkpoint, vars(run_args), fingerprint, key, optimizer, _fits(model),
                                     vars(parser.parse_args([])), flags.run_defining_flags(parser, recipe.RECIPE_GROUP))
 
     check(_checkpoint_like(args, data, model))  # the same run: fine
@@ -402,7 +402,6 @@ class _TinyRun:
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.args = tu.parse_args("x", ["--checkpoint-dir", str(directory)])
         self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear")
         self.ctx = DistContext(device=torch.device("cpu"))
         self.ema = None

@@ -361,10 +361,10 @@ def test_a_run_from_before_the_derived_ema_defaults_resumes_without_its_flags():
     args = tu.parse_args("x", ["--model-ema"])
     defaults, recipe_flags = tu.resume_rules()
     saved = {**defaults, **vars(args), "model_ema_decay": 0.99, "model_ema_steps": 32}
-    checkpoints.check_resume_flags(saved, args, recipe_flags)  # no error
+    checkpoints.check_resume_flags(saved, vars(args), recipe_flags)  # no error
     with pytest.raises(UserError, match=r"needs the checkpoint's recipe, but it had --model-ema-decay 0.9 \(now not "
                                         r"given\); rerun with its values"):
-        checkpoints.check_resume_flags({**saved, "model_ema_decay": 0.9}, args, recipe_flags)
+        checkpoints.check_resume_flags({**saved, "model_ema_decay": 0.9}, vars(args), recipe_flags)
 
 
 def test_evaluation_counts_top5_from_the_models_own_outputs():
@@ -600,7 +600,7 @@ def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():
 def test_an_extension_says_what_the_learning_rate_does():
     def said(schedule, cycle):
         args = tu.parse_args("test", ["--epochs", "5", "--lr-schedule", schedule, "--base-lr", "0.01"])
-        return lr_schedule.describe_extension(3, args, cycle, steps_per_epoch=4)
+        return lr_schedule.describe_extension(3, args.epochs, args.base_lr, args.lr_schedule, cycle, steps_per_epoch=4)
     assert said("cosine", lr_schedule.Cycle(12, 1, 20, 0.0)) == (
         "Extending the run from 3 to 5 epochs: warm restart of the learning rate from 0 back up to 0.01 over 1 step "
         "(0.25 epochs), then cosine to 0 at epoch 5")
