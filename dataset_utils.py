@@ -51,7 +51,8 @@ from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_argum
 from engine.log import count, flag_value
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
 from engine.plugins import plugin_key
-from engine.preprocessing import Preprocessing, augmentation_seeds, trained_preprocessing
+from engine.preprocessing import (Preprocessing, augmentation_seeds, centre_crop, normalization, normalize,
+                                  trained_preprocessing)
 from engine.processes import available_cores, from_rank0
 from engine.stopping import ignore_ctrl_c
 from engine.task import DataInfo, data_fingerprint
@@ -188,11 +189,8 @@ def set_loader_epoch(loader, epoch):
 
 
 # ---------------------------------------------------------------------------------------------
-# --dataset of the command line: the data and what the engine knows of it (engine/task.py).
-
-# ---------------------------------------------------------------------------------------------
-# What the loaders serve: stored images made the model's input (normalized, centre-cropped), the
-# data sets, the DataLoader's samplers, and the device loader.
+# What the loaders serve: the data sets, the DataLoader's samplers, and the device loader, which
+# make stored images the model's input as engine/preprocessing.py says (the same for predict.py).
 
 def transformed(image, transform, seed):
     """``transform`` (torchvision v2, per image) of one image (C, H, W), its draws from torch's
@@ -201,37 +199,6 @@ def transformed(image, transform, seed):
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         return transform(image)
-
-
-def centre_crop(images, size):
-    """The central ``size`` (h, w) of images (B, H, W, C), offsets rounded as torchvision's
-    CenterCrop rounds them: the test view of images stored larger than the model's input."""
-    height, width = size
-    top, left = round((images.shape[1] - height) / 2), round((images.shape[2] - width) / 2)
-    return images[:, top:top + height, left:left + width]
-
-
-def normalization(mean, std, dtype, device="cpu"):
-    """(scale, shift), float32 (C,) on ``device``, for stored images of ``dtype``: uint8 images
-    become x * scale + shift = (x / 255 - mean) / std, ToTensor + Normalize's; a data set of
-    floats (x + shift) * scale = (x - mean) / std, subtracting first, so that a mean far from 0
-    (in units of std) loses no precision. Computed in float64, rounded once."""
-    mean, std = torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
-    if dtype == torch.uint8:
-        return (1 / (255 * std)).float().to(device), (-mean / std).float().to(device)
-    return (1 / std).float().to(device), (-mean).float().to(device)
-
-
-def normalize(images, scale, shift):
-    """Stored images (B, H, W, C) -> float32 (B, C, H, W), with ``normalization``'s scale and
-    shift on the images' device: uint8 read as it is, one fused multiply-add per value, within
-    one float32 rounding (2.4e-7) of ToTensor + Normalize (the lookup table that matched them
-    bit for bit cost 4.6x as much on a CPU and an int64 copy of the batch on a GPU); floats
-    shifted, then scaled. The result is channels-last in memory (the permute is a view), the
-    layout the model wants on the GPU."""
-    if images.dtype == torch.uint8:
-        return torch.addcmul(shift, images, scale).permute(0, 3, 1, 2)
-    return ((images.float() + shift) * scale).permute(0, 3, 1, 2)
 
 
 def normalizer(prep, dtype, device):
@@ -462,7 +429,7 @@ def choose_loader(requested, data_bytes, memory_bytes, measured=None, loader_byt
 
 
 # ---------------------------------------------------------------------------------------------
-# The run's data, from its flags.
+# --dataset of the command line: the data and what the engine knows of it (engine/task.py).
 
 def build_data(args, ctx, listed=False, normalization=None):
     """(train_set, test_set, DataInfo) of --dataset: InMemoryImages both (FileImages for an image

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice, default_num_workers,
-                           set_loader_epoch, with_image_transforms)
+from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
+                           default_num_workers, set_loader_epoch, with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import files, flags
@@ -287,9 +287,10 @@ class Progress:
         self.last, self.shown = now, True
         elapsed, done_here = now - self.start, done - self.first
         left = elapsed / done_here * (self.total - done) if done_here > 0 else None
-        left = str(timedelta(seconds=round(left))) if left is not None else "?"  # H:MM:SS
+        if left is not None:  # H:MM:SS, or Dd H:MM:SS past a day, as the epoch lines' (engine.log.duration)
+            left = str(timedelta(seconds=round(left))).replace(" days, ", "d ").replace(" day, ", "d ")
         line = (f"{self.label} [{done}/{self.total}]{f' {text}' if text else ''}, "
-                f"{images / max(elapsed, 1e-9):.1f} img/s, {left} left")
+                f"{images / max(elapsed, 1e-9):.1f} img/s, {left or '?'} left")
         if self.terminal:
             self.stream.write(f"\r{line}\033[K")
         else:
@@ -601,7 +602,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
-    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, log.info, vars(args))
+    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
@@ -614,7 +615,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
         rng_state, scheduler = None, make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     run = Run(model=torch.compile(task.model) if args.compile else task.model,  # compiles during the first steps
               module=module, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=loss_fn,
-              precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx, args=args, task=task, log=log, steps=steps,
+              precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx,
+              args=args, task=task, log=log, steps=steps,
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=Monitors(ctx, log, state.run_id, state.records[-1] if state.records else None, continuing,

@@ -188,10 +188,12 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
     saved = {**defaults, **checkpoint["args"]}
     trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
     if trained_on != fingerprint["dataset"]:
-        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {flags['dataset']}; "
+        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset "
+                        f"{flags['dataset']}; "
                         f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
     if checkpoint.get("model_key", defaults["model"]) != model_key:
-        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model {flags['model']}; "
+        raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model "
+                        f"{flags['model']}; "
                         f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
     saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
@@ -199,8 +201,8 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         fix = (f"resume with --optimizer {saved['optimizer']}" if saved["optimizer"] != flags["optimizer"]
                else f"restore recipe.py's --optimizer {flags['optimizer']} as it was")
         raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
-                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; {fix}, or start a new "
-                        "run in another --checkpoint-dir")
+                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; {fix}, or start a "
+                        "new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
     if differ:
@@ -229,8 +231,9 @@ def recorded_accuracy(path):
 
 def check_resume_flags(saved, flags, recipe_flags):
     """The part of check_resumable that needs only the checkpoint's flags ``saved`` (defaults
-    filled in) against this run's ``flags`` (by name): the recipe's and the other run-defining ``recipe_flags``, and --epochs, which
-    may grow but not shrink. Cheap enough to run before any data is read (newest_checkpoint)."""
+    filled in), against this run's ``flags`` (by name): the recipe's and the other
+    run-defining ``recipe_flags``, and --epochs, which may grow but not shrink. Cheap enough
+    to run before any data is read (newest_checkpoint)."""
     changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(flags[name])})"
                for name in recipe_flags if saved.get(name) != flags[name]
                and not (flags[name] is None and FILLED_IN_BEFORE.get(name) == saved.get(name))]
@@ -317,9 +320,9 @@ class Checkpointer:
     warns once through ``warn`` when one takes so long that a stop signal could cut it.
     ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks)."""
 
-    def __init__(self, directory, interval_minutes, ctx, warn=print, flags=None):
+    def __init__(self, directory, interval_minutes, ctx, flags, warn=print):
         self.directory = Path(directory) if directory else None
-        self.flags = flags or {}
+        self.flags = flags
         self.interval_s = interval_minutes * 60
         self.ctx = ctx
         self.warn = warn

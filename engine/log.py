@@ -1,10 +1,9 @@
-"""What a run prints and writes for people to follow and compare: the start-up block,
-progress lines, epoch lines with timestamps and ETA, the final summary, and the metrics file.
+"""What a run prints and writes for people to follow and compare: the start-up block's
+pieces (train_utils.py composes it, and the progress lines within an epoch), epoch lines
+with timestamps and ETA, the final summary, and the metrics file.
 
-Only global rank 0 prints and writes (``enabled``). Output is made for batch logs as much as
-for terminals: on a terminal the progress within an epoch is one updating line; in a Slurm
-``.out`` file it is a timestamped line at most every ``--log-interval`` seconds. Every epoch
-line starts with a timestamp and ends with the elapsed wall time and an ETA for the run.
+Only global rank 0 prints and writes (``enabled``). Every epoch line starts with a timestamp
+and ends with the elapsed wall time and an ETA for the run.
 
 No torch import: tools/report.py reads metrics files with these functions on any machine.
 """
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.disk_space import space_problem
+
 
 def timestamp(now=None):
     """Local wall-clock time, as a batch log wants it: 2026-11-21 14:03:07."""
@@ -188,9 +188,10 @@ def size_warning(data):
 
 
 def epoch_record(state, fields, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
-    """One line of --metrics-file: ``fields``, what the run is (the same every epoch: world size,
-    batch size, data set, model, optimizer...), and what this epoch did. Times in seconds; throughput counts training images
-    actually processed on all ranks during the training phase (evaluation excluded); ``phase``:
+    """One line of --metrics-file: ``fields``, what the run is (the same every epoch: world
+    size, batch size, data set, model, optimizer...), and what this epoch did. Times in
+    seconds; throughput counts training images actually processed on all ranks during the
+    training phase (evaluation excluded); ``phase``:
     what the monitors saw of the training phase (GPU utilization %, power W, None on the CPU;
     whether the profiler recorded in it); ``peak_gib``: this GPU's peak memory (None on the CPU);
     ``average``: the --model-ema average's evaluation beside the model's ``result`` (None: none)."""

@@ -223,7 +223,13 @@ class ProfileWindow:
     The window records training steps only: it ends with the epoch's training phase at the
     latest (then it has fewer steps). After that phase each rank writes
     DIR/RUN_epochE_stepS_rankR.pt.trace.json.gz (Perfetto, TensorBoard) and global rank 0
-    prints the top operators, so writing them is not counted as training time."""
+    prints the top operators, so writing them is not counted as training time.
+
+    Not torch.profiler.schedule: its window is fixed in steps from the profiler's start, while
+    this one moves off an epoch's first step and ends with the epoch's training phase; and its
+    warm-up step, without which it warns, would have to run under the profiler before the
+    window. start()/stop() around the window, with ProfilerStep#N spans as schedule's step()
+    writes them, give the same trace."""
 
     def __init__(self, directory, skip, steps, ctx, run_id, log, steps_per_epoch=None):
         self.directory, self.ctx, self.run_id, self.log = Path(directory), ctx, run_id, log
@@ -368,7 +374,8 @@ class Monitors:
             # checkpoint and its TensorBoard event would otherwise leave that epoch out.
             from engine.tensorboard_log import TensorBoardLog
             first_epoch = self.last_record["epoch"] if self.last_record else 1
-            self.tensorboard = TensorBoardLog(self.tensorboard_dir, self.run_id, first_epoch, self.resumed, self.log.info)
+            self.tensorboard = TensorBoardLog(self.tensorboard_dir, self.run_id, first_epoch, self.resumed,
+                                              self.log.info)
             self.stack.callback(self.tensorboard.close)
             if self.last_record:
                 self.tensorboard.add(self.last_record)

@@ -1,5 +1,6 @@
-"""engine/log.py: progress lines for terminals and batch logs, epoch lines, ETA, the summary,
-and a metrics file that survives a failing disk. Pure functions are called directly."""
+"""engine/log.py and train_utils.Progress: progress lines for terminals and batch logs, epoch
+lines, ETA, the summary, and a metrics file that survives a failing disk. Pure functions are
+called directly."""
 
 import io
 from types import SimpleNamespace

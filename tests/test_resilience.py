@@ -419,13 +419,13 @@ def test_model_best_is_replaced_only_by_better_weights_also_after_a_restart(tmp_
     accuracy the file records, so a worse epoch never replaces it."""
     ctx = DistContext(device=torch.device("cpu"))
     first, second, third = (torch.nn.Linear(2, 2) for _ in range(3))
-    checkpointer = checkpoints.Checkpointer(tmp_path, 0, ctx)
+    checkpointer = checkpoints.Checkpointer(tmp_path, 0, ctx, {})
     assert checkpointer.best == -1.0  # no file yet
     checkpointer.keep_best(0.5, first, {"val_accuracy": 0.5, "epoch": 1})
     checkpointer.keep_best(0.4, second, {"val_accuracy": 0.4, "epoch": 2})  # worse: kept as it was
     saved = weights_file.read_weights(tmp_path / "model_best.pt")
     assert saved.metadata["epoch"] == 1 and torch.equal(saved.state["weight"], first.weight)
-    again = checkpoints.Checkpointer(tmp_path, 0, ctx)  # the run restarted from an older checkpoint
+    again = checkpoints.Checkpointer(tmp_path, 0, ctx, {})  # the run restarted from an older checkpoint
     assert again.best == 0.5
     again.keep_best(0.45, third, {"val_accuracy": 0.45, "epoch": 2})
     assert weights_file.read_weights(tmp_path / "model_best.pt").metadata["epoch"] == 1
@@ -439,7 +439,7 @@ def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_pa
     for path in foreign:
         path.write_bytes(b"another run's")
     run, state = _TinyRun(tmp_path), checkpoints.TrainState(run_id="r")
-    checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx)
+    checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, {})
     paths = []
     for _ in range(3):
         run.optimizer.step()
@@ -459,7 +459,7 @@ def test_a_checkpoint_too_slow_for_a_signals_grace_is_a_warning_once(tmp_path, m
     """torchrun and Slurm give 30 s after a signal: a checkpoint that takes most of that is
     named once, with the way out (--stop-file)."""
     run, state, warnings = _TinyRun(tmp_path), checkpoints.TrainState(run_id="r"), []
-    checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, warnings.append)
+    checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, {}, warnings.append)
     run.optimizer.step(), run.scheduler.step()
     checkpointer.save(run, state)
     assert warnings == []  # a tiny model writes in milliseconds
@@ -476,13 +476,13 @@ def test_a_checkpoint_too_slow_for_a_signals_grace_is_a_warning_once(tmp_path, m
 def test_checkpoints_are_due_every_interval_at_most(tmp_path, monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(checkpoints.time, "monotonic", lambda: now[0])
-    checkpointer = checkpoints.Checkpointer(tmp_path, 2, DistContext(device=torch.device("cpu")))  # 2 minutes
+    checkpointer = checkpoints.Checkpointer(tmp_path, 2, DistContext(device=torch.device("cpu")), {})  # 2 minutes
     now[0] += 119
     assert not checkpointer.due()
     now[0] += 1
     assert checkpointer.due()
-    assert checkpoints.Checkpointer(tmp_path, 0, DistContext(device=torch.device("cpu"))).due()  # 0: every epoch
-    assert not checkpoints.Checkpointer(None, 0, DistContext(device=torch.device("cpu"))).due()  # no folder
+    assert checkpoints.Checkpointer(tmp_path, 0, DistContext(device=torch.device("cpu")), {}).due()  # 0: every epoch
+    assert not checkpoints.Checkpointer(None, 0, DistContext(device=torch.device("cpu")), {}).due()  # no folder
 
 
 def test_default_interval_checkpoints_at_the_end_and_on_stop_not_every_epoch(tmp_path):

@@ -83,7 +83,10 @@ def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_con
     before each clock reading, inside ``timed_context()`` (a profiler, say). No evaluation,
     checkpoints or stop requests: the run's StopRequests is never entered, so nothing but
     Ctrl-C stops it."""
-    run, state, _ = prepare_run(task, args, ctx)
+    # The LR schedule is a table of --epochs' steps: these steps may run past that many epochs.
+    per_epoch = min(len(task.train_loader), args.limit_batches or len(task.train_loader))  # as prepare_run's
+    epochs = -(-(warmup_steps + steps) // per_epoch)  # ceil
+    run, state, _ = prepare_run(task, argparse.Namespace(**{**vars(args), "epochs": max(args.epochs, epochs)}), ctx)
     synchronize(ctx.device)
     start = time.perf_counter()
     train_steps(run, islice(batches, warmup_steps), state)  # returns after a host sync

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_utils as tu  # noqa: E402
-from dataset_utils import normalization  # noqa: E402
+from engine.preprocessing import normalization  # noqa: E402
 from device_utils import single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
 from engine.flags import OneLineParser, positive_int  # noqa: E402
@@ -66,6 +66,9 @@ def project_run(opts):
                                            "--precision", "fp32", "--no-channels-last", *shlex.split(opts.recipe)])
     ctx = single_process_context()
     task = tu.build_task(args, ctx)
+    # The LR schedule is a table of --epochs' steps: the repeats may run past that many epochs.
+    per_epoch = min(len(task.train_loader), args.limit_batches or len(task.train_loader))  # as prepare_run's
+    args.epochs = max(args.epochs, -(-(5 + opts.repeats * opts.steps) // per_epoch))  # ceil
     run, state, _ = tu.prepare_run(task, args, ctx)
     return run, state, task.train_loader
 
