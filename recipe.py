@@ -236,6 +236,15 @@ def lr_factor(step, total_steps, warmup_steps, schedule):
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def make_scheduler(optimizer, args, total_steps):
+    """Your own learning-rate schedule, if you want one: any torch.optim.lr_scheduler scheduler
+    of ``optimizer``, stepped after each of the run's ``total_steps`` optimizer steps, e.g.
+    ``OneCycleLR(optimizer, max_lr=args.base_lr, total_steps=total_steps)`` (docs/recipe.md).
+    None, as here: lr_factor's shape (--warmup-epochs, then --lr-schedule), which a resume with
+    a larger --epochs extends by a warm restart; a run of your own keeps its --epochs."""
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Training augmentations: batched operations on images (B, H, W, C), uint8 or float, on any
 # device (the device loader's). ``rand`` (B, RANDOM_PER_OP) float64 holds uniform numbers in

@@ -513,11 +513,12 @@ class Run:
 # The start-up block: the run's derived values, printed once.
 
 def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
-                 optimizer="", loss="", regularization=""):
+                 optimizer="", loss="", regularization="", own_schedule=None):
     """The derived values, printed once at the start of training (``task``: the task.Task;
     ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
     is resumed; ``optimizer``, ``loss``: what runs, described from the objects;
-    ``regularization``: the recipe's words for its batch-level settings that are on)."""
+    ``regularization``: the recipe's words for its batch-level settings that are on;
+    ``own_schedule``: the class name of recipe.make_scheduler's scheduler, None for lr_factor's)."""
     data = task.data
     workers = task.train_loader.num_workers
     loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
@@ -536,13 +537,14 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         *size_warning(data),
         f"Augmentation: {data.prep.describe()}",
         f"Weights: {describe_weights(args, continuing, task.weights_note)}",
-        f"Recipe: {optimizer}; loss {loss}; LR schedule: {args.warmup_epochs:g} warm-up epochs, then "
-        f"{args.lr_schedule}",
+        f"Recipe: {optimizer}; loss {loss}; LR schedule: "
+        + (f"{own_schedule} (recipe.make_scheduler)" if own_schedule
+           else f"{args.warmup_epochs:g} warm-up epochs, then {args.lr_schedule}"),
         *([f"Regularization: {regularization}"] if regularization else []),
         describe_length(args.epochs, args.target_accuracy, args.patience),
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
-          if args.warmup_epochs > args.epochs else []),
+          if args.warmup_epochs > args.epochs and not own_schedule else []),
     ]
     if args.checkpoint_dir:
         lines.append(f"Checkpoints: {args.checkpoint_dir}, "
@@ -587,13 +589,16 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     module = unwrap(task.model)
     optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
     prefill_momentum(optimizer)
+    # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
+    own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
     layout = memory_format(args.channels_last, ctx.device)  # the model's, from build_task
     name = device_name(ctx.device)
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
               else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
                                 describe_optimizer(optimizer), describe_loss(loss_fn),
-                                recipe.describe_regularization(args, steps, ema_schedule)))
+                                recipe.describe_regularization(args, steps, ema_schedule),
+                                type(own).__name__ if own is not None else None))
     for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps)]:
         log.info(line)
     if ctx.process_group:
@@ -606,13 +611,15 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
-        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor)
+        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor,
+                                             own)
     else:
         if args.resume == "auto":
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
         cycles = [list(first_cycle(args.epochs, args.warmup_epochs, steps))]
         state = TrainState(run_id=from_rank0(new_run_id, ctx.control_group), lr_cycles=cycles)  # one ID: traces
-        rng_state, scheduler = None, make_scheduler(optimizer, cycles, factor, args.epochs * steps)
+        rng_state = None
+        scheduler = own if own is not None else make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     run = Run(model=torch.compile(task.model) if args.compile else task.model,  # compiles during the first steps
               module=module, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=loss_fn,
               precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx,
@@ -628,23 +635,29 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     return run, state, rng_state
 
 
-def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor):
+def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor, own=None):
     """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
     continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
-    --epochs extends its LR schedule by a warm restart."""
+    --epochs extends lr_factor's schedule by a warm restart (``own``: recipe.make_scheduler's
+    scheduler, which keeps the run's --epochs)."""
     module = unwrap(task.model)
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
     check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
-                    partial(check_state_fits, module, model_name=task.model_name), *resume_rules())
+                    partial(check_state_fits, module, model_name=task.model_name), *resume_rules(),
+                    scheduler_class=type(own).__name__ if own is not None else "LambdaLR")
     saved = checkpoint["args"]
     planned = saved["epochs"]
     # A checkpoint written before extensions existed has the one cycle its flags define.
     cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(planned, saved["warmup_epochs"], steps)]
     finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
     if args.epochs > planned and not finished:
+        if own is not None:
+            raise UserError(f"--epochs {args.epochs}: the run in {args.checkpoint_dir} planned {planned}, and "
+                            f"recipe.make_scheduler's {type(own).__name__} cannot be extended (lr_factor's "
+                            f"schedule can); resume with --epochs {planned}, or start a new run")
         cycles = extend(cycles, args.epochs, args.warmup_epochs, steps, checkpoint["scheduler"]["last_epoch"], factor)
         log.info(describe_extension(planned, args.epochs, args.base_lr, args.lr_schedule, Cycle(*cycles[-1]), steps))
-    scheduler = make_scheduler(optimizer, cycles, factor, args.epochs * steps)
+    scheduler = own if own is not None else make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     kernels = kernel_choices(optimizer)
     state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
     state.lr_cycles = [list(c) for c in cycles]

@@ -178,12 +178,14 @@ def load_agreed_checkpoint(directory, ctx, log):
     return Path(path), chosen["checkpoint"]
 
 
-def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags):
+def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags,
+                    scheduler_class="LambdaLR"):
     """Refuse to continue a run with another model, data set, optimizer or recipe (it would not
     be the same run). ``flags``: this run's, by name, as a checkpoint records them (its "args").
     ``check_fits(state_dict, source)`` raises when the model's shape differs;
-    ``optimizer`` is the one this run built; ``recipe_flags``: the names of the flags a resume
-    must keep. A checkpoint written before a flag existed ran with its default (``defaults``:
+    ``optimizer`` is the one this run built, ``scheduler_class`` the name of its LR scheduler's
+    class (LambdaLR: lr_factor's; recipe.make_scheduler's own); ``recipe_flags``: the names of
+    the flags a resume must keep. A checkpoint written before a flag existed ran with its default (``defaults``:
     the flags' defaults, by name)."""
     saved = {**defaults, **checkpoint["args"]}
     trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
@@ -203,6 +205,11 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
                         f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; {fix}, or start a "
                         "new run in another --checkpoint-dir")
+    saved_scheduler = checkpoint.get("scheduler_class", "LambdaLR")
+    if saved_scheduler != scheduler_class:
+        raise UserError(f"the checkpoint was trained with the LR scheduler {saved_scheduler}, this run builds "
+                        f"{scheduler_class} (recipe.make_scheduler): its state would not fit; restore recipe.py's "
+                        "make_scheduler as it was, or start a new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
     if differ:
@@ -365,6 +372,7 @@ class Checkpointer:
                 atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
                              "optimizer": run.optimizer.state_dict(),
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
+                             "scheduler_class": type(run.scheduler).__name__,
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": self.flags,
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": with_model_file(run.weights_metadata(last), path), "trained": trained,

@@ -121,6 +121,50 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
                                                            for r in read_metrics(reference / "m.jsonl")]
 
 
+def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(project, tmp_path):
+    """docs/recipe.md's MultiStepLR, returned by recipe.make_scheduler: the learning rate each
+    epoch is MultiStepLR's, a stop in epoch 2 and --resume end in the uninterrupted run's
+    weights, a larger --epochs on --resume is refused in one line (it cannot be extended), and
+    so is a recipe.py without that scheduler."""
+    outputs = []
+    for name in ("reference", "stopped"):
+        shutil.copytree(project, tmp_path / name)
+        with open(tmp_path / name / "recipe.py", "a") as f:
+            f.write("\n\n" + recipe_docs_snippet("make_scheduler"))
+        outputs.append(("--checkpoint-dir", tmp_path / name / "ckpt", "--metrics-file", tmp_path / name / "m.jsonl",
+                        "--save-weights", tmp_path / name / "w.pt"))
+    whole = run(single(*RUN, *outputs[0]), cwd=tmp_path / "reference")
+    assert whole.returncode == 0, whole.stderr
+    assert re.search(r"^Recipe: SGD .*; LR schedule: MultiStepLR \(recipe\.make_scheduler\)$", whole.stdout, re.M)
+    base = parse_args("t", []).base_lr
+    # 3 epochs of 4 steps: milestones after steps 4 and 8; an epoch's record has its last step's LR.
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "reference" / "m.jsonl")]
+    assert lrs == pytest.approx([base, base / 10, base / 100])
+
+    stopped = tmp_path / "stopped"
+    go = stopped / "go"  # held at step 2 of epoch 2 until the signal is sent
+    process = start(single(*RUN, *outputs[1]), stopped, stopped / "log", env=clean_env(HOLD_AT=f"6:{go}"))
+    wait_held(go, process)
+    os.kill(process.pid, signal.SIGUSR1)
+    go.touch()
+    process.wait(timeout=120)
+    assert "Stopped after step 2 of epoch 2 (SIGUSR1)" in (stopped / "log").read_text()
+    longer = run(single(*RUN, *outputs[1], "--resume", "--epochs", "4"), cwd=stopped)
+    assert error_lines(longer.stderr) == [
+        f"error: --epochs 4: the run in {stopped / 'ckpt'} planned 3, and recipe.make_scheduler's MultiStepLR cannot "
+        "be extended (lr_factor's schedule can); resume with --epochs 3, or start a new run"], longer.stderr
+    plain = run(single(*RUN, *outputs[1], "--resume"), cwd=project)  # recipe.py without make_scheduler's
+    assert error_lines(plain.stderr) == [
+        "error: the checkpoint was trained with the LR scheduler MultiStepLR, this run builds LambdaLR "
+        "(recipe.make_scheduler): its state would not fit; restore recipe.py's make_scheduler as it was, or start a "
+        "new run in another --checkpoint-dir"], plain.stderr
+    resumed = run(single(*RUN, *outputs[1], "--resume"), cwd=stopped)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = (torch.load(tmp_path / name / "w.pt", weights_only=True) for name in ("reference", "stopped"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    assert [r["lr"] for r in read_metrics(stopped / "m.jsonl")] == lrs
+
+
 def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
     """A short run with an average too slow for it: one warning line naming the flags; every
     epoch records and prints the model's and the average's accuracy; --save-weights holds the
