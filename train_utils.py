@@ -1,7 +1,10 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
 epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` keeps the books around
-``train_step``, the step itself; ``evaluate`` is the test loop. Then how a run is built:
-the command line, the task (``build_task``) and the run's objects (``prepare_run``).
+``train_step``, the step itself; ``evaluate`` is the test loop; then what they keep as they
+run (``Progress``, ``LossBooks``). Then how a run is built: the command line, the task
+(``build_task``), the start-up block and the run's objects (``prepare_run``, ``resume``).
+Between two steps the loop calls one piece of machinery, ``run.stop`` (engine/stopping.py);
+docs/architecture.md maps the rest.
 
 Both entry points build a Task (engine/task.py: the model and the data) and call ``fit``;
 train_ddp.py also joins a process group, shards the data by rank and wraps the model in DDP,
@@ -254,8 +257,48 @@ def train_steps(run, batches, state):
     return books.totals(lr, stop)
 
 
+@torch.no_grad()
+def evaluate(run, model, loader, label="Evaluation"):
+    """Accuracy (top-1, and top-5 with more than 5 classes) and loss of ``model`` over this
+    rank's shard of the test set, summed over all ranks.
+
+    ``model`` is unwrapped and uncompiled (run.module, or the --model-ema average): a DDP
+    forward may broadcast buffers, a collective that would hang when the shards have different
+    numbers of batches.
+    """
+    device = run.ctx.device
+    model.eval()
+    top5 = len(run.task.data.classes) > 5
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # [correct, loss sum, images, top-5 correct]
+    count = 0  # images, on the host too: for progress lines
+    batches = min(len(loader), run.args.limit_batches or len(loader))
+    progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
+    for batch, (x, y) in enumerate(islice(loader, batches), start=1):
+        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        try:
+            with run.autocast():
+                logits = model(x)  # (B, classes)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            raise run_out_of_memory(run, None, f"batch {batch} of {label.lower()}", True) from None
+        loss = F.cross_entropy(logits.float(), y, reduction="sum")
+        sums[:2] += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
+        sums[2] += y.size(0)  # no host-to-device copy, no sync
+        if top5:
+            sums[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(dim=1).sum()
+        count += y.size(0)
+        # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
+        progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
+    progress.close()
+    correct, loss_sum, images, top5_correct = all_reduce(sums).tolist()  # the one host sync of an evaluation
+    return eval_summary(correct, loss_sum, images, top5_correct if top5 else None)
+
+
 # ---------------------------------------------------------------------------------------------
-# The progress of a phase, as it runs.
+# What the loop keeps as it runs: the progress line of a phase, the books of an epoch's steps and of
+# an evaluation.
 
 TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
 
@@ -303,9 +346,8 @@ class Progress:
             self.stream.flush()
 
 
-# ---------------------------------------------------------------------------------------------
-# The books of an epoch's steps and of an evaluation: kept on the device, so that no step waits
-# for the GPU, and summed over the ranks once, at the end of the epoch (or at a stop).
+# The books are kept on the device, so that no step waits for the GPU, and summed over the ranks
+# once, at the end of the epoch (or at a stop).
 
 class StepTotals(NamedTuple):
     """What ``train_steps`` did, summed over all ranks."""
@@ -357,45 +399,6 @@ def eval_summary(correct, loss_sum, count, top5_correct=None):
         return EvalResult(math.nan, math.nan, 0)
     return EvalResult(correct / count, loss_sum / count, int(count),
                       None if top5_correct is None else top5_correct / count)
-
-
-@torch.no_grad()
-def evaluate(run, model, loader, label="Evaluation"):
-    """Accuracy (top-1, and top-5 with more than 5 classes) and loss of ``model`` over this
-    rank's shard of the test set, summed over all ranks.
-
-    ``model`` is unwrapped and uncompiled (run.module, or the --model-ema average): a DDP
-    forward may broadcast buffers, a collective that would hang when the shards have different
-    numbers of batches.
-    """
-    device = run.ctx.device
-    model.eval()
-    top5 = len(run.task.data.classes) > 5
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # [correct, loss sum, images, top-5 correct]
-    count = 0  # images, on the host too: for progress lines
-    batches = min(len(loader), run.args.limit_batches or len(loader))
-    progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
-    for batch, (x, y) in enumerate(islice(loader, batches), start=1):
-        x = x.to(device, memory_format=run.memory_format, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        try:
-            with run.autocast():
-                logits = model(x)  # (B, classes)
-        except Exception as err:
-            if not is_out_of_memory(err):
-                raise
-            raise run_out_of_memory(run, None, f"batch {batch} of {label.lower()}", True) from None
-        loss = F.cross_entropy(logits.float(), y, reduction="sum")
-        sums[:2] += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
-        sums[2] += y.size(0)  # no host-to-device copy, no sync
-        if top5:
-            sums[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(dim=1).sum()
-        count += y.size(0)
-        # Rank 0's shard so far; reading it waits for the GPU, only when a line is shown.
-        progress.update(batch, count * run.ctx.world_size, lambda: f"accuracy {sums[0].item() / count:.4f} (rank 0)")
-    progress.close()
-    correct, loss_sum, images, top5_correct = all_reduce(sums).tolist()  # the one host sync of an evaluation
-    return eval_summary(correct, loss_sum, images, top5_correct if top5 else None)
 
 
 # ---------------------------------------------------------------------------------------------
