@@ -35,7 +35,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
     log.py           what is printed, and the metrics file
-    monitor.py       GPU utilization and power, the profiler, and the Monitors the loop sees
+    monitor.py       GPU utilization and power, and the Monitors the loop sees
+    profiling.py     --profile-dir: a torch.profiler window of a few steps, its trace and top operators
     tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run
     nccl_log.py      which network NCCL chose, from its own log (check_network.py)
     interfaces.py    GLOO_/NCCL_SOCKET_IFNAME checked against this node's interfaces

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import monitor
+from engine import profiling
 from engine.dali_loader import dali_installed, dali_package
 from engine.errors import UserError
 from tools import gpu_report, loop_overhead, tutorial_table
@@ -245,7 +245,7 @@ def test_profile_split_of_a_real_profile():
     x = torch.randn(8, 3, 32, 32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         conv(x).sum().backward()
-    times = monitor.top_operators(profiler.key_averages(), device_time=False, limit=None)
+    times = profiling.top_operators(profiler.key_averages(), device_time=False, limit=None)
     total = times.compute_ms
     split = gpu_report.profile_split(times.rows, wall_ms=2 * total)  # half of the wall time computing
     assert split["idle"] == pytest.approx(50.0)

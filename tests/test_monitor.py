@@ -1,4 +1,4 @@
-"""Seeing where the time goes (engine/monitor.py): GPU sampling in a thread, TensorBoard scalars that
+"""Seeing where the time goes (engine/monitor.py, engine/profiling.py): GPU sampling in a thread, TensorBoard scalars that
 show each epoch once across a resume, and the profiler window, one trace per rank."""
 
 import gzip
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from device_utils import single_process_context
-from engine import monitor, tensorboard_log
+from engine import monitor, profiling, tensorboard_log
 from train_utils import parse_args
 from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd,
                       write_cifar100)
@@ -200,7 +200,7 @@ def test_top_operators_of_a_real_profile():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for _ in range(3):
             conv(x).relu().sum().backward()
-    times = monitor.top_operators(profiler.key_averages(), device_time=False, limit=4)
+    times = profiling.top_operators(profiler.key_averages(), device_time=False, limit=4)
     averages = {e.key: e for e in profiler.key_averages()}
     rows, total_ms = times.rows, times.compute_ms + times.communication_ms
     assert len(rows) == 4 and [r.self_ms for r in rows] == sorted((r.self_ms for r in rows), reverse=True)
@@ -210,7 +210,7 @@ def test_top_operators_of_a_real_profile():
     assert total_ms == pytest.approx(sum(e.self_cpu_time_total for e in averages.values()) / 1e3)
     assert times.communication_ms == 0  # no collective here
     assert averages["aten::convolution_backward"].count == 3
-    lines = monitor.operator_table(times, steps=3, wall_ms=3 * total_ms, unit="CPU")
+    lines = profiling.operator_table(times, steps=3, wall_ms=3 * total_ms, unit="CPU")
     assert len(lines) == 1 + 4 + 1 and lines[0].split()[:2] == ["operator", "calls"]
     assert lines[-1] == (f"Per step: {total_ms / 3:.1f} ms of computation on the CPU in {total_ms:.1f} ms of wall "
                          "time (33% busy; the rest is waiting: for data, for the host to launch work, for other ranks)")
@@ -221,20 +221,20 @@ def test_communication_is_counted_beside_the_computation():
     ops = [SimpleNamespace(key="aten::convolution_backward", count=2, self_cpu_time_total=6000.0),
            SimpleNamespace(key="nccl:all_reduce", count=2, self_cpu_time_total=3000.0),
            SimpleNamespace(key="c10d::allreduce_", count=2, self_cpu_time_total=1000.0)]
-    times = monitor.top_operators(ops, device_time=False)
+    times = profiling.top_operators(ops, device_time=False)
     assert (times.compute_ms, times.communication_ms) == (6.0, 4.0)
-    assert monitor.is_communication("record_param_comms")  # what DDP's collectives may be recorded as
+    assert profiling.is_communication("record_param_comms")  # what DDP's collectives may be recorded as
     assert [row.name for row in times.rows] == ["aten::convolution_backward", "nccl:all_reduce", "c10d::allreduce_"]
-    assert monitor.operator_table(times, steps=2, wall_ms=8.0, unit="GPU")[-1].endswith(
+    assert profiling.operator_table(times, steps=2, wall_ms=8.0, unit="GPU")[-1].endswith(
         "(75% busy; the rest is waiting: for data, for the host to launch work, for other ranks); "
         "communication 2.0 ms beside it")
 
 
 def test_unused_path_never_overwrites(tmp_path):
     path = tmp_path / "run_epoch1_step11_rank0.pt.trace.json.gz"
-    assert monitor.unused_path(path) == path
+    assert profiling.unused_path(path) == path
     path.write_text("{}")
-    assert monitor.unused_path(path).name == "run_epoch1_step11_rank0_2.pt.trace.json.gz"
+    assert profiling.unused_path(path).name == "run_epoch1_step11_rank0_2.pt.trace.json.gz"
 
 
 def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
@@ -269,7 +269,7 @@ def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
 def test_the_profile_window_is_moved_into_the_run(skip, steps, steps_left, per_epoch, expected):
     """Moved to end with the run, inside its last epoch (8 steps of 4: after step 5, the last
     epoch's first, so steps 6 to 8 are recorded)."""
-    assert monitor.fitted_skip(skip, steps, steps_left, per_epoch) == expected
+    assert profiling.fitted_skip(skip, steps, steps_left, per_epoch) == expected
 
 
 def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tmp_path, capsys):

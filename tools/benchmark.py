@@ -60,7 +60,7 @@ from engine.files import check_writable  # noqa: E402
 from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
                           positive_int)
 from engine.models import DEFAULT_MODEL  # noqa: E402
-from engine.monitor import device_profiler, top_operators, unused_path  # noqa: E402
+from engine.profiling import device_profiler, top_operators, unused_path  # noqa: E402
 from engine.precision import configure_precision  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
 from tools import gpu_report  # noqa: E402
