@@ -144,7 +144,10 @@ def run_epoch(run, state, rng_state=None):
     synchronize(run.ctx.device)
     train_end = time.perf_counter()
     phase = run.monitor.end_of_training_phase(start, train_end)  # a partial epoch resumed: its last part only
-    loss_sum, images, seconds = (a + b for a, b in zip(state.partial, (done.loss_sum, done.images, train_end - start)))
+    # A resumed epoch adds its steps to those the interrupted run had trained of it.
+    loss_sum = state.partial[0] + done.loss_sum
+    images = state.partial[1] + done.images
+    seconds = state.partial[2] + train_end - start
     if done.first_bad:
         kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
         raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {done.first_bad}; stopping "
@@ -157,15 +160,15 @@ def run_epoch(run, state, rng_state=None):
         if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(train_loader), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
-    models = [run.module, *([run.ema.module] if run.ema else [])]  # the model, and its --model-ema average
-    for model in models:  # evaluate exactly the models rank 0 holds (and saves)
-        broadcast_buffers(model)
     label = f"Evaluation after epoch {state.epoch}"
-    result, *average = (evaluate(run, model, run.task.test_loader, label if model is run.module else f"{label} (EMA)")
-                        for model in models)
+    broadcast_buffers(run.module)  # evaluate exactly the model rank 0 holds (and saves)
+    result = evaluate(run, run.module, run.task.test_loader, label)
+    average = None  # --model-ema's average, evaluated too: the better one is kept
+    if run.ema:
+        broadcast_buffers(run.ema.module)
+        average = evaluate(run, run.ema.module, run.task.test_loader, f"{label} (EMA)")
     record = epoch_record(state, run.record_fields(), loss_sum / max(images, 1), result, images, seconds,
-                          time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device),
-                          average[0] if average else None)
+                          time.perf_counter() - train_end, done.lr, phase, peak_memory_gib(run.ctx.device), average)
     if not run.args.check_sync_every:
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(validated(record))  # early stopping, like --save-weights, goes by the better of the two
