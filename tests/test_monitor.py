@@ -1,5 +1,6 @@
-"""Seeing where the time goes (engine/monitor.py, engine/profiling.py): GPU sampling in a thread, TensorBoard scalars that
-show each epoch once across a resume, and the profiler window, one trace per rank."""
+"""Seeing where the time goes (engine/monitor.py, engine/profiling.py): GPU sampling in a
+thread, TensorBoard scalars that show each epoch once across a resume, and the profiler window,
+one trace per rank."""
 
 import gzip
 import itertools
