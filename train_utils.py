@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -41,7 +41,7 @@ from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, ch
                                 load_agreed_checkpoint, new_run_id, restore)
 from engine.errors import RunAborted, UserError
 from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
-                        describe_resume, epoch_line, epoch_record, eta_seconds, per_process, processes,
+                        describe_resume, duration, epoch_line, epoch_record, eta_seconds, per_process, processes,
                         reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema, which_weights)
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
@@ -274,7 +274,7 @@ def evaluate(run, model, loader, label="Evaluation"):
     top5 = len(run.task.data.classes) > 5
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # [correct, loss sum, images, top-5 correct]
     count = 0  # images, on the host too: for progress lines
-    batches = min(len(loader), run.args.limit_batches or len(loader))
+    batches = limited(loader, run.args.limit_batches)
     progress = Progress(run.ctx.is_main, label, batches, run.args.log_interval)
     for batch, (x, y) in enumerate(islice(loader, batches), start=1):
         x = x.to(device, memory_format=run.memory_format, non_blocking=True)
@@ -333,14 +333,12 @@ class Progress:
         self.last, self.shown = now, True
         elapsed, done_here = now - self.start, done - self.first
         left = elapsed / done_here * (self.total - done) if done_here > 0 else None
-        if left is not None:  # H:MM:SS, or Dd H:MM:SS past a day, as the epoch lines' (engine.log.duration)
-            left = str(timedelta(seconds=round(left))).replace(" days, ", "d ").replace(" day, ", "d ")
         line = (f"{self.label} [{done}/{self.total}]{f' {text}' if text else ''}, "
-                f"{images / max(elapsed, 1e-9):.1f} img/s, {left or '?'} left")
+                f"{images / max(elapsed, 1e-9):.1f} img/s, {duration(left)} left")
         if self.terminal:
             self.stream.write(f"\r{line}\033[K")
         else:
-            self.stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            self.stream.write(f"{timestamp()} {line}\n")
         self.stream.flush()
 
     def close(self):
@@ -587,7 +585,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     rank; the derived values printed once."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file, checkpointed=bool(args.checkpoint_dir))
-    steps = min(len(task.train_loader), args.limit_batches or len(task.train_loader))
+    steps = limited(task.train_loader, args.limit_batches)  # optimizer steps per epoch
     if steps == 0 and not args.eval_only:
         raise UserError(f"the {len(task.train_loader.dataset)} training images give no full batch of "
                         f"{task.train_loader.batch_size} per process; lower --batch-size")
@@ -697,6 +695,11 @@ def unwrap(model):
 
 # ---------------------------------------------------------------------------------------------
 # Small pure pieces.
+
+def limited(loader, limit_batches):
+    """The batches of ``loader`` an epoch (or evaluation) takes: all, or at most --limit-batches."""
+    return min(len(loader), limit_batches or len(loader))
+
 
 def target_reached(history, target, patience):
     """True when the last ``patience`` validation accuracies are all >= ``target`` (None: never)."""

@@ -66,7 +66,7 @@ from engine.processes import synchronize  # noqa: E402
 from tools import gpu_report  # noqa: E402
 from tools.baselines import (GUIDE_PRECISION, StepTiming, TorchvisionResizedCrops, guide_loader,  # noqa: E402
                              guide_training_steps)
-from train_utils import build_task, parse_args, prepare_run, train_steps  # noqa: E402
+from train_utils import build_task, limited, parse_args, prepare_run, train_steps  # noqa: E402
 
 # train.py flags of each recipe; both get --batch-size from the command line.
 RECIPES = {
@@ -84,7 +84,7 @@ def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_con
     checkpoints or stop requests: the run's StopRequests is never entered, so nothing but
     Ctrl-C stops it."""
     # The LR schedule is a table of --epochs' steps: these steps may run past that many epochs.
-    per_epoch = min(len(task.train_loader), args.limit_batches or len(task.train_loader))  # as prepare_run's
+    per_epoch = limited(task.train_loader, args.limit_batches)  # prepare_run's steps per epoch
     epochs = -(-(warmup_steps + steps) // per_epoch)  # ceil
     run, state, _ = prepare_run(task, argparse.Namespace(**{**vars(args), "epochs": max(args.epochs, epochs)}), ctx)
     synchronize(ctx.device)

@@ -67,7 +67,7 @@ def project_run(opts):
     ctx = single_process_context()
     task = tu.build_task(args, ctx)
     # The LR schedule is a table of --epochs' steps: the repeats may run past that many epochs.
-    per_epoch = min(len(task.train_loader), args.limit_batches or len(task.train_loader))  # as prepare_run's
+    per_epoch = tu.limited(task.train_loader, args.limit_batches)  # prepare_run's steps per epoch
     args.epochs = max(args.epochs, -(-(5 + opts.repeats * opts.steps) // per_epoch))  # ceil
     run, state, _ = tu.prepare_run(task, args, ctx)
     return run, state, task.train_loader
