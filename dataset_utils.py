@@ -45,8 +45,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
-from engine.disk_space import size_text
-from engine.errors import UserError
+from engine.errors import UserError, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
@@ -55,8 +54,7 @@ from engine.preprocessing import (Preprocessing, augmentation_seeds, centre_crop
                                   trained_preprocessing)
 from engine.processes import available_cores, from_rank0
 from engine.stopping import ignore_ctrl_c
-from engine.task import DataInfo, data_fingerprint
-from engine.splits import check_labels, describe_split, held_out_record, stratified_split
+from engine.task import DataInfo, check_labels, data_fingerprint, describe_split, held_out_record, stratified_split
 from engine.weights import read_weights
 import recipe  # noqa: I001 (the user's file, after the engine's)
 

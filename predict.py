@@ -53,7 +53,7 @@ from engine.memory import OutOfMemory, is_out_of_memory
 from engine.models import check_output, make_model, recorded_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores
-from engine.splits import held_out_again
+from engine.task import held_out_again
 from engine.weights import check_state_fits, read_weights
 
 REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without

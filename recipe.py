@@ -30,7 +30,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel
 
-from engine.batched_crops import crop_resize, random_boxes, random_erase
 from engine.errors import UserError
 from engine.flags import below_one, non_negative_float, positive_float, positive_int
 
@@ -133,6 +132,8 @@ def make_batch_transform(args, num_classes):
         mix = mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
     if not (mix or args.random_erase):
         return None
+    if args.random_erase:
+        from engine.batched_crops import random_erase  # --random-erase only
 
     def transform(x, labels):
         x = random_erase(x, args.random_erase) if args.random_erase else x
@@ -282,6 +283,7 @@ def resized_crop(images, rand, prep):
     """torchvision's RandomResizedCrop(prep.image_shape[:2], RESIZED_CROP_SCALE, RESIZED_CROP_RATIO)
     of each image: a box drawn as torchvision draws it (a fraction of the area and an aspect
     ratio, uniform in log, that fit the image), resized bilinearly to the model's input size."""
+    from engine.batched_crops import crop_resize, random_boxes  # images stored larger than the input only
     _, height, width, _ = images.shape
     top, left, box_h, box_w = random_boxes(rand, height, width, RESIZED_CROP_SCALE, RESIZED_CROP_RATIO)
     return crop_resize(images, top, left, box_h, box_w, prep.image_shape[:2])

@@ -44,11 +44,10 @@ from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_dat
                         describe_resume, duration, epoch_line, epoch_record, eta_seconds, per_process, processes,
                         reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema, which_weights)
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
-from engine.lr_schedule import Cycle, describe_extension, extend, first_cycle, make_scheduler
 from engine.models import build_model
 from engine.monitor import Monitors
-from engine.optimizers import (describe_loss, describe_optimizer, fit_optimizer_to_params, kernel_choices,
-                               prefill_momentum)
+from engine.optimization import (Cycle, describe_extension, describe_loss, describe_optimizer, extend, first_cycle,
+                                 fit_optimizer_to_params, kernel_choices, make_scheduler, prefill_momentum)
 from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize

@@ -4,12 +4,13 @@ optimizer, so yours plug in without changes here. Imports flow one way: the top-
 scripts import the engine, and the engine imports no top-level module except the user's
 files named on the command line (--model, --dataset FILE.py:NAME).
 
-    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line
+    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line; a full disk
     cli.py           run_cli: those as one line and an exit status
     processes.py     who this process is (torchrun's variables) and how the ranks agree
     lost_ranks.py    a rank that stopped answering, named in one line
     flags.py         the engine's flags, parsed with recipe.py's
-    task.py          Task and DataInfo: where the loop meets the model and the data
+    task.py          Task and DataInfo: where the loop meets the model and the data; labels checked,
+                     --val-fraction's stratified split
     plugins.py       loading the user's FILE.py:NAME
     models.py        --model built, probed and given --weights
     finetune.py      --finetune: the weights that fit, a new head, --freeze-backbone
@@ -18,20 +19,18 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_folder.py  --dataset folder: scanned and decoded
     image_list.py    --loader dali's list of an image folder: each image checked once, no copy kept
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
-    splits.py        --val-fraction: a stratified validation split of the training images
     preprocessing.py stored images to the model's input: normalization, centre crop, each image's draws
     dali_loader.py   --loader dali: DALI's pipeline per epoch, the project's order and shards
     batched_crops.py boxes in a whole batch on the device: resized crops, erasing
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
-    optimizers.py    whatever optimizer recipe.py builds: fused safety, resume, its name
+    optimization.py  whatever optimizer and schedule recipe.py builds: fused safety, resume, names;
+                     the schedule's cycles (warm restarts when a run is extended)
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it
-    lr_schedule.py   the schedule's cycles (warm restarts when a run is extended)
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on), load, check
     files.py         atomic writes, outputs checked at start
-    disk_space.py    a full disk in one line: the space needed and free
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
     log.py           what is printed, and the metrics file

@@ -45,7 +45,7 @@ class TrainState:
     history: list = field(default_factory=list)      # validation accuracy of each finished epoch
     records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
     checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
-    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (lr_schedule.Cycle as lists)
+    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (optimization.Cycle as lists)
 
 
 def new_run_id():

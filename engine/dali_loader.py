@@ -19,9 +19,8 @@ import importlib.util
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from engine.disk_space import size_text
 from engine.memory import DEVICE_DATA_FRACTION
-from engine.errors import UserError
+from engine.errors import UserError, size_text
 from engine.seeds import derived_seed
 
 DALI_STREAM = 2**31 - 5  # (seed, epoch, rank, DALI_STREAM): the pipeline's seed, apart from the other streams

@@ -1,7 +1,15 @@
 """What ends a run with one line instead of a traceback: a mistake (UserError, exit 2), a run
 that must stop without saving (RunAborted, exit 3), a stop request after its checkpoint
-(TrainingStopped). engine/cli.py turns each into its line and exit status.
+(TrainingStopped); and the line of a write that failed because the disk or the quota is
+full, with the space it needed and the space free, so the user knows what to clear.
+engine/cli.py turns each into its line and exit status. No torch import (tools/report.py uses
+it on any machine).
 """
+
+import errno
+import shutil
+from pathlib import Path
+
 
 class UserError(Exception):
     """A mistake in the command line, the environment or the data: the entry points print it
@@ -52,3 +60,42 @@ def first_line(err):
     """The first line of an exception's message (libraries go on with advice and stacks), or
     its type's name when it has none."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk space for people.
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or the user's quota on it
+
+
+def size_text(nbytes):
+    """Bytes for people: 12.3 kB, 620.3 MB, 2.41 GB, 80 GB."""
+    if nbytes < 1e6:
+        return f"{nbytes / 1e3:.1f} kB"
+    if nbytes < 1e9:
+        return f"{nbytes / 1e6:.1f} MB"
+    return f"{nbytes / 1e9:.{2 if nbytes < 1e10 else 0}f} GB"
+
+
+def free_bytes(path):
+    """Bytes free to this user on the file system that holds (or will hold) ``path``."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def space_problem(what, path, err, needed=None):
+    """The one line for a write of ``what`` to ``path`` that failed with OSError ``err``: with the
+    space it needed and the space free when the disk or the quota is full."""
+    why = err.strerror or str(err)
+    if err.errno in NO_SPACE:
+        why += (f": needs {'about ' + size_text(needed) if needed else 'more'}, "
+                f"{size_text(free_bytes(path))} free there")
+    return ResourceProblem(f"cannot write {what} {path} ({why})")
+
+
+def space_warning(what, path, err, then):
+    """The warning for a diagnostic output (a TensorBoard event, a profiler trace) that could
+    not be written: training goes on without it, ``then`` says what happens instead."""
+    return f"WARNING: {space_problem(what, path, err)}; {then}"

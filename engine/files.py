@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.disk_space import free_bytes, space_problem
-from engine.errors import UserError
+from engine.errors import UserError, free_bytes, space_problem
 from engine.processes import from_rank0
 
 def tensor_bytes(obj):

@@ -50,8 +50,7 @@ from typing import Callable
 import numpy as np
 
 from engine.data_formats import DatasetError, default_data_dir
-from engine.disk_space import NO_SPACE, free_bytes, size_text, space_problem
-from engine.errors import ResourceProblem
+from engine.errors import NO_SPACE, ResourceProblem, free_bytes, size_text, space_problem
 from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, FolderStats, Unreadable, channel_stats, check_left,
                                  decode_all, folder_stats, header, image_notes, map_threads, scan)
 from engine.log import count

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from engine.disk_space import space_problem
+from engine.errors import space_problem
 
 
 def timestamp(now=None):

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.disk_space import space_warning
+from engine.errors import space_warning
 from engine.log import count
 from engine.processes import synchronize
 

@@ -8,8 +8,7 @@ import math
 import threading
 from pathlib import Path
 
-from engine.disk_space import space_warning
-from engine.errors import first_line
+from engine.errors import first_line, space_warning
 
 TENSORBOARD_PIP = "pip install tensorboard"
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 from engine.errors import UserError
 from engine.plugins import call_user_code, load_plugin
-from engine.splits import check_labels
+from engine.task import check_labels
 
 def materialize(dataset, split, ref):
     """(images (N, H, W, C) uint8 or float32, labels int64 (N,)) of a map-style data set."""

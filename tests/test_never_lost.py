@@ -18,7 +18,7 @@ import torch
 
 from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
                       unavailable, wait_held, write_image_folder)
-from engine import folder_lock, image_cache, splits, stopping
+from engine import folder_lock, image_cache, stopping, task
 from engine.errors import ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.log import reconcile_metrics
@@ -253,10 +253,10 @@ def test_a_damaged_image_cache_is_rebuilt_never_used(tmp_path, damage):
 
 
 def test_a_label_outside_the_classes_names_the_image():
-    splits.check_labels(np.array([0, 1, 2]), 3, "x")
+    task.check_labels(np.array([0, 1, 2]), 3, "x")
     with pytest.raises(UserError, match=r"^CIFAR-100 training image 2 has the label 100, outside 0\.\.99 of its "
                                         r"100 classes \(2 such labels\)$"):
-        splits.check_labels(np.array([5, 0, 100, -1]), 100, "CIFAR-100 training")
+        task.check_labels(np.array([5, 0, 100, -1]), 100, "CIFAR-100 training")
 
 
 def test_a_file_name_that_is_not_utf8_trains(tmp_path):

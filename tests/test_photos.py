@@ -26,7 +26,7 @@ from engine.image_cache import read_folder_cache
 from engine.image_folder import cover_size, decode, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
-from engine.splits import held_out_again, held_out_record, stratified_split
+from engine.task import held_out_again, held_out_record, stratified_split
 from engine.weights import save_weights
 from tools.benchmark import TorchvisionResizedCrops
 from tools.demo_data import write_photo_folder
@@ -101,7 +101,7 @@ def test_the_split_is_stratified_disjoint_and_a_function_of_the_seed():
     assert all(np.array_equal(a, b) for a, b in zip(split, again))
     assert not np.array_equal(stratified_split(labels, 0.2, seed=6).val, split.val)
     # Another process (another hash seed, another numpy state) draws the same split: every rank agrees.
-    code = ("import numpy as np; from engine.splits import stratified_split; np.random.seed(1); "
+    code = ("import numpy as np; from engine.task import stratified_split; np.random.seed(1); "
             "print(stratified_split(np.repeat(np.arange(4), [50, 20, 7, 1]), 0.2, 5).val.tolist())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"})

@@ -17,7 +17,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import checkpoints, flags, lr_schedule, optimizers, precision, processes
+from engine import checkpoints, flags, optimization, precision, processes
 from engine import weights as weights_file
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -173,8 +173,8 @@ def test_warmup_then_cosine():
 def test_scheduler_steps_per_optimizer_step():
     args = tu.parse_args("test", ["--base-lr", "0.4", "--epochs", "3", "--warmup-epochs", "1"])
     optimizer = recipe.make_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
-    cycles = [lr_schedule.first_cycle(args.epochs, args.warmup_epochs, 4)]  # 4 steps per epoch
-    scheduler = lr_schedule.make_scheduler(optimizer, cycles, partial(recipe.lr_factor, schedule=args.lr_schedule))
+    cycles = [optimization.first_cycle(args.epochs, args.warmup_epochs, 4)]  # 4 steps per epoch
+    scheduler = optimization.make_scheduler(optimizer, cycles, partial(recipe.lr_factor, schedule=args.lr_schedule))
     lrs = []
     for _ in range(12):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -432,7 +432,7 @@ def _fused_sgd(model):
 def test_momentum_buffers_exist_from_the_start_in_each_parameters_layout():
     model = _conv_model().to(memory_format=torch.channels_last)
     optimizer = _fused_sgd(model)
-    optimizers.prefill_momentum(optimizer)
+    optimization.prefill_momentum(optimizer)
     for param in model.parameters():
         buffer = optimizer.state[param]["momentum_buffer"]
         assert torch.equal(buffer, torch.zeros_like(param)) and buffer.stride() == param.stride()
@@ -450,7 +450,7 @@ def test_a_skipped_fp16_first_step_leaves_zero_momentum_not_uninitialised_memory
     the momentum buffers it created (the CPU has the same fused kernel)."""
     model = _conv_model()
     optimizer = _fused_sgd(model)
-    optimizers.prefill_momentum(optimizer)
+    optimization.prefill_momentum(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     before = [param.detach().clone() for param in model.parameters()]
     _one_step(model, optimizer, scaler, factor=math.inf)  # overflow: the step is skipped
@@ -474,12 +474,12 @@ def test_resumed_optimizer_state_takes_the_parameters_layout():
     _one_step(saved, saved_optimizer)
     model = _conv_model().to(memory_format=torch.channels_last)
     optimizer = _fused_sgd(model)  # this device's: fused, where the checkpoint's was not
-    kernels = optimizers.kernel_choices(optimizer)
+    kernels = optimization.kernel_choices(optimizer)
     optimizer.load_state_dict(saved_optimizer.state_dict())
     conv = model[0].weight
     assert optimizer.state[conv]["momentum_buffer"].stride() != conv.stride()  # what load_state_dict leaves
     assert optimizer.param_groups[0]["fused"] is None  # and the saved run's kernel choice
-    optimizers.fit_optimizer_to_params(optimizer, kernels)
+    optimization.fit_optimizer_to_params(optimizer, kernels)
     for param, saved_param in zip(model.parameters(), saved.parameters()):
         buffer = optimizer.state[param]["momentum_buffer"]
         assert buffer.stride() == param.stride()
@@ -517,7 +517,7 @@ def test_every_entry_point_makes_its_gpu_current_and_autotunes(monkeypatch):
 
 
 def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
-    ls = lr_schedule
+    ls = optimization
     cosine, constant = (partial(recipe.lr_factor, schedule=name) for name in ("cosine", "constant"))
     first = [ls.first_cycle(10, 2, 10)]  # 10 epochs of 10 steps: 100 steps, 20 of warm-up
     assert [ls.schedule_factor(s, first, cosine) for s in range(100)] == [recipe.lr_factor(s, 100, 20, "cosine")
@@ -600,11 +600,11 @@ def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():
 def test_an_extension_says_what_the_learning_rate_does():
     def said(schedule, cycle):
         args = tu.parse_args("test", ["--epochs", "5", "--lr-schedule", schedule, "--base-lr", "0.01"])
-        return lr_schedule.describe_extension(3, args.epochs, args.base_lr, args.lr_schedule, cycle, steps_per_epoch=4)
-    assert said("cosine", lr_schedule.Cycle(12, 1, 20, 0.0)) == (
+        return optimization.describe_extension(3, args.epochs, args.base_lr, args.lr_schedule, cycle, steps_per_epoch=4)
+    assert said("cosine", optimization.Cycle(12, 1, 20, 0.0)) == (
         "Extending the run from 3 to 5 epochs: warm restart of the learning rate from 0 back up to 0.01 over 1 step "
         "(0.25 epochs), then cosine to 0 at epoch 5")
-    assert said("constant", lr_schedule.Cycle(12, 2, 20, 1.0)) == (
+    assert said("constant", optimization.Cycle(12, 2, 20, 1.0)) == (
         "Extending the run from 3 to 5 epochs at the constant learning rate 0.01")  # not "from 0.01 back up to 0.01"
 
 

@@ -54,8 +54,7 @@ from device_utils import device_name, memory_format, single_process_context  # n
 from engine.cli import run_cli  # noqa: E402
 from engine.dali_loader import dali_installed  # noqa: E402
 from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
-from engine.disk_space import space_problem  # noqa: E402
-from engine.errors import UserError  # noqa: E402
+from engine.errors import UserError, space_problem  # noqa: E402
 from engine.files import check_writable  # noqa: E402
 from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
                           positive_int)

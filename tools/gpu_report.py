@@ -40,8 +40,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 from dataset_utils import FileImages, preprocessing  # noqa: E402
 from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
 from engine.dali_loader import DaliLoader  # noqa: E402
-from engine.disk_space import space_problem  # noqa: E402
-from engine.errors import UserError, first_line  # noqa: E402
+from engine.errors import UserError, first_line, space_problem  # noqa: E402
 from engine.profiling import is_communication  # noqa: E402
 from engine.processes import available_cores  # noqa: E402
 from recipe import dali_images  # noqa: E402

@@ -36,8 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.disk_space import space_problem  # noqa: E402
-from engine.errors import ResourceProblem  # noqa: E402
+from engine.errors import ResourceProblem, space_problem  # noqa: E402
 from engine.log import throughput, validated  # noqa: E402
 
 FIGURE_INCHES, FIGURE_DPI = (12, 8), 100  # the PNG is 1200 x 800 pixels
