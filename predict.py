@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dataset_utils import centre_crop, normalization, normalize
 from engine.cli import run_cli
-from engine.preprocessing import centre_crop, normalization, normalize
 from engine.errors import UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int

@@ -251,7 +251,7 @@ def make_scheduler(optimizer, args, total_steps):
 # device (the device loader's). ``rand`` (B, RANDOM_PER_OP) float64 holds uniform numbers in
 # [0, 1), drawn for each image of the data set from (--seed, epoch) alone: the same image gets
 # the same numbers on every rank and after a resume. ``prep`` is the data set's
-# engine.preprocessing.Preprocessing (image shape, padding). The DataLoader's workers apply
+# dataset_utils.Preprocessing (image shape, padding). The DataLoader's workers apply
 # torchvision's own transform of each where there is one (library_transform), seeded per
 # image from (--seed, epoch, index): the same distribution, other draws. Test images are never
 # augmented.
@@ -312,7 +312,7 @@ def on_one_image(image, op, prep):
 
 def loader_transforms(prep):
     """The DataLoader's per-image pipeline for a training image (C, H, W) of ``prep`` (an
-    engine.preprocessing.Preprocessing): its operations as library_transform gives them, then
+    dataset_utils.Preprocessing): its operations as library_transform gives them, then
     image_transforms'; a v2.Compose, or None when there is nothing to do."""
     steps = [library_transform(op, prep) for op in prep.ops] + list(getattr(prep.per_image, "transforms", ()))
     if not steps:

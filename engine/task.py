@@ -30,7 +30,7 @@ class DataInfo:
     title: str             # for people: CIFAR-100, image folder DIR, my_data.py:make
     source: str            # where the images come from, for the start-up block
     classes: tuple         # label i is classes[i]
-    prep: object           # engine.preprocessing.Preprocessing: image shape, normalization, augmentation
+    prep: object           # dataset_utils.Preprocessing: image shape, normalization, augmentation
     fingerprint: dict      # identifies images and labels: a resume on other data is refused
     expected_sizes: dict = None  # official images per split, for a warning when a copy differs
     notes: tuple = ()      # how the data was prepared, for the start-up block

@@ -25,7 +25,7 @@ from engine.dali_loader import DaliLoader, choose_dali, dali_installed, dali_pac
 from dataset_utils import FileImages
 from engine.errors import UserError
 from engine.image_folder import decode
-from engine.preprocessing import centre_crop, normalization, normalize
+from dataset_utils import centre_crop, normalization, normalize
 from engine.seeds import resumed_steps, rng_snapshot
 from test_photos import ks_limit, two_sample_ks
 from test_resilience import _rank_pid

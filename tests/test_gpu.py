@@ -36,8 +36,8 @@ from engine.dali_loader import DaliLoader, dali_installed
 from dataset_utils import FileImages, batch_temporaries
 from engine.memory import StepShape, device_memory, free_device_memory, held_outside_torch, training_bytes
 from engine.precision import Precision
-from engine.preprocessing import Preprocessing
-from engine import monitor, optimizers, tensorboard_log
+from dataset_utils import Preprocessing
+from engine import monitor, optimization, tensorboard_log
 from conftest import REPO, SMALL_MODEL, clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for
 from conftest import write_cifar100
 from conftest import run as run_with_timeout
@@ -184,7 +184,7 @@ def test_fp16_with_a_skipped_first_step_trains_on_zero_momentum_not_garbage(monk
     ours = model()
     optimizer = recipe.make_optimizer(ours, args, cuda)
     assert optimizer.param_groups[0]["fused"] is True  # the kernel that returns early on a skipped step
-    optimizers.prefill_momentum(optimizer)  # what train_utils.prepare_run does
+    optimization.prefill_momentum(optimizer)  # what train_utils.prepare_run does
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
     _step(ours, optimizer, scaler, factor=math.inf)  # overflow: GradScaler skips the step
     _step(ours, optimizer, scaler)

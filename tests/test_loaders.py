@@ -10,7 +10,6 @@ from PIL import Image
 from torch.utils.data.distributed import DistributedSampler
 
 import dataset_utils as du
-from engine import preprocessing
 import recipe
 
 CPU = torch.device("cpu")
@@ -112,8 +111,8 @@ def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
     rand = torch.stack([randoms_for(top, left, flip, CIFAR.padding) for top, left, flip in combos])
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = preprocessing.normalize(du.augment(batch, rand, CIFAR.ops, CIFAR),
-                                        *preprocessing.normalization(CIFAR.mean, CIFAR.std, torch.uint8))
+    on_device = du.normalize(du.augment(batch, rand, CIFAR.ops, CIFAR),
+                                        *du.normalization(CIFAR.mean, CIFAR.std, torch.uint8))
     references = []
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).

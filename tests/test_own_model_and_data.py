@@ -16,7 +16,7 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, image_cache, image_folder, models, preprocessing, stopping
+from engine import data_formats, image_cache, image_folder, models, stopping
 from engine.errors import UserError
 from engine import weights as weights_file
 from tools import demo_data
@@ -267,12 +267,12 @@ def test_float_images_are_flipped_padded_crops_in_both_loaders():
     rng = np.random.default_rng(0)
     images = rng.normal(size=(6, 8, 8, 2)).astype(np.float32)
     prep = du.preprocessing((8, 8, 2), (0.1, -0.2), (1.5, 0.5), "flip-crop")
-    scale_shift = preprocessing.normalization(prep.mean, prep.std, torch.float32)
+    scale_shift = du.normalization(prep.mean, prep.std, torch.float32)
     data = du.InMemoryImages(images, np.arange(6), prep).with_transform(recipe.loader_transforms(prep))
     keys = list(du.AugmentSampler(range(6), 6, 3))
     one_at_a_time = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
     rand = prep.randoms(6, 3, 0)[[index for index, _ in keys]]
-    on_device = preprocessing.normalize(du.augment(torch.from_numpy(images)[[i for i, _ in keys]], rand,
+    on_device = du.normalize(du.augment(torch.from_numpy(images)[[i for i, _ in keys]], rand,
                                                               prep.ops, prep), *scale_shift)
     p = prep.padding
     span = range(2 * p + 1)
@@ -281,7 +281,7 @@ def test_float_images_are_flipped_padded_crops_in_both_loaders():
             padded = torch.nn.functional.pad(torch.from_numpy(images[index]), (0, 0, p, p, p, p))
             views = [view.flip(1) if flip else view for flip in (False, True)
                      for view in (padded[top:top + 8, left:left + 8] for top in span for left in span)]
-            assert any(torch.allclose(item, preprocessing.normalize(view[None], *scale_shift)[0], atol=1e-6)
+            assert any(torch.allclose(item, du.normalize(view[None], *scale_shift)[0], atol=1e-6)
                        for view in views), index
     assert torch.allclose(data[0][0], (torch.from_numpy(images[0]).permute(2, 0, 1) - torch.tensor([0.1, -0.2])[:, None,
                           None]) / torch.tensor([1.5, 0.5])[:, None, None])
@@ -292,8 +292,8 @@ def test_float_images_far_from_zero_keep_their_precision():
     kelvin with millikelvin differences): subtracted first, its normalized values keep float32's
     precision (a fused x * scale + shift, with both rounded to float32, is 3.7e-4 off here)."""
     images = (300 + 0.007 * np.random.default_rng(0).normal(size=(4, 6, 6, 1))).astype(np.float32)
-    out = preprocessing.normalize(torch.from_numpy(images),
-                                  *preprocessing.normalization((300.0,), (0.007,), torch.float32))
+    out = du.normalize(torch.from_numpy(images),
+                                  *du.normalization((300.0,), (0.007,), torch.float32))
     exact = (torch.from_numpy(images).double() - 300) / 0.007  # (4, 6, 6, 1)
     assert out.shape == (4, 1, 6, 6) and (out.permute(0, 2, 3, 1).double() - exact).abs().max() < 1e-5
 

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_utils as tu  # noqa: E402
-from engine.preprocessing import normalization  # noqa: E402
+from dataset_utils import normalization  # noqa: E402
 from device_utils import single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
 from engine.flags import OneLineParser, positive_int  # noqa: E402
