@@ -17,6 +17,7 @@ from __future__ import annotations  # Run names Precision and friends in its ann
 
 import argparse
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -238,6 +239,10 @@ def train_steps(run, batches, state):
                                     step > start + 1 or state.epoch > 1) from None
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
+            if run.compiled and run.clock.first_step_s is None:  # the step that compiled the model
+                synchronize(device)  # once per process
+                run.log.info(f"{timestamp()} torch.compile: the first step took {run.clock.first_step():.1f}s, "
+                             f"compiling included; {run.compiled}")
         if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
             update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
@@ -488,6 +493,7 @@ class Run:
     mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
+    compiled: str = None   # --compile: where its caches are (engine/compiling.py), else None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
     def record_fields(self):
@@ -609,6 +615,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
             log.info(line)
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
+    compiled = None
+    if args.compile and not args.eval_only:
+        from engine.compiling import use_compile_cache  # --compile only
+        compiled = use_compile_cache(args.checkpoint_dir, os.environ)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
@@ -634,7 +644,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
-              regularization=recipe.batch_settings(args, ema_schedule))
+              regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled)
     return run, state, rng_state
 
 

@@ -249,7 +249,8 @@ def build_parser(description, add_recipe_arguments):
                             "may change it")
     speed.add_argument("--compile", action="store_true",
                        help="torch.compile the training model (the first steps then take minutes; the first "
-                            "epoch's throughput is reported separately)")
+                            "epoch's throughput is reported separately; with --checkpoint-dir the compiled kernels "
+                            "are kept in DIR/compile_cache for a resume)")
 
     run = parser.add_argument_group("run control and output")
     run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,

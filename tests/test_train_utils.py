@@ -7,6 +7,7 @@ import re
 import shlex
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import train_utils as tu
 from device_utils import single_process_context
 from engine import checkpoints, flags, optimization, precision, processes
 from engine import weights as weights_file
+from engine.compiling import use_compile_cache
 from engine.errors import UserError
 from engine.task import DataInfo, Task
 from model import WideResNet
@@ -614,3 +616,15 @@ def test_device_cuda_without_a_gpu_is_one_line_and_cpu_is_the_cpu():
     assert get_device(0, "cpu") == get_device(0, "auto") == torch.device("cpu")
     with pytest.raises(UserError, match=r"^--device cuda, and PyTorch sees no GPU here"):
         get_device(0, "cuda")
+
+
+def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_folder(tmp_path):
+    environ = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor_ana")}  # PyTorch's default, written on import
+    line = use_compile_cache("ckpt", environ, temp_dir=tmp_path)
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path("ckpt").absolute() / "compile_cache")
+    assert line.endswith("compile_cache: a resumed or requeued job reuses its kernels")
+    own = {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}  # the user's: kept
+    assert use_compile_cache("ckpt", own, temp_dir=tmp_path) == "compile cache /project/inductor (from TORCHINDUCTOR_CACHE_DIR)"
+    assert own == {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}
+    bare = {}
+    assert "without --checkpoint-dir a requeued job compiles again" in use_compile_cache(None, bare) and bare == {}
