@@ -326,7 +326,8 @@ def dali_images(encoded, prep, training, gpu):
     decoded on the GPU ("mixed") or the CPU; training as ``prep.ops`` say (a resized crop of the
     whole photo, as torchvision's references crop it; a pad-crop of the image resized to cover the
     input size; a flip), evaluation resized to cover ``prep.stored`` and centre-cropped as
-    predict.py does; normalized -> float32 (C, H, W). Add your own DALI operators here."""
+    predict.py does; normalized -> float32 (H, W, C), which the loader hands out as a (C, H, W)
+    view, channels-last in memory. Add your own DALI operators here."""
     from nvidia.dali import fn, types  # imported by --loader dali alone
     ops, (height, width) = (prep.ops if training else ()), prep.image_shape[:2]
     decoder = dict(device="mixed" if gpu else "cpu", output_type=types.GRAY if prep.image_shape[2] == 1 else types.RGB)
@@ -353,7 +354,7 @@ def dali_images(encoded, prep, training, gpu):
         images = fn.crop(padded, crop=(height, width), crop_pos_x=fn.random.uniform(values=positions),
                          crop_pos_y=fn.random.uniform(values=positions))
     mirror = fn.random.coin_flip() if flip in ops else 0
-    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror,
+    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="HWC", mirror=mirror,
                                     mean=[255 * m for m in prep.mean], std=[255 * s for s in prep.std])
 
 

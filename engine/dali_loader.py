@@ -99,6 +99,9 @@ class DaliLoader:
 
     def __iter__(self):
         rows = self.rows()
+        # The previous pipeline goes before the next is built (also when its loop still holds it): its
+        # buffers return to DALI's memory pool for the new one, instead of both being held at once.
+        self.batches = None
         if not rows:
             return
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy  # installed: check_dali
@@ -106,12 +109,17 @@ class DaliLoader:
         pipe = self.pipeline([self.dataset.files[i] for i in rows], [int(self.dataset.labels[i]) for i in rows],
                              checkpoint)
         # Restored from a checkpoint, the iterator hands out the rest of the epoch only.
-        self.batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
-                                           last_batch_policy=LastBatchPolicy.PARTIAL)
-        for out in self.batches:
-            # Copied by the iterator into torch tensors on DALI's device (GPU to GPU: no host copy):
-            # images (B, C, H, W) float32, labels (B, 1) int32.
-            yield out[0]["images"], out[0]["labels"].view(-1).long()
+        batches = self.batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
+                                                     last_batch_policy=LastBatchPolicy.PARTIAL)
+        try:
+            for out in batches:
+                # Copied by the iterator into torch tensors on DALI's device (GPU to GPU: no host copy):
+                # images (B, H, W, C) float32, labels (B, 1) int32. The permute is a view: (B, C, H, W)
+                # channels-last in memory, the model's layout on the GPU, as the device loader's batches.
+                yield out[0]["images"].permute(0, 3, 1, 2), out[0]["labels"].view(-1).long()
+        finally:  # the epoch or evaluation is over (its loop dropped this generator): nothing to checkpoint
+            if self.batches is batches:
+                self.batches = None
 
     def pipeline(self, files, labels, checkpoint=None):
         """The pipeline of one epoch: these files in this order, seeded by (seed, epoch, rank), from
@@ -122,14 +130,16 @@ class DaliLoader:
         @pipeline_def(enable_checkpointing=True)
         def images_and_labels():
             # pad_last_batch: a partial last batch is filled with its last file, which the iterator drops.
+            # dont_use_mmap: plain reads, DALI's advice for network file systems (Lustre), where mapping
+            # each file costs more than it saves.
             encoded, label = fn.readers.file(files=files, labels=labels, random_shuffle=False, pad_last_batch=True,
-                                             name="reader")
+                                             dont_use_mmap=True, name="reader")
             return self.graph(encoded, self.dataset.prep, self.augmented, gpu), label.gpu() if gpu else label
 
         seed = derived_seed(self.seed, self.epoch, self.rank, DALI_STREAM) % 2**31
-        return images_and_labels(batch_size=self.batch_size, num_threads=self.threads, seed=seed,
-                                 device_id=(self.device.index or 0) if gpu else None, prefetch_queue_depth=PREFETCH,
-                                 checkpoint=checkpoint)
+        device_id = (torch.cuda.current_device() if self.device.index is None else self.device.index) if gpu else None
+        return images_and_labels(batch_size=self.batch_size, num_threads=self.threads, seed=seed, device_id=device_id,
+                                 prefetch_queue_depth=PREFETCH, checkpoint=checkpoint)
 
 
 def choose_dali(decoded_bytes, memory_bytes):

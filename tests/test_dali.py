@@ -143,6 +143,9 @@ def test_two_ranks_get_every_image_once_per_epoch_and_the_same_steps(photos):
             loader.set_epoch(epoch)
             batches = [(x, y) for x, y in loader]
             assert all(x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 for x, _ in batches)
+            # DALI's HWC output as a view: channels-last in memory, no copy into the model's layout
+            assert all(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() for x, _ in batches)
+            assert loader.batches is None  # the finished epoch's pipeline let go, its memory back to DALI's pool
             steps.append(len(batches))
             served += [int(i) for _, y in batches for i in y]
         assert steps == [n // 8] * 2 and len(served) == len(set(served)) == n // 8 * 8  # batches of 4 on 2 ranks
@@ -174,6 +177,9 @@ def test_a_stopped_epoch_goes_on_from_dalis_checkpoint_without_decoding_again(ph
     batches = iter(stopped)
     first = [next(batches) for _ in range(2)]
     snapshot = rng_snapshot(stopped)
+    assert snapshot["loader"]["epoch"] == 3
+    batches.close()  # the loop let go of the stopped epoch (the run's checkpoint has its place)
+    assert stopped.batches is None and stopped.position() is None
     resumed = loader()
     assert resumed_steps(resumed, snapshot, 2) == 2
     rest = list(resumed)
