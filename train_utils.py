@@ -217,7 +217,7 @@ def train_steps(run, batches, state):
         from engine.model_ema import update_model_ema  # --model-ema only
     device, start = run.ctx.device, state.step
     run.model.train()
-    books = LossBooks(device)
+    books = LossBooks(device, first_step=start + 1)
     lr, stop = run.optimizer.param_groups[0]["lr"], 0
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
                         first=start)
@@ -246,7 +246,7 @@ def train_steps(run, batches, state):
         if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
             update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
-        books.add(loss, y.size(0), step)
+        books.add(loss, y.size(0))
         state.step = step
         if run.monitor.profile is not None:  # --profile-dir: the profiler's window counts the steps
             run.monitor.step(state.epoch, step)
@@ -365,27 +365,34 @@ class StepTotals(NamedTuple):
 
 class LossBooks:
     """The running loss sum and the first step with a non-finite loss, kept on the device so
-    that no step waits for the GPU; read once, summed over ranks, by ``totals``."""
+    that no step waits for the GPU; read once, summed over ranks, by ``totals``.
 
-    NONE = 2**62  # "no non-finite loss yet": larger than any step, so the minimum over ranks works
+    A step adds its loss in three kernels whose arguments are the loss tensor and the batch
+    size alone, the same every step (no step number): what a CUDA graph can replay. The step
+    of the first non-finite loss follows from the sum itself: such a loss makes it non-finite
+    for good (inf + x = inf, NaN + x = NaN), so counting the steps after which it is still
+    finite counts the steps before that one."""
 
-    def __init__(self, device):
-        # [loss times images, images]: float64 counts images exactly (up to 2**53).
+    NONE = 2**62  # "no non-finite loss": larger than any step, so the minimum over ranks works
+
+    def __init__(self, device, first_step=1):
+        # [loss times images, steps after which that sum was finite]: float64, exact to 2**53.
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        self.first_bad = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self.images = 0  # the same count on the host, for progress lines
+        self.first_step = first_step  # the number of the first step added
+        self.images = 0  # on the host: progress lines and the totals
 
-    def add(self, loss, images, step):
-        self.sums[0] += loss * images
-        self.sums[1] += images  # a Python number into a kernel's arguments: no copy, no sync
-        self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, torch.clamp(self.first_bad, max=step))
+    def add(self, loss, images):
+        self.sums[:1].add_(loss, alpha=images)  # ``images``: a kernel argument, no copy, no sync
+        self.sums[1:].add_(torch.isfinite(self.sums[:1]))
         self.images += images
 
     def totals(self, lr, stop):
-        """Summed over all ranks: both all-reduces are queued, then one host sync reads them,
-        once per epoch (or stop). NONE (2**62) and step numbers are exact in float64."""
-        first_bad = all_reduce(self.first_bad.clone(), op="min").double()
-        loss_total, images_total, first_bad = torch.cat([all_reduce(self.sums.clone()), first_bad[None]]).tolist()
+        """Summed over all ranks: the all-reduces are queued, then one host sync reads them, once
+        per epoch (or stop). NONE (2**62) and step numbers are exact in float64."""
+        first_bad = torch.where(torch.isfinite(self.sums[0]), self.NONE, self.first_step + self.sums[1])
+        first_bad = all_reduce(first_bad[None], op="min")
+        sums = all_reduce(torch.stack([self.sums[0], self.sums.new_full((), self.images)]))  # a fill, not a copy
+        loss_total, images_total, first_bad = torch.cat([sums, first_bad]).tolist()
         first_bad = int(first_bad)
         return StepTotals(loss_total, int(images_total), 0 if first_bad == self.NONE else first_bad, lr, stop)
 

@@ -628,3 +628,21 @@ def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_fold
     assert own == {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}
     bare = {}
     assert "without --checkpoint-dir a requeued job compiles again" in use_compile_cache(None, bare) and bare == {}
+
+
+@pytest.mark.parametrize("losses, first_step, first_bad", [
+    ([1.0, 2.0, 0.5], 1, 0),
+    ([1.0, float("nan"), 2.0, float("inf")], 1, 2),
+    ([1.0, 2.0, float("inf"), float("nan")], 6, 8),  # resumed at step 6: the third step is step 8
+    ([-float("inf"), 1.0], 3, 3),
+])
+def test_loss_books_find_the_first_non_finite_step_from_the_loss_alone(losses, first_step, first_bad):
+    books = tu.LossBooks(torch.device("cpu"), first_step=first_step)
+    for loss in losses:
+        books.add(torch.tensor(loss), 4)  # the same two arguments every step: a CUDA graph can replay it
+    totals = books.totals(lr=0.1, stop=0)
+    assert (totals.images, totals.first_bad, totals.lr, totals.stop) == (4 * len(losses), first_bad, 0.1, 0)
+    if not first_bad:
+        assert totals.loss_sum == 4 * sum(losses)
+    else:
+        assert not math.isfinite(totals.loss_sum)
