@@ -34,6 +34,8 @@ FAST = ("--num-workers", "0")
 TINY_MODEL = ("--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net")
 # For a run that must learn in a few steps, in seconds (the Wide ResNet takes minutes on a CPU).
 SMALL_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
+# For torch.compile: compiled in seconds, and nothing to recompile for.
+PLAIN_MODEL = ("--model", f"{REPO / 'tests' / 'plain_net.py'}:Net")
 
 
 # Under `pytest -n 2 --dist loadgroup` (pytest-xdist: README's command) each of these files runs

@@ -20,7 +20,7 @@ import train_utils as tu
 from engine import all_reduce_timing, checkpoints, files, flags, lost_ranks, seeds, stopping
 from engine import log as run_log
 from engine import weights as weights_file
-from conftest import (FAST, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd, read_metrics, run, run_main,
+from conftest import (FAST, PLAIN_MODEL, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd, read_metrics, run, run_main,
                       spawn, start, torchrun_cmd, wait_for)
 from device_utils import MULTINODE_SETTINGS, check_replicas_in_sync, cleanup_distributed, network_report
 from engine.errors import RunAborted, UserError
@@ -127,29 +127,18 @@ def test_signal_to_one_rank_stops_every_rank_and_resumes_on_another_world_size(t
     assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
 
 
-# A model with no Python state that changes per call (tests/tiny_net.py counts its forwards,
-# which torch.compile would guard on and recompile for).
-PLAIN_NET = """import torch.nn as nn
-class Net(nn.Sequential):
-    def __init__(self, num_classes, in_channels):
-        super().__init__(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.1),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
-"""
-
-
 @pytest.mark.oldest_torch
 def test_a_compiled_run_recompiles_nothing_and_its_resume_reuses_the_kernels(tmp_path):
     """--compile: 3 epochs compile the model once (TORCH_LOGS=recompiles logs no recompilation:
     evaluation runs the eager module, and nothing the step passes changes a guard), into the
     checkpoint folder's compile_cache; a resume in a new process finds its graphs there and
     compiles none (none added there, nothing in PyTorch's default folder under TMPDIR)."""
-    (tmp_path / "net.py").write_text(PLAIN_NET)
     ckpt, scratch = tmp_path / "ckpt", tmp_path / "tmp"
     scratch.mkdir()
     env = clean_env(TORCH_LOGS="recompiles", TMPDIR=scratch)  # PyTorch's default cache: TMPDIR/torchinductor_USER
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    train = ("--synthetic", "--limit-batches", "4", "--batch-size", "4", *FAST, "--model", f"{tmp_path / 'net.py'}:Net",
-             "--compile", "--checkpoint-dir", ckpt)
+    train = ("--synthetic", "--limit-batches", "4", "--batch-size", "4", *FAST, *PLAIN_MODEL, "--compile",
+             "--checkpoint-dir", ckpt)
     first = run(python_cmd("train.py", *train, "--epochs", "3"), cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr
     said = [line for line in first.stdout.splitlines() if "torch.compile: the first step took" in line]
