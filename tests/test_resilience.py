@@ -128,31 +128,40 @@ def test_signal_to_one_rank_stops_every_rank_and_resumes_on_another_world_size(t
 
 
 @pytest.mark.oldest_torch
-def test_a_compiled_run_recompiles_nothing_and_its_resume_reuses_the_kernels(tmp_path):
+def test_a_compiled_run_recompiles_nothing_and_resumes_exactly_on_its_cached_kernels(tmp_path):
     """--compile: 3 epochs compile the model once (TORCH_LOGS=recompiles logs no recompilation:
     evaluation runs the eager module, and nothing the step passes changes a guard), into the
-    checkpoint folder's compile_cache; a resume in a new process finds its graphs there and
-    compiles none (none added there, nothing in PyTorch's default folder under TMPDIR)."""
-    ckpt, scratch = tmp_path / "ckpt", tmp_path / "tmp"
+    checkpoint folder's compile_cache. The same run stopped (--stop-file) and resumed in a new
+    process is bit for bit the uninterrupted one, and the resume compiles nothing: it adds no
+    graph to that cache, none to PyTorch's default folder under TMPDIR."""
+    scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = clean_env(TORCH_LOGS="recompiles", TMPDIR=scratch)  # PyTorch's default cache: TMPDIR/torchinductor_USER
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    train = ("--synthetic", "--limit-batches", "4", "--batch-size", "4", *FAST, *PLAIN_MODEL, "--compile",
-             "--checkpoint-dir", ckpt)
-    first = run(python_cmd("train.py", *train, "--epochs", "3"), cwd=tmp_path, env=env)
-    assert first.returncode == 0, first.stderr
-    said = [line for line in first.stdout.splitlines() if "torch.compile: the first step took" in line]
-    assert len(said) == 1 and said[0].endswith(f"compile cache {ckpt / 'compile_cache'}: a resumed or requeued job "
-                                               "reuses its kernels"), first.stdout
-    assert "Epoch 3/3" in first.stdout and "__recompiles" not in first.stderr, first.stderr
-    graphs = sorted((ckpt / "compile_cache" / "fxgraph").rglob("*"))
-    assert graphs  # inductor's FX graphs, in the job's folder
 
-    again = run(python_cmd("train.py", *train, "--epochs", "4", "--resume"), cwd=tmp_path, env=env)
-    assert again.returncode == 0, again.stderr
-    assert "Epoch 4/4" in again.stdout and "__recompiles" not in again.stderr, again.stderr
-    assert sorted((ckpt / "compile_cache" / "fxgraph").rglob("*")) == graphs  # read back, none compiled anew
+    def train(name, *more):
+        out = tmp_path / name
+        result = run(python_cmd("train.py", *RUN[:-2], *PLAIN_MODEL, "--compile", "--checkpoint-dir", out / "ckpt",
+                                "--metrics-file", out / "m.jsonl", "--save-weights", out / "w.pt", *more),
+                     cwd=tmp_path, env=env)
+        assert result.returncode == 0 and "__recompiles" not in result.stderr, result.stderr
+        return result, out
+
+    whole, reference = train("whole")
+    said = [line for line in whole.stdout.splitlines() if "torch.compile: the first step took" in line]
+    assert len(said) == 1 and said[0].endswith(f"compile cache {reference / 'ckpt' / 'compile_cache'}: a resumed or "
+                                               "requeued job reuses its kernels"), whole.stdout
+    stop_file = tmp_path / "STOP"
+    stop_file.touch()  # seen within a second: during the first step, which compiles
+    stopped, out = train("stopped", "--stop-file", stop_file)
+    assert "Stopped after" in stopped.stdout and "Epoch 3/3" not in stopped.stdout, stopped.stdout
+    graphs = sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*"))
+    assert graphs  # inductor's FX graphs, in the job's folder
+    stop_file.unlink()
+    train("stopped", "--resume")
+    assert sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*")) == graphs  # read back, none compiled anew
     assert not list(scratch.glob("torchinductor_*/fxgraph/*"))
+    assert_same_run(reference / "m.jsonl", reference / "w.pt", out / "m.jsonl", out / "w.pt")
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, reference, capsys):
