@@ -69,6 +69,7 @@ LOADERS = ("device", "torchvision", "dali")
 # training image's random draws as a function of (seed, epoch, index) alone.
 
 # The augmentation's streams: (seed, epoch, STREAM), above any rank's (seed, epoch, rank) of dropout.
+# The others: engine/dali_loader.DALI_STREAM (2**31 - 5), engine/task.SPLIT_STREAM.
 AUGMENT_STREAM = 2**31 - 3  # the device loader's numbers for each image
 IMAGE_STREAM = 2**31 - 4    # the DataLoader's seed for each image
 

@@ -132,6 +132,8 @@ def run_epoch(run, state, rng_state=None):
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     skipped = min(state.step, run.steps)
     ahead = resumed_steps(train_loader, rng_state, skipped)  # a loader that checkpointed its place (DALI) skips them
+    # Held to the epoch's end: a loader that keeps its place (DALI) lets go of it when this is dropped,
+    # and a stop mid-epoch checkpoints that place (rng_snapshot) below.
     batches = islice(train_loader, run.steps - ahead)
     for _ in range(skipped - ahead):  # resuming mid-epoch: the same batches, drawn and skipped
         next(batches)
@@ -215,7 +217,7 @@ def train_steps(run, batches, state):
     GPU only in the final all-reduce."""
     if run.ema:
         from engine.model_ema import update_model_ema  # --model-ema only
-    device, start = run.ctx.device, state.step
+    device, start, began = run.ctx.device, state.step, time.perf_counter()
     run.model.train()
     books = LossBooks(device, first_step=start + 1)
     lr, stop = run.optimizer.param_groups[0]["lr"], 0
@@ -241,7 +243,8 @@ def train_steps(run, batches, state):
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
             if run.compiled and run.clock.first_step_s is None:  # the step that compiled the model
                 synchronize(device)  # once per process
-                run.log.info(f"{timestamp()} torch.compile: the first step took {run.clock.first_step():.1f}s, "
+                run.clock.first_step_s = time.perf_counter() - began  # its batch included
+                run.log.info(f"{timestamp()} torch.compile: the first step took {run.clock.first_step_s:.1f}s, "
                              f"compiling included; {run.compiled}")
         if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own

@@ -7,11 +7,15 @@ the variable is read when the first graph compiles). Its default, /tmp/torchindu
 on the node: gone when the job ends, and elsewhere when a requeued job starts on another
 node. The entries are keyed by the graph, the PyTorch version and the device, so a cache
 written by another run or GPU is missed, never used wrongly; the ranks of a job share it
-(entries are written atomically).
+(entries are written atomically, under flock(2) locks: a file system mounted without flock,
+some Lustre and NFS mounts, keeps PyTorch's default instead).
 """
 
+import fcntl
 import tempfile
 from pathlib import Path
+
+from engine.folder_lock import NO_FLOCK
 
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_FOLDER = "compile_cache"  # inside --checkpoint-dir
@@ -32,5 +36,21 @@ def use_compile_cache(checkpoint_dir, environ, temp_dir=None):
         return ("compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*): without "
                 "--checkpoint-dir a requeued job compiles again")
     path = Path(checkpoint_dir).absolute() / CACHE_FOLDER
+    path.mkdir(parents=True, exist_ok=True)
+    if not takes_flock(path):
+        return (f"compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*): the file system "
+                f"of {checkpoint_dir} takes no flock(2) locks, which the cache's need")
     environ[CACHE_VARIABLE] = str(path)
     return f"compile cache {path}: a resumed or requeued job reuses its kernels"
+
+
+def takes_flock(directory):
+    """Whether the file system of ``directory`` grants flock(2) locks (a temporary file's)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in NO_FLOCK:
+            raise
+        return False
+    return True

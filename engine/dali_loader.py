@@ -99,8 +99,8 @@ class DaliLoader:
 
     def __iter__(self):
         rows = self.rows()
-        # The previous pipeline goes before the next is built (also when its loop still holds it): its
-        # buffers return to DALI's memory pool for the new one, instead of both being held at once.
+        # The previous pipeline goes before the next is built (its loop has dropped its generator by
+        # now): its buffers return to DALI's memory pool for the new one, instead of both being held.
         self.batches = None
         if not rows:
             return
@@ -111,12 +111,17 @@ class DaliLoader:
         # Restored from a checkpoint, the iterator hands out the rest of the epoch only.
         batches = self.batches = DALIGenericIterator(pipe, ["images", "labels"], reader_name="reader", auto_reset=False,
                                                      last_batch_policy=LastBatchPolicy.PARTIAL)
+        channels = self.dataset.prep.image_shape[2]
         try:
             for out in batches:
                 # Copied by the iterator into torch tensors on DALI's device (GPU to GPU: no host copy):
                 # images (B, H, W, C) float32, labels (B, 1) int32. The permute is a view: (B, C, H, W)
                 # channels-last in memory, the model's layout on the GPU, as the device loader's batches.
-                yield out[0]["images"].permute(0, 3, 1, 2), out[0]["labels"].view(-1).long()
+                images = out[0]["images"]
+                if images.dim() != 4 or images.shape[3] != channels:  # the shape: no sync
+                    raise UserError(f"recipe.dali_images returned images of shape {tuple(images.shape[1:])}, not "
+                                    f"(H, W, {channels}): end it with output_layout=\"HWC\"")
+                yield images.permute(0, 3, 1, 2), out[0]["labels"].view(-1).long()
         finally:  # the epoch or evaluation is over (its loop dropped this generator): nothing to checkpoint
             if self.batches is batches:
                 self.batches = None

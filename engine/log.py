@@ -53,7 +53,7 @@ class RunClock:
     start: float = None
     epoch_walls: list = field(default_factory=list)  # seconds per whole epoch, from the training loop's start
     last: float = None
-    first_step_s: float = None  # from the loop's start to the end of this process's first training step
+    first_step_s: float = None  # this process's first training step, its batch included (the loop's to set)
 
     def __post_init__(self):
         self.start = self.now() if self.start is None else self.start
@@ -62,14 +62,6 @@ class RunClock:
         """The training loop starts now: the first epoch's wall leaves out the start-up before it
         (the data, the model, a checkpoint read), which is no epoch's pace."""
         self.last = self.now()
-
-    def first_step(self):
-        """This process's first training step ended now (the caller waited for the device):
-        seconds since the loop started, once; None afterwards."""
-        if self.first_step_s is not None:
-            return None
-        self.first_step_s = self.now() - (self.start if self.last is None else self.last)
-        return self.first_step_s
 
     def epoch_done(self, fraction=1.0):
         """An epoch ended; this process trained ``fraction`` of it (less in an epoch resumed

@@ -22,10 +22,9 @@ import recipe
 from conftest import (REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd,
                       wait_held)
 from engine.dali_loader import DaliLoader, choose_dali, dali_installed, dali_package, epoch_rows
-from dataset_utils import FileImages
+from dataset_utils import FileImages, centre_crop, normalization, normalize
 from engine.errors import UserError
 from engine.image_folder import decode
-from dataset_utils import centre_crop, normalization, normalize
 from engine.seeds import resumed_steps, rng_snapshot
 from test_photos import ks_limit, two_sample_ks
 from test_resilience import _rank_pid
@@ -157,6 +156,21 @@ def test_two_ranks_get_every_image_once_per_epoch_and_the_same_steps(photos):
         loader = DaliLoader(images, 4, recipe.dali_images, torch.device("cpu"), False, rank=rank, world_size=2)
         evaluated += [int(i) for _, y in loader for i in y]
     assert sorted(evaluated) == list(range(n))
+
+
+@needs_dali
+def test_a_dali_graph_that_ends_in_chw_is_one_line_naming_the_layout(photos):
+    """recipe.dali_images ends in HWC, which the loader hands out as a channels-last view; a graph
+    of your own that still ends in CHW would reach the model as (B, W, C, H): one line instead."""
+    def chw(encoded, prep, training, gpu):
+        from nvidia.dali import fn
+        return fn.transpose(recipe.dali_images(encoded, prep, training, gpu), perm=[2, 0, 1])
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "resized-crop", stored_size=(37, 37))
+    files = sorted(str(p) for p in photos.glob("*/*.png"))
+    loader = DaliLoader(FileImages(files, np.arange(len(files)), prep), 4, chw, torch.device("cpu"), True)
+    with pytest.raises(UserError, match=r'^recipe.dali_images returned images of shape \(3, 32, 32\), not \(H, W, 3\): '
+                                        r'end it with output_layout="HWC"$'):
+        next(iter(loader))
 
 
 @needs_dali

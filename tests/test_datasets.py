@@ -210,8 +210,8 @@ def test_one_channel_crops_equal_torchvision_pixel_for_pixel(name):
         rand[k, 0, 0] = 0.25 if flip else 0.75
         rand[k, 1, :2] = (torch.tensor([top, left], dtype=torch.float64) + 0.5) / (2 * spec.padding + 1)
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = du.normalize(du.augment(batch, rand, prep.ops, prep),
-                                        *du.normalization(spec.mean, spec.std, torch.uint8))
+    scale_shift = du.normalization(spec.mean, spec.std, torch.uint8)
+    on_device = du.normalize(du.augment(batch, rand, prep.ops, prep), *scale_shift)
     references = []
     for k, (top, left, flip) in enumerate(combos):
         cropped = TF.crop(TF.pad(TF.hflip(pil) if flip else pil, spec.padding), top, left, 28, 28)

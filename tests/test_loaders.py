@@ -111,8 +111,8 @@ def test_crop_and_flip_equal_the_guides_transforms_pixel_for_pixel():
     combos = [(top, left, flip) for top in range(9) for left in range(9) for flip in (False, True)]
     rand = torch.stack([randoms_for(top, left, flip, CIFAR.padding) for top, left, flip in combos])
     batch = torch.from_numpy(image).expand(len(combos), -1, -1, -1)
-    on_device = du.normalize(du.augment(batch, rand, CIFAR.ops, CIFAR),
-                                        *du.normalization(CIFAR.mean, CIFAR.std, torch.uint8))
+    scale_shift = du.normalization(CIFAR.mean, CIFAR.std, torch.uint8)
+    on_device = du.normalize(du.augment(batch, rand, CIFAR.ops, CIFAR), *scale_shift)
     references = []
     for k, (top, left, flip) in enumerate(combos):
         # The guide: RandomHorizontalFlip, then RandomCrop(32, padding=4) = pad, crop at (top, left).

@@ -272,8 +272,8 @@ def test_float_images_are_flipped_padded_crops_in_both_loaders():
     keys = list(du.AugmentSampler(range(6), 6, 3))
     one_at_a_time = torch.stack([data[key][0] for key in keys])  # the torchvision loader's items
     rand = prep.randoms(6, 3, 0)[[index for index, _ in keys]]
-    on_device = du.normalize(du.augment(torch.from_numpy(images)[[i for i, _ in keys]], rand,
-                                                              prep.ops, prep), *scale_shift)
+    on_device = du.normalize(du.augment(torch.from_numpy(images)[[i for i, _ in keys]], rand, prep.ops, prep),
+                             *scale_shift)
     p = prep.padding
     span = range(2 * p + 1)
     for served in (one_at_a_time, on_device):
@@ -292,8 +292,7 @@ def test_float_images_far_from_zero_keep_their_precision():
     kelvin with millikelvin differences): subtracted first, its normalized values keep float32's
     precision (a fused x * scale + shift, with both rounded to float32, is 3.7e-4 off here)."""
     images = (300 + 0.007 * np.random.default_rng(0).normal(size=(4, 6, 6, 1))).astype(np.float32)
-    out = du.normalize(torch.from_numpy(images),
-                                  *du.normalization((300.0,), (0.007,), torch.float32))
+    out = du.normalize(torch.from_numpy(images), *du.normalization((300.0,), (0.007,), torch.float32))
     exact = (torch.from_numpy(images).double() - 300) / 0.007  # (4, 6, 6, 1)
     assert out.shape == (4, 1, 6, 6) and (out.permute(0, 2, 3, 1).double() - exact).abs().max() < 1e-5
 

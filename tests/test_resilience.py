@@ -20,8 +20,8 @@ import train_utils as tu
 from engine import all_reduce_timing, checkpoints, files, flags, lost_ranks, seeds, stopping
 from engine import log as run_log
 from engine import weights as weights_file
-from conftest import (FAST, PLAIN_MODEL, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd, read_metrics, run, run_main,
-                      spawn, start, torchrun_cmd, wait_for)
+from conftest import (FAST, PLAIN_MODEL, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd,
+                      read_metrics, run, run_main, spawn, start, torchrun_cmd, wait_for)
 from device_utils import MULTINODE_SETTINGS, check_replicas_in_sync, cleanup_distributed, network_report
 from engine.errors import RunAborted, UserError
 from engine.processes import DistContext

@@ -2,12 +2,12 @@
 Pure functions are called directly."""
 
 import argparse
+import errno
 import math
 import re
 import shlex
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import train_utils as tu
 from device_utils import single_process_context
 from engine import checkpoints, flags, optimization, precision, processes
 from engine import weights as weights_file
+from engine import compiling
 from engine.compiling import use_compile_cache
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -618,16 +619,23 @@ def test_device_cuda_without_a_gpu_is_one_line_and_cpu_is_the_cpu():
         get_device(0, "cuda")
 
 
-def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_folder(tmp_path):
+def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
     environ = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor_ana")}  # PyTorch's default, written on import
-    line = use_compile_cache("ckpt", environ, temp_dir=tmp_path)
-    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path("ckpt").absolute() / "compile_cache")
+    line = use_compile_cache(ckpt, environ, temp_dir=tmp_path)
+    assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(ckpt / "compile_cache") and (ckpt / "compile_cache").is_dir()
     assert line.endswith("compile_cache: a resumed or requeued job reuses its kernels")
     own = {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}  # the user's: kept
-    assert use_compile_cache("ckpt", own, temp_dir=tmp_path) == "compile cache /project/inductor (from TORCHINDUCTOR_CACHE_DIR)"
+    assert use_compile_cache(ckpt, own, temp_dir=tmp_path) == (
+        "compile cache /project/inductor (from TORCHINDUCTOR_CACHE_DIR)")
     assert own == {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}
     bare = {}
     assert "without --checkpoint-dir a requeued job compiles again" in use_compile_cache(None, bare) and bare == {}
+
+    def no_flock(*args):  # a Lustre or NFS mount without flock: inductor's cache locks would fail there
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(compiling.fcntl, "flock", no_flock)
+    assert "takes no flock(2) locks" in use_compile_cache(ckpt, bare) and bare == {}
 
 
 @pytest.mark.parametrize("losses, first_step, first_bad", [
