@@ -48,7 +48,7 @@ from engine.data_formats import DatasetError  # noqa: F401 (raised by the functi
 from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
 from engine.errors import UserError, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
-from engine.log import count, flag_value
+from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
 from engine.plugins import plugin_key
 from engine.processes import available_cores, from_rank0
@@ -786,6 +786,8 @@ def main(argv=None):
         print("Interrupted (Ctrl-C): no partial files were kept", file=sys.stderr)
         return 130
     print(f"{spec.title} ready in {data_dir / spec.folder}: {sizes['train']} training and {sizes['test']} test images")
+    for line in sizes_warning(spec.title, spec.split_sizes, sizes):  # tools/demo_data.py's small copy, say
+        print(line)
     return 0
 
 

@@ -20,15 +20,17 @@ like with like.
 
 from device_utils import single_process_context
 from engine.cli import run_cli
+from engine.log import RunClock
 from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():
+    clock = RunClock()  # the run's wall time, reading the data and building the model included
     args = parse_args(__doc__)
     ctx = single_process_context(args.device)
     check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
     task = build_task(args, ctx)  # the model and the data of --model and --dataset
-    fit(task, args, ctx)
+    fit(task, args, ctx, clock)
 
 
 if __name__ == "__main__":

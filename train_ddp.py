@@ -21,11 +21,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from device_utils import no_forward_buffer_sync, setup_distributed
 from engine.cli import run_cli
+from engine.log import RunClock
 from engine.lost_ranks import process_group_scope
 from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():
+    clock = RunClock()  # the run's wall time, joining the group, reading the data and building the model included
     args = parse_args(__doc__)
     # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang.
     ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir, device=args.device)
@@ -42,7 +44,7 @@ def main():
         # each step's new gradient is still copied into its bucket once).
         model = DDP(task.model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, **no_forward_buffer_sync())
-        fit(replace(task, model=model), args, ctx)
+        fit(replace(task, model=model), args, ctx, clock)
 
 
 if __name__ == "__main__":

@@ -61,11 +61,12 @@ from engine.weights import check_state_fits, save_trained_weights
 # ---------------------------------------------------------------------------------------------
 # The run: epochs, then the summary.
 
-def fit(task, args, ctx):
+def fit(task, args, ctx, clock=None):
     """Train ``task.model`` (plain or DDP-wrapped) on its data for up to --epochs, evaluating
     after each epoch and checkpointing when due, stopping early at --target-accuracy.
+    ``clock``: the run's RunClock, started by the entry point before the data was read.
     Returns the epochs' metrics records."""
-    clock = RunClock()
+    clock = clock or RunClock()
     # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
     with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
                         None if args.eval_only else args.save_weights) as continuing:
@@ -83,11 +84,13 @@ def fit(task, args, ctx):
                     path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
                     raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
             final = run.checkpointer.save(run, state) if run.checkpointer.directory else None  # no-op when just written
-    if reached():
-        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1}"
-                     + (f" of {args.epochs} (--target-accuracy {args.target_accuracy:g} for --patience "
-                        f"{args.patience}; the LR schedule had not finished: LR {state.records[-1]['lr']:.3g}; "
-                        "--target-accuracy off trains all --epochs)" if state.epoch - 1 < args.epochs else "") + ".")
+    if reached() and state.epoch - 1 < args.epochs:
+        run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1} of {args.epochs} "
+                     f"(--target-accuracy {args.target_accuracy:g} for --patience {args.patience}; the LR schedule "
+                     f"had not finished: LR {state.records[-1]['lr']:.3g}; --target-accuracy off trains all --epochs).")
+    elif reached():  # in the last epoch: nothing was cut short
+        run.log.info(f"Target accuracy reached (--target-accuracy {args.target_accuracy:g} for --patience "
+                     f"{args.patience}) in the last of the {args.epochs} epochs.")
     elif args.target_accuracy is not None and state.records:
         run.log.info(f"Early stop not reached (--target-accuracy {args.target_accuracy:g} for --patience "
                      f"{args.patience}): trained to --epochs {args.epochs}.")

@@ -41,7 +41,9 @@ def use_compile_cache(checkpoint_dir, environ, temp_dir=None):
         return (f"compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*): the file system "
                 f"of {checkpoint_dir} takes no flock(2) locks, which the cache's need")
     environ[CACHE_VARIABLE] = str(path)
-    return f"compile cache {path}: a resumed or requeued job reuses its kernels"
+    if any(path.iterdir()):
+        return f"compile cache {path}, with what an earlier start compiled: reused where it fits"
+    return f"compile cache {path}: a resumed or requeued job reuses what this start compiles"
 
 
 def takes_flock(directory):

@@ -40,6 +40,11 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         return super()._get_help_string(action)
 
 
+# What other training scripts call some of the flags, which no spelling distance finds.
+OTHER_NAMES = {"--lr": "--base-lr", "--learning-rate": "--base-lr", "--wd": "--weight-decay", "--bs": "--batch-size",
+               "--workers": "--num-workers", "--data": "--data-dir", "--amp": "--precision"}
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line, printed by global rank 0 only
     (every rank parses the same flags, so the others would only repeat it). Abbreviated flags
@@ -62,7 +67,8 @@ class OneLineParser(argparse.ArgumentParser):
             return ""
         known = [flag for flag in self._option_string_actions if flag.startswith("--")]
         typed = dict.fromkeys(word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--"))
-        guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75) for flag in typed}
+        guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                   or [name for name in [OTHER_NAMES.get(flag)] if name in known] for flag in typed}
         named = [f"{guess[0]} (for {flag})" if len(typed) > 1 else guess[0] for flag, guess in guesses.items() if guess]
         return f"; did you mean {' and '.join(named)}?" if named else ""
 

@@ -177,15 +177,19 @@ def describe_data(data, train_loader, test_loader):
 
 
 def size_warning(data):
-    """[a warning] when a split, as read, does not have the official size (a partial copy,
-    other files under the same name), else []."""
-    expected, found = data.expected_sizes or {}, data.read_sizes or {}
+    """[a warning] when a split of ``data`` (a task.DataInfo), as read, does not have the
+    official size (a partial copy, other files under the same name), else []."""
+    return sizes_warning(data.title, data.expected_sizes or {}, data.read_sizes or {})
+
+
+def sizes_warning(title, expected, found):
+    """size_warning of a data set called ``title``: images per split ``found`` against ``expected``."""
     unexpected = [f"{found[key]} {name} images instead of {expected[key]}"
                   for key, name in (("train", "training"), ("test", "test"))
                   if key in expected and key in found and found[key] != expected[key]]
     if not unexpected:
         return []
-    return [f"WARNING: this {data.title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
+    return [f"WARNING: this {title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
 
 
 def epoch_record(state, fields, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
@@ -291,8 +295,8 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False, held_out
              f"{of_best})", *more_scores(last),
              f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
              f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
-             + (f"; wall time of this process {wall_s:.1f}s (with start-up, data loading "
-                "and checkpoints)" if wall_s is not None else ""),
+             + (f"; wall time {wall_s:.1f}s (reading the data, start-up and checkpoints included; "
+                "Python's imports not)" if wall_s is not None else ""),
              f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
     if len(records) > 1:
         lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "

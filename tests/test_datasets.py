@@ -137,6 +137,17 @@ def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkey
     assert len(data_formats.read_split(root, "train", data_formats.DATASETS["mnist"])[1]) == 60
 
 
+def test_fetching_ahead_names_a_copy_that_is_not_the_official_size(tmp_path, capsys):
+    """tools/demo_data.py's small CIFAR-10 in the default folder is no fetched data set: said so
+    as train.py says it, not just "ready"."""
+    write_dataset(tmp_path, "cifar10")
+    assert run_main("dataset_utils.py", "--dataset", "cifar10", "--data-dir", tmp_path) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"CIFAR-10 ready in {tmp_path / 'cifar-10-batches-py'}: 50 training and 20 test images",
+        "WARNING: this CIFAR-10 has 50 training images instead of 50000 and 20 test images instead of 10000: an "
+        "incomplete copy or other files?"]
+
+
 def test_a_failed_idx_download_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
     def offline(url, root, filename, md5):
         (Path(root) / filename).write_bytes(b"\x1f\x8b partial")

@@ -140,7 +140,8 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
     text = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5))
     assert "Final Accuracy: 0.2000 on 320 of 10000 test images (--limit-batches) (best 0.3000 at epoch 2)" in text
-    assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time of this process 9.5s") in text
+    assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time 9.5s (reading the data, start-up "
+            "and checkpoints included; Python's imports not)") in text
     resumed = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
     assert "over the run's 3 epochs (those before the resume too); wall time" in resumed
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text

@@ -150,7 +150,7 @@ def test_a_compiled_run_recompiles_nothing_and_resumes_exactly_on_its_cached_ker
     whole, reference = train("whole")
     said = [line for line in whole.stdout.splitlines() if "torch.compile: the first step took" in line]
     assert len(said) == 1 and said[0].endswith(f"compile cache {reference / 'ckpt' / 'compile_cache'}: a resumed or "
-                                               "requeued job reuses its kernels"), whole.stdout
+                                               "requeued job reuses what this start compiles"), whole.stdout
     stop_file = tmp_path / "STOP"
     stop_file.touch()  # seen within a second: during the first step, which compiles
     stopped, out = train("stopped", "--stop-file", stop_file)
@@ -158,7 +158,8 @@ def test_a_compiled_run_recompiles_nothing_and_resumes_exactly_on_its_cached_ker
     graphs = sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*"))
     assert graphs  # inductor's FX graphs, in the job's folder
     stop_file.unlink()
-    train("stopped", "--resume")
+    resumed, _ = train("stopped", "--resume")
+    assert "compile_cache, with what an earlier start compiled: reused where it fits" in resumed.stdout
     assert sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*")) == graphs  # read back, none compiled anew
     assert not list(scratch.glob("torchinductor_*/fxgraph/*"))
     assert_same_run(reference / "m.jsonl", reference / "w.pt", out / "m.jsonl", out / "w.pt")

@@ -90,6 +90,10 @@ def test_early_stopping_after_patience_epochs(tmp_path, cifar_dir):
     never = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "4", "--limit-batches", "1",
                   "--target-accuracy", "1", "--patience", "1")
     assert "Early stop not reached (--target-accuracy 1 for --patience 1): trained to --epochs 2." in never.stdout
+    last = train(tmp_path, cifar_dir, "--epochs", "2", "--batch-size", "4", "--limit-batches", "1",
+                 "--target-accuracy", "0", "--patience", "2")
+    assert "Target accuracy reached (--target-accuracy 0 for --patience 2) in the last of the 2 epochs." in last.stdout
+    assert "Early stopping" not in last.stdout  # nothing was cut short
     assert "[1/1]" not in result.stdout  # the default --log-interval (a minute): no progress line
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
 

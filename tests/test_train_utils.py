@@ -92,7 +92,8 @@ BAD_FLAGS = {
     "--bogus": "unrecognized arguments: --bogus",
     "--epoch 3": "unrecognized arguments: --epoch 3; did you mean --epochs?",
     "--bach-size=8 --lr 0.1": "unrecognized arguments: --bach-size=8 --lr 0.1; did you mean --batch-size (for "
-                              "--bach-size)?",
+                              "--bach-size) and --base-lr (for --lr)?",
+    "--learning-rate 0.1": "unrecognized arguments: --learning-rate 0.1; did you mean --base-lr?",
     "--epoch 3 --epoch 4": "unrecognized arguments: --epoch 3 --epoch 4; did you mean --epochs?",
     "--epochs 3 --warmup-epochs 3.5": "--warmup-epochs 3.5 is longer than the run (--epochs 3)",
     "--log-interval -1": "--log-interval: '-1' is not a number >= 0",
@@ -624,7 +625,10 @@ def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_fold
     environ = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torchinductor_ana")}  # PyTorch's default, written on import
     line = use_compile_cache(ckpt, environ, temp_dir=tmp_path)
     assert environ["TORCHINDUCTOR_CACHE_DIR"] == str(ckpt / "compile_cache") and (ckpt / "compile_cache").is_dir()
-    assert line.endswith("compile_cache: a resumed or requeued job reuses its kernels")
+    assert line.endswith("compile_cache: a resumed or requeued job reuses what this start compiles")
+    (ckpt / "compile_cache" / "fxgraph").mkdir()  # what inductor keeps there
+    assert use_compile_cache(ckpt, {}).endswith(
+        "compile_cache, with what an earlier start compiled: reused where it fits")
     own = {"TORCHINDUCTOR_CACHE_DIR": "/project/inductor"}  # the user's: kept
     assert use_compile_cache(ckpt, own, temp_dir=tmp_path) == (
         "compile cache /project/inductor (from TORCHINDUCTOR_CACHE_DIR)")
