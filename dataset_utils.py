@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
-from engine.data_formats import DATASETS, data_root, default_data_dir, prepare, read_split
+from engine.data_formats import DATASETS, class_names, data_root, default_data_dir, prepare, read_split
 from engine.errors import UserError, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
@@ -214,12 +214,17 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
     if synthetic:
         splits = {split: synthetic_split(split, seed, spec) for split in spec.split_sizes}
     else:
-        root = data_root(Path(data_dir).expanduser() if data_dir else default_data_dir(), spec)
+        root = builtin_root(data_dir, spec)
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
         from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group, patient=True)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
     prep = spec_preprocessing(spec, augment)
     return InMemoryImages(*splits["train"], prep), InMemoryImages(*splits["test"], prep)
+
+
+def builtin_root(data_dir, spec):
+    """Where the files of data set ``spec`` are under --data-dir ``data_dir`` (None: datasets/)."""
+    return data_root(Path(data_dir).expanduser() if data_dir else default_data_dir(), spec)
 
 
 def load_data(batch_size, num_workers=0, sampler=None, data_dir=None, *, dataset="cifar100", loader="torchvision",
@@ -605,7 +610,8 @@ def builtin_data(args, ctx):
                                  args.augment, ctx.control_group)
     source = ("SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic
               else f"{spec.title} from {args.data_dir or 'datasets/ beside the scripts'}")
-    classes = tuple(str(label) for label in range(spec.num_classes))
+    classes = (tuple(str(label) for label in range(spec.num_classes)) if args.synthetic  # CIFAR's: read in its meta
+               else class_names(builtin_root(args.data_dir, spec), spec))
     return train, test, DataInfo(spec.name, spec.title, source, classes, train.prep,
                                  data_fingerprint(spec.name, args.synthetic, train.labels, len(test)),
                                  spec.split_sizes, read_sizes={"train": len(train), "test": len(test)})
@@ -776,7 +782,7 @@ def main(argv=None):
         if args.dataset == FOLDER:
             return prepare_image_folder(args) if args.loader == "cache" else list_image_folder(args)
         spec = DATASETS[args.dataset]
-        data_dir = data_root(Path(args.data_dir or default_data_dir()), spec)
+        data_dir = builtin_root(args.data_dir, spec)
         prepare(data_dir, spec, download=True)
         sizes = {split: len(read_split(data_dir, split, spec)[1]) for split in spec.split_sizes}
     except UserError as err:

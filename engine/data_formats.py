@@ -52,7 +52,8 @@ class DataSpec:
     files: dict               # split -> the files it is read from (names inside ``folder``)
     source: str               # torchvision's class for it: where the files are downloaded from
     label_key: str = ""       # CIFAR pickles: the key of the labels ("" for idx files)
-    extra_files: tuple = ()   # present in the official folder, checked, not read (class names)
+    extra_files: tuple = ()   # CIFAR: the file of the class names (read by class_names)
+    names: tuple = ()         # idx files: the class names, which no file holds (torchvision's)
 
     @property
     def channels(self):
@@ -80,9 +81,12 @@ DATASETS = {spec.name: spec for spec in (
              files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
              source="CIFAR10", label_key="labels", extra_files=("batches.meta",)),
     DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.2860,), (0.3530,), augment="flip-crop", padding=2, files=_IDX, source="FashionMNIST"),
+             (0.2860,), (0.3530,), augment="flip-crop", padding=2, files=_IDX, source="FashionMNIST",
+             names=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                    "Ankle boot")),
     DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.1307,), (0.3081,), augment="crop", padding=2, files=_IDX, source="MNIST"),
+             (0.1307,), (0.3081,), augment="crop", padding=2, files=_IDX, source="MNIST",
+             names=tuple(str(digit) for digit in range(10))),
 )}
 
 
@@ -358,9 +362,14 @@ def _read_cifar(root, split, spec):
     return np.ascontiguousarray(images), np.concatenate([labels for _, labels in parts])
 
 
+def class_names(root, spec):
+    """The names of the data set's classes, label i's at i (the CIFAR files', checked)."""
+    return spec.names if spec.is_idx else _check_meta(root, spec)
+
+
 def _check_meta(root, spec):
-    """The class-name file (meta, batches.meta), read as safely as the data: a pickle planted
-    there runs nothing either, and one that is not a dict of names is one line."""
+    """The class names in CIFAR's meta file (meta, batches.meta), read as safely as the data: a
+    pickle planted there runs nothing either, and one that is not a dict of names is one line."""
     (name,) = spec.extra_files
     path = file_path(root, spec, name)
     try:
@@ -370,9 +379,13 @@ def _check_meta(root, spec):
     except Exception as err:
         raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); {_refetch(root, spec)}",
                            same_on_every_rank=False) from None
-    if not (isinstance(meta, dict) and any(isinstance(v, list) and len(v) == spec.num_classes for v in meta.values())):
+    # CIFAR-100's fine_label_names (its 20 coarse ones are the other list), CIFAR-10's label_names
+    names = [v for v in meta.values() if isinstance(v, list) and len(v) == spec.num_classes] \
+        if isinstance(meta, dict) else []
+    if not names or not all(isinstance(name, (str, bytes)) for name in names[0]):
         raise DatasetError(f"{path} is corrupted: not a dict with the names of the {spec.num_classes} classes; "
                            f"{_refetch(root, spec)}", same_on_every_rank=False)
+    return tuple(name.decode("latin-1") if isinstance(name, bytes) else name for name in names[0])
 
 
 def _read_idx(root, split, spec):

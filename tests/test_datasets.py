@@ -41,6 +41,9 @@ def test_reader_matches_torchvision(tmp_path, monkeypatch, name):
         assert images.dtype == np.uint8 and images.shape == (len(expected), *spec.image_shape)
         np.testing.assert_array_equal(images[..., 0] if spec.channels == 1 else images, expected)
         assert labels.tolist() == list(np.asarray(reference.targets))
+    # The class names predict.py prints (torchvision's MNIST says "0 - zero": the digit is enough).
+    names = [c.split(" - ")[0] for c in reference.classes] if name == "mnist" else reference.classes
+    assert list(data_formats.class_names(root, spec)) == names
 
 
 def test_idx_files_read_the_same_gzipped(tmp_path):
