@@ -142,6 +142,19 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
         "from them with a new head"]
 
 
+def test_weights_whose_classes_are_numbers_load_where_their_count_fits(tmp_path):
+    """--synthetic names classes by number, as weights of the built-in data sets saved before
+    their names were read did: those load on the named classes (positions are all they say)."""
+    weights_file.save_weights(torch.nn.Linear(3, 4), tmp_path / "w.pt", {"classes": ["0", "1", "2", "3"]})
+    named = {"classes": ["apple", "aquarium_fish", "baby", "bear"]}
+    model = torch.nn.Linear(3, 4)
+    weights_file.load_weights(model, tmp_path / "w.pt", expected=named)
+    assert torch.equal(model.weight, torch.load(tmp_path / "w.pt", weights_only=True)["weight"])
+    weights_file.save_weights(torch.nn.Linear(3, 4), tmp_path / "x.pt", {"classes": ["0", "1", "3", "2"]})
+    with pytest.raises(UserError, match="label 0 is '0' there and 'apple' here"):  # not 0..3 in order: names
+        weights_file.load_weights(torch.nn.Linear(3, 4), tmp_path / "x.pt", expected=named)
+
+
 def test_the_cache_is_built_once_and_rebuilt_when_an_image_changes(tmp_path):
     root = write_image_folder(tmp_path / "images", classes=3, n_train=8, n_test=4)
     said = []
