@@ -145,11 +145,12 @@ def load_pickle(path):
 
 def check_official(root, spec, split, name):
     """A file as large as the official one (its images' pixels alone fill that much) must be the
-    official one: its md5 is compared with torchvision's record, as torchvision does."""
+    official one: its md5 is compared with torchvision's record, as torchvision does. True when
+    it is that file, False for a smaller copy (nothing to compare)."""
     path = file_path(root, spec, name)
     images = spec.split_sizes[split] // len(spec.files[split])
     if path.stat().st_size < images * int(np.prod(spec.image_shape)):
-        return  # a small copy (tools/demo_data.py, the tests): no official md5 to compare
+        return False  # a small copy (tools/demo_data.py, the tests): no official md5 to compare
     official = dict(_official_md5s(spec)).get(name)
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
@@ -158,6 +159,7 @@ def check_official(root, spec, split, name):
     if official and digest.hexdigest() != official:
         raise RefusedData(f"{path} has the official file's size but not its md5 ({digest.hexdigest()}, official "
                           f"{official}): damaged or altered; {_refetch(root, spec)}")
+    return bool(official)
 
 
 def _official_md5s(spec):
@@ -339,8 +341,9 @@ def _read_cifar(root, split, spec):
     parts = []
     for name in spec.files[split]:
         path = file_path(root, spec, name)
+        intact = False
         try:
-            check_official(root, spec, split, name)
+            intact = check_official(root, spec, split, name)
             entry = load_pickle(path)
             data, labels = np.asarray(entry["data"]), np.asarray(entry[key], dtype=np.int64)
         except FileNotFoundError:
@@ -348,6 +351,10 @@ def _read_cifar(root, split, spec):
         except RefusedData:
             raise
         except Exception as err:  # a damaged pickle can raise almost anything
+            if intact:  # the official bytes: the cause is elsewhere (a numpy half imported by a Ctrl-C, say)
+                raise DatasetError(f"{path} could not be read ({type(err).__name__}: {err}), although it is the "
+                                   "official file (its md5 checked): keep it, and run again or check the Python "
+                                   "environment", same_on_every_rank=False) from None
             raise DatasetError(f"{path} is truncated or corrupted ({type(err).__name__}: {err}); "
                                f"{_refetch(root, spec)}", same_on_every_rank=False) from None
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != pixels or len(labels) != len(data):

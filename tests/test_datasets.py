@@ -140,6 +140,28 @@ def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkey
     assert len(data_formats.read_split(root, "train", data_formats.DATASETS["mnist"])[1]) == 60
 
 
+def test_an_official_file_that_fails_to_read_is_not_called_corrupted(tmp_path, monkeypatch):
+    """A file whose md5 is the official one is intact: when reading it fails all the same (a
+    numpy left half imported by a Ctrl-C while Python started, seen in a walk), the line says to
+    keep it, not to delete it and fetch again (no internet on a compute node)."""
+    spec = data_formats.DATASETS["cifar10"]
+    root = write_dataset(tmp_path, "cifar10")
+    monkeypatch.setattr(data_formats, "check_official", lambda *args: True)  # as the real files are
+
+    def half_imported(path):
+        raise AttributeError("module 'numpy' has no attribute 'multiply'")
+    monkeypatch.setattr(data_formats, "load_pickle", half_imported)
+    with pytest.raises(data_formats.DatasetError) as info:
+        data_formats.read_split(root, "train", spec)
+    assert str(info.value) == (
+        f"{root / 'cifar-10-batches-py' / 'data_batch_1'} could not be read (AttributeError: module 'numpy' has no "
+        "attribute 'multiply'), although it is the official file (its md5 checked): keep it, and run again or check "
+        "the Python environment")
+    monkeypatch.setattr(data_formats, "check_official", lambda *args: False)  # a copy of another size: maybe damaged
+    with pytest.raises(data_formats.DatasetError, match="is truncated or corrupted .*; delete it and fetch again"):
+        data_formats.read_split(root, "train", spec)
+
+
 def test_fetching_ahead_names_a_copy_that_is_not_the_official_size(tmp_path, capsys):
     """tools/demo_data.py's small CIFAR-10 in the default folder is no fetched data set: said so
     as train.py says it, not just "ready"."""
