@@ -141,7 +141,7 @@ def one_class(folder, name):
 
 def _scan(root, held_out):
     if not root.is_dir():
-        raise DatasetError(f"--data-dir {root}: no such folder")
+        raise DatasetError(f"--data-dir {root}: {'a file, not a folder' if root.exists() else 'no such folder'}")
     folders, layout = split_folders(root, held_out)
     classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
     if not classes:

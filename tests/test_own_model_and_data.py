@@ -4,6 +4,7 @@ relative paths), and every mistake in a plug-in as one line."""
 
 import json
 import os
+import re
 import signal
 
 from pathlib import Path
@@ -140,6 +141,14 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
         "error: --weights w.pt were trained on other classes (label 0 is 'cat' there and 'class_0' here): their "
         "outputs would be read as the wrong labels; use the data set they were trained on, or --finetune to start "
         "from them with a new head"]
+
+
+def test_a_data_dir_that_is_missing_or_a_file_is_one_line_saying_which(tmp_path):
+    with pytest.raises(UserError, match=rf"^--data-dir {re.escape(str(tmp_path / 'photos'))}: no such folder$"):
+        image_folder.scan(tmp_path / "photos")
+    (tmp_path / "w.pt").write_bytes(b"")  # weights given where the images were meant
+    with pytest.raises(UserError, match=rf"^--data-dir {re.escape(str(tmp_path / 'w.pt'))}: a file, not a folder$"):
+        image_folder.scan(tmp_path / "w.pt")
 
 
 def test_weights_whose_classes_are_numbers_load_where_their_count_fits(tmp_path):
