@@ -785,6 +785,7 @@ def main(argv=None):
         data_dir = builtin_root(args.data_dir, spec)
         prepare(data_dir, spec, download=True)
         sizes = {split: len(read_split(data_dir, split, spec)[1]) for split in spec.split_sizes}
+        class_names(data_dir, spec)  # CIFAR's class-name file, read and checked as a training run reads it
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

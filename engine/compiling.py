@@ -19,6 +19,7 @@ from engine.folder_lock import NO_FLOCK
 
 CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_FOLDER = "compile_cache"  # inside --checkpoint-dir
+DEFAULT = "compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*)"
 
 
 def use_compile_cache(checkpoint_dir, environ, temp_dir=None):
@@ -33,13 +34,11 @@ def use_compile_cache(checkpoint_dir, environ, temp_dir=None):
     if value and not default:
         return f"compile cache {value} (from {CACHE_VARIABLE})"
     if not checkpoint_dir:
-        return ("compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*): without "
-                "--checkpoint-dir a requeued job compiles again")
+        return f"{DEFAULT}: without --checkpoint-dir a requeued job compiles again"
     path = Path(checkpoint_dir).absolute() / CACHE_FOLDER
     path.mkdir(parents=True, exist_ok=True)
     if not takes_flock(path):
-        return (f"compile cache in PyTorch's default folder on this node (/tmp/torchinductor_*): the file system "
-                f"of {checkpoint_dir} takes no flock(2) locks, which the cache's need")
+        return f"{DEFAULT}: the file system of {checkpoint_dir} takes no flock(2) locks, which the cache's need"
     environ[CACHE_VARIABLE] = str(path)
     if any(path.iterdir()):
         return f"compile cache {path}, with what an earlier start compiled: reused where it fits"

@@ -362,8 +362,6 @@ def _read_cifar(root, split, spec):
                                f"found {data.dtype} {data.shape} with {len(labels)} labels; {_refetch(root, spec)}",
                                same_on_every_rank=False)
         parts.append((data, labels))
-    if split == "train":
-        _check_meta(root, spec)
     data = np.concatenate([d for d, _ in parts])
     images = data.reshape(-1, channels, height, width).transpose(0, 2, 3, 1)  # planes -> (N, H, W, C)
     return np.ascontiguousarray(images), np.concatenate([labels for _, labels in parts])
@@ -371,10 +369,10 @@ def _read_cifar(root, split, spec):
 
 def class_names(root, spec):
     """The names of the data set's classes, label i's at i (the CIFAR files', checked)."""
-    return spec.names if spec.is_idx else _check_meta(root, spec)
+    return spec.names if spec.is_idx else _read_meta(root, spec)
 
 
-def _check_meta(root, spec):
+def _read_meta(root, spec):
     """The class names in CIFAR's meta file (meta, batches.meta), read as safely as the data: a
     pickle planted there runs nothing either, and one that is not a dict of names is one line."""
     (name,) = spec.extra_files
