@@ -195,6 +195,8 @@ def train_step(run, x, y):
     for each of the --accumulate micro-batches (B / N images each, gradients summed), then
     optimizer step, schedule. Returns the loss of the B images, a 0-dim tensor still on the
     device: nothing here waits for the GPU."""
+    if run.compiled and run.compiled.graphs:  # CUDA graphs: a new step, so PyTorch may reuse the last replay's outputs
+        torch.compiler.cudagraph_mark_step_begin()
     run.optimizer.zero_grad(set_to_none=True)
     parts, total, ddp = run.args.accumulate, 0.0, run.task.model  # run.model may be its compiled wrapper
     for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
@@ -247,8 +249,8 @@ def train_steps(run, batches, state):
             if run.compiled and run.clock.first_step_s is None:  # the step that compiled the model
                 synchronize(device)  # once per process
                 run.clock.first_step_s = time.perf_counter() - began  # its batch included
-                run.log.info(f"{timestamp()} torch.compile: the first step took {run.clock.first_step_s:.1f}s, "
-                             f"compiling included; {run.compiled}")
+                for line in run.compiled.after_first_step(run.clock.first_step_s, run.task.model):
+                    run.log.info(f"{timestamp()} {line}")
         if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
             warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
             update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
@@ -506,7 +508,7 @@ class Run:
     mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
-    compiled: str = None   # --compile: where its caches are (engine/compiling.py), else None
+    compiled: object = None  # --compile: its mode and caches (engine/compiling.Compilation), else None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
     def record_fields(self):
@@ -535,12 +537,13 @@ class Run:
 # The start-up block: the run's derived values, printed once.
 
 def describe_run(args, ctx, name, precision, channels_last, task, parameters, steps, continuing=False,
-                 optimizer="", loss="", regularization="", own_schedule=None):
+                 optimizer="", loss="", regularization="", own_schedule=None, compiled=None):
     """The derived values, printed once at the start of training (``task``: the task.Task;
     ``parameters``: the model's parameter count; ``continuing``: the run in --checkpoint-dir
     is resumed; ``optimizer``, ``loss``: what runs, described from the objects;
     ``regularization``: the recipe's words for its batch-level settings that are on;
-    ``own_schedule``: the class name of recipe.make_scheduler's scheduler, None for lr_factor's)."""
+    ``own_schedule``: the class name of recipe.make_scheduler's scheduler, None for lr_factor's;
+    ``compiled``: --compile's mode and why, None without it)."""
     data = task.data
     workers = task.train_loader.num_workers
     loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
@@ -552,7 +555,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
         f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "
         f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
-        describe_device(ctx, name, precision, channels_last, args.compile),
+        describe_device(ctx, name, precision, channels_last, compiled),
         f"Loader: {loader}; {task.loader_reason}",
         f"Data: {describe_data(data, task.train_loader, task.test_loader)}, {count(steps, 'step', 'steps')} per epoch",
         *data.notes,
@@ -581,7 +584,7 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
     split = "held-out images" if task.data.held_out else "test set"
     return [f"{timestamp()} Evaluating {task.model_name} weights {args.weights} on the {task.data.title} {split} "
             f"({task.test_loader.batch_size} images per batch and process x {processes(ctx, ctx.world_size)})",
-            describe_device(ctx, name, precision, channels_last, False),
+            describe_device(ctx, name, precision, channels_last),
             f"Data: {describe_data(task.data, None, task.test_loader)}",
             *task.data.notes,
             *size_warning(task.data)]
@@ -613,6 +616,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
+    compiled = None
+    if args.compile and not args.eval_only:
+        from engine.compiling import prepare_compile  # --compile only
+        compiled = prepare_compile(args.compile_mode, ctx.device.type, args.checkpoint_dir, os.environ)
     layout = memory_format(args.channels_last, ctx.device)  # the model's, from build_task
     name = device_name(ctx.device)
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
@@ -620,7 +627,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
                                 describe_optimizer(optimizer), describe_loss(loss_fn),
                                 recipe.describe_regularization(args, steps, ema_schedule),
-                                type(own).__name__ if own is not None else None))
+                                type(own).__name__ if own is not None else None, compiled and compiled.describe()))
     for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps)]:
         log.info(line)
     if ctx.process_group:
@@ -628,10 +635,6 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
             log.info(line)
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
-    compiled = None
-    if args.compile and not args.eval_only:
-        from engine.compiling import use_compile_cache  # --compile only
-        compiled = use_compile_cache(args.checkpoint_dir, os.environ)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
@@ -646,7 +649,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
         state = TrainState(run_id=from_rank0(new_run_id, ctx.control_group), lr_cycles=cycles)  # one ID: traces
         rng_state = None
         scheduler = own if own is not None else make_scheduler(optimizer, cycles, factor, args.epochs * steps)
-    run = Run(model=torch.compile(task.model) if args.compile else task.model,  # compiles during the first steps
+    run = Run(model=torch.compile(task.model, mode=compiled.mode) if compiled else task.model,  # in the first step
               module=module, optimizer=optimizer, scheduler=scheduler, scaler=scaler, loss_fn=loss_fn,
               precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx,
               args=args, task=task, log=log, steps=steps,

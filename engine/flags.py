@@ -25,6 +25,7 @@ from engine.weights import read_weights
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision", "dali")
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
 RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone",
                       "image_size")
@@ -257,6 +258,11 @@ def build_parser(description, add_recipe_arguments):
                        help="torch.compile the training model (the first steps then take minutes; the first "
                             "epoch's throughput is reported separately; with --checkpoint-dir the compiled kernels "
                             "are kept in DIR/compile_cache for a resume)")
+    speed.add_argument("--compile-mode", metavar="MODE", choices=COMPILE_MODES, default="auto",
+                       help="--compile: torch.compile's mode, one of " + ", ".join(COMPILE_MODES) + ". auto = "
+                            "reduce-overhead on CUDA (the compiled forward and backward replayed as CUDA graphs, "
+                            "which saves the host launching each kernel), default on the CPU, which has no graphs "
+                            "(docs/performance.md)")
 
     run = parser.add_argument_group("run control and output")
     run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
@@ -345,6 +351,8 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy
     if args.synthetic and args.dataset not in DATASETS:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
+    if args.compile_mode != "auto" and not args.compile:
+        parser.error("--compile-mode applies with --compile")
     if not args.profile_dir:
         for flag in ("profile_skip", "profile_steps"):
             if getattr(args, flag) != parser.get_default(flag):

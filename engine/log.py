@@ -163,9 +163,10 @@ def processes(ctx, n):
     return count(n, "GPU", "GPUs") if ctx.device.type == "cuda" else count(n, "CPU process", "CPU processes")
 
 
-def describe_device(ctx, name, precision, channels_last, compiled):
+def describe_device(ctx, name, precision, channels_last, compiled=None):
+    """``compiled``: --compile's words for the mode, None without it."""
     return (f"Device: {ctx.device} ({name}), precision {precision.name}, "
-            f"{'channels_last' if channels_last else 'contiguous (NCHW)'}{', torch.compile' if compiled else ''}")
+            f"{'channels_last' if channels_last else 'contiguous (NCHW)'}{f', {compiled}' if compiled else ''}")
 
 
 def describe_data(data, train_loader, test_loader):

@@ -52,6 +52,17 @@ def top_operators(averages, device_time, limit=TOP_OPERATORS):
     return OperatorTimes(rows, (total_us - communication_us) / 1e3, communication_us / 1e3)
 
 
+def kernel_times(events):
+    """(computation ms, communication ms, kernels) of the GPU kernels among a profiler's
+    ``events()``: what the GPU itself ran. Host operators' self device time leaves some kernels
+    out (on an H200 an eager step's operators accounted for 61% of its wall time, its kernels for
+    97%), and kernels replayed from a CUDA graph have no operator at all."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    communication_us = sum(e.device_time for e in kernels if is_communication(e.name))
+    compute_us = sum(e.device_time for e in kernels) - communication_us
+    return compute_us / 1e3, communication_us / 1e3, len(kernels)
+
+
 def operator_table(times, steps, wall_ms, unit):
     """Lines for the log: the top operators and how busy the device was per step."""
     lines = [f"{'operator':<52}{'calls':>7}{f'self {unit} ms':>14}{'per step':>10}{'share':>7}"]
@@ -163,8 +174,11 @@ class ProfileWindow:
             self.log.info(f"Profile of {count(steps, 'training step', 'training steps')} from step {step} of epoch "
                           f"{epoch}{short} ({'GPU' if cuda else 'CPU'} time of rank 0): trace of each rank in "
                           f"{self.directory}, e.g. {path.name} (open it in https://ui.perfetto.dev)")
-            for line in operator_table(top_operators(profiler.key_averages(), device_time=cuda), steps, self.wall_ms,
-                                       "GPU" if cuda else "CPU"):
+            times = top_operators(profiler.key_averages(), device_time=cuda)
+            if cuda:  # how busy the GPU was: from its kernels, not the operators that launched them
+                compute_ms, communication_ms, _ = kernel_times(profiler.events())
+                times = times._replace(compute_ms=compute_ms, communication_ms=communication_ms)
+            for line in operator_table(times, steps, self.wall_ms, "GPU" if cuda else "CPU"):
                 self.log.info(line)
         return True
 

@@ -208,6 +208,14 @@ def test_report_block_and_its_recommendation():
     assert "| train | 5,100 | 20,000 | 26,000 (compiling: 95 s) |" in lines
     assert "| pipeline | 5,000 | 90,000 | - |" in lines
     assert "Peak GPU memory of training steps: batch 256: 5.50 GiB, batch 1024: 21.00 GiB" in lines
+    assert not any(line.startswith("| training step") for line in lines)  # no steps measured: no table
+    steps = _figures(20000.0, 26000.0, split)
+    steps.steps = [{"label": "the defaults (eager)", "images_per_sec": 20000.0, "warmup_s": 3.2, "kernels": 342.0,
+                    "kernel_ms": 9.6},  # of 12.8 ms per step at 20,000 img/s: 75% busy
+                   {"label": "--compile", "images_per_sec": 26000.0, "warmup_s": 95.0}]  # its profile failed
+    table = gpu_report.markdown(steps, "c").split("| training step, batch 256 |", 1)[1].splitlines()
+    assert table[:4] == [" img/s | warm-up s | GPU kernels per step | GPU busy |", "|---|---|---|---|---|",
+                         "| the defaults (eager) | 20,000 | 3 | 342 | 75% |", "| --compile | 26,000 | 95 | - | - |"]
     assert "GPU tier (`python -m pytest -q tests/test_gpu.py`): 30 passed, 1 skipped in 250.0s" in lines
     assert not any("DALI" in line or "tutorial" in line for line in lines)  # not measured: not in the block
     dali = _figures(20000.0, 26000.0, split)
@@ -229,8 +237,7 @@ def test_report_block_and_its_recommendation():
             "that.") in text
     # 5.5 s of compiled warm-up less 0.5 s of eager: 5 s, paid back after 433,333 images.
     quick = gpu_report.compile_advice(20000.0, {"images_per_sec": 26000.0, "warmup_s": 5.5}, 0.5)
-    assert quick.endswith("paid back after 8.7 epochs of 50,000 images: make it the default on CUDA (its default "
-                          "mode; the other modes are not measured).")
+    assert quick.endswith("paid back after 8.7 epochs of 50,000 images: make it the default on CUDA.")
     assert "- Largest part of a step: convolutions and matmuls (45% of its wall time)" in text
     assert "- Goal of 25,000 img/s on one GPU: met (26,000 img/s" in text
     slow = gpu_report.recommendation(_figures(20000.0, 20200.0, {**split, "idle": 60.0}))
@@ -256,6 +263,40 @@ def test_profile_split_of_a_real_profile():
     assert gpu_report.category("aten::cudnn_batch_norm_backward") == "normalization and element-wise"  # not conv
     assert gpu_report.category("record_param_comms") == "communication"
     assert gpu_report.category("nccl:all_reduce") == "communication"
+
+
+def test_the_capture_probe_needs_a_gpu_and_says_so_in_one_line(capsys):
+    status = run_main("tools/capture_probe.py", "--only", "eager")
+    assert status == "capture_probe.py: error: it measures CUDA graphs, and this machine has no CUDA GPU"
+    assert capsys.readouterr().out == ""  # nothing measured, nothing printed
+
+
+def test_kernel_times_count_the_gpus_kernels_and_set_communication_apart():
+    """From a profiler's events (duck-typed here: a CPU has no kernel events): the CUDA ones
+    alone, NCCL's kernels apart, a CUDA graph's replayed kernels like any other."""
+    from types import SimpleNamespace
+
+    import torch
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name=name, device_type=device, device_time=us) for name, device, us in (
+        ("sm90_xmma_fprop_implicit_gemm_bf16", cuda, 700.0), ("triton_poi_fused_relu_0", cuda, 250.0),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", cuda, 400.0), ("aten::convolution", cpu, 9000.0))]
+    assert profiling.kernel_times(events) == (0.95, 0.4, 3)
+    assert profiling.kernel_times([]) == (0.0, 0.0, 0)
+
+
+def test_the_idle_share_comes_from_the_kernels_time():
+    """The operators' split (61% of the wall time computing) rescaled to the kernels' 97% busy
+    (an H200's eager step, 2026-11-27), in the operators' proportions; communication kept."""
+    split = {"convolutions and matmuls": 33.0, "normalization and element-wise": 28.0, "other": 0.0, "idle": 39.0}
+    busy = gpu_report.busy_percent({"kernel_ms": 12.97, "images_per_sec": 19152.0}, 256)  # of 13.37 ms per step
+    assert busy == pytest.approx(97.0, abs=0.1)
+    scaled = gpu_report.busy_split(split, busy)
+    assert scaled["idle"] == pytest.approx(100 - busy)
+    assert scaled["convolutions and matmuls"] == pytest.approx(busy * 33 / 61)
+    assert sum(share for part, share in scaled.items() if part != "idle") == pytest.approx(busy)
+    assert gpu_report.busy_split({**split, "communication": 7.0}, 50.0)["communication"] == 7.0
+    assert gpu_report.busy_percent({"kernel_ms": 20.0, "images_per_sec": 19152.0}, 256) == 100.0  # at most all
 
 
 def test_gpu_tier_summary_on_this_machine(tmp_path):
@@ -390,7 +431,11 @@ def test_report_runs_every_part_and_names_the_one_that_failed(tmp_path, monkeypa
     assert block in captured.out and "Appended to" in captured.out
     assert "RuntimeError: no C++ compiler here\nsecond line" in captured.err  # its traceback, in full
     failed = block.split("Failed (tracebacks in the command's output):\n", 1)[1].split("\n\n", 1)[0]
-    assert failed == "- the defaults with --compile: RuntimeError: no C++ compiler here"  # that part alone
+    assert failed.splitlines() == [  # those parts alone
+        "- the defaults with --compile --compile-mode default: RuntimeError: no C++ compiler here",
+        "- the defaults with --compile (reduce-overhead on CUDA: CUDA graphs): RuntimeError: no C++ compiler here"]
+    steps = block.split("| training step, batch 32 |", 1)[1].splitlines()[2:]  # the eager row alone, no kernels
+    assert re.fullmatch(r"\| the defaults \(eager\) \| [\d,]+ \| \d+ \| - \| - \|", steps[0]) and steps[1] == ""
     guide, project = (re.search(r"^\| train \| ([\d,]+) \| ([\d,]+) \| - \|$", block, re.MULTILINE)[i]
                       for i in (1, 2))
     assert int(guide.replace(",", "")) > 0 and int(project.replace(",", "")) > 0

@@ -521,7 +521,10 @@ def test_compiled_training(tmp_path):
     result = run(python_cmd("train.py", *SHORT, *PLAIN_MODEL, "--compile", "--metrics-file", metrics), cwd=tmp_path,
                  timeout=COLD_COMPILE_S)
     finite_run(result, metrics)
+    assert ("torch.compile (reduce-overhead: auto on CUDA: forward and backward replayed as CUDA graphs)"
+            in result.stdout)
     assert "torch.compile: the first step took" in result.stdout
+    assert "without CUDA graphs" not in result.stdout  # every compiled graph replayed as a CUDA graph
 
 
 def test_compile_with_ddp(tmp_path):
@@ -530,4 +533,7 @@ def test_compile_with_ddp(tmp_path):
     result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, *PLAIN_MODEL, "--compile", "--metrics-file", metrics),
                  cwd=tmp_path, timeout=COLD_COMPILE_S)  # a cold inductor cache too: this test may run alone
     finite_run(result, metrics)
+    assert "torch.compile (reduce-overhead: auto on CUDA" in result.stdout
     assert "torch.compile: the first step took" in result.stdout
+    skips = [line for line in result.stdout.splitlines() if "without CUDA graphs" in line]
+    assert all("DDP and BatchNorm (pytorch/pytorch#139207)" in line for line in skips)  # Net has BatchNorm

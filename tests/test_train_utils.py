@@ -122,6 +122,9 @@ BAD_FLAGS = {
     "--model-ema --model-ema-steps 0": "--model-ema-steps: '0' is not a positive integer",
     "--mixup-alpha -1": "--mixup-alpha: '-1' is not a number >= 0",
     "--clip-grad-norm 0": "--clip-grad-norm: '0' is not a positive number",
+    "--compile-mode default": "--compile-mode applies with --compile",
+    "--compile --compile-mode fast": "--compile-mode: invalid choice: 'fast' (choose from 'auto', 'default', "
+                                     "'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')",
 }
 
 
@@ -640,6 +643,39 @@ def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_fold
         raise OSError(errno.ENOSYS, "Function not implemented")
     monkeypatch.setattr(compiling.fcntl, "flock", no_flock)
     assert "takes no flock(2) locks" in use_compile_cache(ckpt, bare) and bare == {}
+
+
+def test_compile_mode_auto_is_cuda_graphs_on_cuda_and_graph_modes_are_refused_on_the_cpu():
+    assert compiling.compile_mode("auto", "cuda")[0] == "reduce-overhead"
+    assert compiling.compile_mode("auto", "cpu") == ("default", "auto on the CPU, where there are no CUDA graphs")
+    assert compiling.compile_mode("max-autotune-no-cudagraphs", "cpu") == ("max-autotune-no-cudagraphs",
+                                                                           "--compile-mode")
+    for mode in compiling.GRAPH_MODES:
+        assert compiling.compile_mode(mode, "cuda") == (mode, "--compile-mode")
+        with pytest.raises(UserError, match=f"--compile-mode {mode} replays CUDA graphs, which need a CUDA GPU; on "
+                                            "the CPU use --compile-mode default"):
+            compiling.compile_mode(mode, "cpu")
+    assert set(compiling.GRAPH_MODES) < set(flags.COMPILE_MODES)
+
+
+@pytest.mark.oldest_torch
+def test_a_graph_run_without_cuda_graphs_is_counted_and_said(tmp_path):
+    """PyTorch's count of compiled graphs run without CUDA graphs (a private counter: this test
+    is what says it still exists and counts): on the CPU, reduce-overhead skips every graph,
+    and the line after the first step says how many, from the count before the compile."""
+    compilation = compiling.prepare_compile("reduce-overhead", "cuda", None, {})  # as a CUDA run prepares it
+    assert compilation.graphs and compilation.skips_before == compiling.cudagraph_skips()
+    model = _conv_model()
+    torch.compile(model, mode=compilation.mode)(torch.randn(2, 3, 8, 8)).sum().backward()  # on the CPU: no graphs
+    skipped = compiling.cudagraph_skips() - compilation.skips_before
+    assert skipped >= 1
+    timing, skip = compilation.after_first_step(12.34, model)
+    assert timing.startswith("torch.compile: the first step took 12.3s, compiling included; compile cache in ")
+    assert skip == (f"torch.compile: PyTorch ran {skipped} compiled graph(s) without CUDA graphs, so those steps "
+                    "launch every kernel from the host; TORCH_LOGS=perf_hints,cudagraphs says why")
+    # The default mode replays no graphs: nothing to say, whatever was skipped.
+    assert len(compiling.Compilation("default", "", "cache").after_first_step(1.0, model)) == 1
+    assert compiling.known_cause(torch.nn.BatchNorm2d(3)) == ""  # not DDP-wrapped
 
 
 @pytest.mark.parametrize("losses, first_step, first_bad", [

@@ -59,7 +59,7 @@ from engine.files import check_writable  # noqa: E402
 from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
                           positive_int)
 from engine.models import DEFAULT_MODEL  # noqa: E402
-from engine.profiling import device_profiler, top_operators, unused_path  # noqa: E402
+from engine.profiling import device_profiler, kernel_times, top_operators, unused_path  # noqa: E402
 from engine.precision import configure_precision  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
 from tools import gpu_report  # noqa: E402
@@ -96,6 +96,11 @@ def time_training_steps(task, args, ctx, batches, warmup_steps, steps, timed_con
         seconds = time.perf_counter() - start
     return StepTiming(images / seconds, warmup_s, run.precision.name)
 
+
+
+# The compiled steps --report measures beside the eager defaults: (label, train.py's flags).
+STEP_VARIANTS = (("--compile --compile-mode default", ["--compile", "--compile-mode", "default"]),
+                 ("--compile (reduce-overhead on CUDA: CUDA graphs)", ["--compile"]))
 
 
 def build_parser():
@@ -333,11 +338,25 @@ def report(opts):
     figures.rows = benchmark(opts, figures.failures)
     for line in table(figures.rows):
         print(line)
-    compiled = attempt("the defaults with --compile", lambda: project_steps(["--compile"], batch, warmup_steps, steps))
-    if compiled:
-        figures.compiled = {"images_per_sec": compiled.images_per_sec, "warmup_s": compiled.warmup_s}
+    # The step three ways: eager, compiled, compiled and replayed as CUDA graphs (--compile's auto on CUDA).
+    eager = gpu_report.rate(figures.rows, "project", "train")
+    figures.steps = [{"label": "the defaults (eager)", "images_per_sec": eager,
+                      "warmup_s": gpu_report.warmup_s(figures.rows, "project"), "flags": []}] if eager else []
+    for label, extra in STEP_VARIANTS:
+        timing = attempt(f"the defaults with {label}", lambda extra=extra: project_steps(extra, batch, warmup_steps,
+                                                                                       steps))
+        if timing:
+            figures.steps.append({"label": label, "images_per_sec": timing.images_per_sec,
+                                  "warmup_s": timing.warmup_s, "flags": extra})
+    figures.compiled = next((row for row in figures.steps if row["flags"] == ["--compile"]), None)
+    for row in figures.steps:  # kernels per step and their GPU time, from 5 profiled steps
+        row.update(attempt(f"the kernels of {row['label']}", lambda row=row: kernel_profile(
+            ctx, lambda profiler: project_steps(row["flags"], batch, 3, 5, lambda: profiler), 5)) or {})
     figures.split = attempt("a profile of the defaults' steps", lambda: profile_split(
         ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch))
+    eager = figures.steps[0] if figures.steps else {}
+    if figures.split and "kernel_ms" in eager:  # idle from the kernels' own time, not the operators'
+        figures.split = gpu_report.busy_split(figures.split, gpu_report.busy_percent(eager, batch))
     for size in (256, 1024):
         figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.steady_peak_memory(
             lambda window: project_steps([], size, 2, 3, window), ctx.device))
@@ -374,6 +393,18 @@ def gpu_tier(ctx, timeout_s, log, failures):
     if ctx.device.type == "cuda":
         gpu_report.attempt(failures, "giving back the cached GPU memory before the tier", torch.cuda.empty_cache)
     return gpu_report.run_gpu_tier(timeout_s, log)
+
+
+def kernel_profile(ctx, steps, count):
+    """{"kernels": GPU kernels per step, "kernel_ms": their GPU time per step} of the ``count``
+    training steps ``steps(profiler)`` runs inside ``profiler``; {} on the CPU. Kernels replayed
+    from a CUDA graph count too (the profiler sees them; no host operator launched them)."""
+    if ctx.device.type != "cuda":
+        return {}
+    profiler = device_profiler(ctx.device)
+    steps(profiler)
+    compute_ms, _, kernels = kernel_times(profiler.events())
+    return {"kernels": kernels / count, "kernel_ms": compute_ms / count}
 
 
 def profile_split(ctx, steps, images):
