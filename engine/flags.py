@@ -53,8 +53,19 @@ class OneLineParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self.words = []  # the command line being parsed
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
+        if message.startswith("the following arguments are required"):
+            # argparse says a required flag is missing before it says which were not recognized:
+            # a typo of that very flag (--weight) is the mistake to name.
+            unknown = [word for word in map(str, self.words) if word.startswith("--")
+                       and word.split("=")[0] not in self._option_string_actions]
+            message = f"unrecognized arguments: {' '.join(unknown)}" if unknown else message
         if rank_or_zero() == 0:
             print(f"{self.prog}: error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
         elif launcher_pid() is not None:  # torchrun would stop rank 0 before its line were this rank first

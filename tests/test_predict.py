@@ -208,6 +208,11 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert (code, line) == (2, f"predict.py: error: unrecognized arguments: --out {tmp_path / 'p.csv'}; did you "
                                "mean --output? (see --help)")  # an abbreviation is a typo, not taken as --output
     assert not (tmp_path / "p.csv").exists()
+    code, line = one_line_error(capsys, *MODEL, "--weight", "w.pt", "imgs/test")  # the typo, not the missing flag
+    assert (code, line) == (2, "predict.py: error: unrecognized arguments: --weight; did you mean --weights? (see "
+                               "--help)")
+    code, line = one_line_error(capsys, *MODEL, "imgs/test")
+    assert (code, line) == (2, "predict.py: error: the following arguments are required: --weights (see --help)")
 
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "no/such/images")
     assert (code, line) == (2, "error: no/such/images: no such file or folder")
