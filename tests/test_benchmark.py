@@ -365,7 +365,7 @@ def test_a_gpu_tier_out_of_time_says_how_far_it_got_and_what_is_left(tmp_path, m
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         start = time.monotonic()
-        summary = gpu_report.run_gpu_tier(10, tmp_path / "logs" / "tier.log", tests)
+        summary = gpu_report.run_gpu_tier(10, tmp_path / "logs" / "tier.log", tests, workers=1)
         assert time.monotonic() - start < 10 + 30  # stopped by Ctrl-C, not killed after the grace or slept for 600 s
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # as it was
     finally:
@@ -379,7 +379,7 @@ def test_a_gpu_tier_that_ignores_ctrl_c_is_killed_with_what_it_started(tmp_path,
     monkeypatch.setenv("IGNORE_SIGINT", str(tmp_path / "child.pid"))
     tests = tmp_path / "test_slow.py"
     tests.write_text(SLOW_TESTS)
-    summary = gpu_report.run_gpu_tier(10, tmp_path / "tier.log", tests)
+    summary = gpu_report.run_gpu_tier(10, tmp_path / "tier.log", tests, workers=1)
     assert summary == _finished(tests, "before the time ran out (10 s)")
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 10
@@ -388,11 +388,27 @@ def test_a_gpu_tier_that_ignores_ctrl_c_is_killed_with_what_it_started(tmp_path,
         time.sleep(0.1)
 
 
+def test_a_gpu_tier_in_parallel_out_of_time_says_how_far_it_got(tmp_path):
+    """With pytest-xdist (as the report runs it), the other worker finishes test_after while
+    test_slow holds the first; the outcomes are read from xdist's lines."""
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(SLOW_TESTS)
+    summary = gpu_report.run_gpu_tier(10, tmp_path / "tier.log", tests, workers=2)
+    assert "-n 2" not in summary and summary.startswith("2 passed, 1 failed, 1 skipped, 1 xfail before the time ran "
+                                                        f"out (10 s); FAILED {tests}::test_failing[stop file]; the rest:")
+    rest = summary.split("the rest: ", 1)[1]
+    assert sorted(re.findall(r"--deselect '?\S+?::(\w+)", rest)) == ["test_after", "test_failing", "test_fast",
+                                                                      "test_known", "test_skipped"]
+    assert "test_slow" not in rest.replace(str(tests), "")  # the one that was running: left to run
+    assert gpu_report.outcomes_of("[gw1] [ 50%] PASSED tests/test_gpu.py::test_x[stop file]\n") == {
+        "test_x[stop file]": "PASSED"}
+
+
 def test_a_gpu_tier_that_dies_says_what_finished(tmp_path, monkeypatch):
     monkeypatch.setenv("DIE", "1")
     tests = tmp_path / "test_slow.py"
     tests.write_text(SLOW_TESTS)
-    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log", tests)
+    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log", tests, workers=1)
     assert summary == _finished(tests, "before pytest died (exit status 3)")
 
 

@@ -15,6 +15,7 @@ what the figures say about the defaults: whether --compile should become the def
 CUDA, what bounds a step, and where the defaults stand against 25,000 img/s on one GPU.
 """
 
+import importlib.util
 import os
 import platform
 import re
@@ -55,6 +56,10 @@ REPO = Path(__file__).resolve().parents[1]
 GPU_TIER = "tests/test_gpu.py"
 MIN_TIER_S = 30  # less time than this left: the tier is not started
 TIER_GRACE_S = 20  # after Ctrl-C, pytest's time to tear down (its fixtures kill the torchruns they started)
+# pytest-xdist processes for the tier, where it is installed: its tests are short runs that leave the GPU
+# mostly idle, and one after the other they took 366 s for 17 of them on an H200 (2026-11-27), more than
+# the report leaves. Three at a time ran them there on 2026-11-26.
+TIER_WORKERS = 3
 
 # Operator name fragments of each part of a step (self GPU time of torch.profiler's operators).
 CATEGORIES = (
@@ -328,12 +333,16 @@ def dali_photos(device, batch, measure, photos=4096, height=375, width=500):
     return {"images_per_sec": rate, "photos": f"{photos} JPEG photos of {width}x{height}"}
 
 
-def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
-    """pytest ``tests`` in a process group of its own for at most ``timeout_s``, its output
-    going to ``log`` as it runs: pytest's summary and its failures, or, when the time runs out
-    or pytest dies, what finished and the command that runs the rest."""
+def run_gpu_tier(timeout_s, log, tests=GPU_TIER, workers=TIER_WORKERS):
+    """pytest ``tests`` in a process group of its own for at most ``timeout_s``, in ``workers``
+    processes where pytest-xdist is installed, its output going to ``log`` as it runs: pytest's
+    summary and its failures, or, when the time runs out or pytest dies, what finished and the
+    command that runs the rest."""
     Path(log).parent.mkdir(parents=True, exist_ok=True)
-    print(f"GPU tier: python -m pytest -v {tests}, for at most {timeout_s:.0f} s; its output: {log}", flush=True)
+    parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *parallel, str(tests)]
+    print(f"GPU tier: {shlex.join(['python', *command[1:]])}, for at most {timeout_s:.0f} s; its output: {log}",
+          flush=True)
     with open(log, "w") as out:
         # A report started in the background (``&``, nohup) ignores SIGINT, and pytest would
         # inherit that: Ctrl-C must reach it, so that its fixtures tear down.
@@ -341,8 +350,7 @@ def run_gpu_tier(timeout_s, log, tests=GPU_TIER):
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
-            process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tests)],
-                                       cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             if ignored:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -378,8 +386,11 @@ def outcomes_of(text):
     """{test name: one of OUTCOMES} from ``pytest -v``'s lines (a test that was running when
     pytest stopped has none). The name is the test ID after its file's path, which pytest
     writes relative to the rootdir or the working directory; a parameter may hold spaces."""
-    found = re.findall(rf"^\S+?::(.+?) ({'|'.join(OUTCOMES)})\b", text, flags=re.MULTILINE)
-    return dict(found)
+    outcomes = "|".join(OUTCOMES)
+    found = re.findall(rf"^\S+?::(.+?) ({outcomes})\b", text, flags=re.MULTILINE)
+    # pytest-xdist's: "[gw0] [ 50%] PASSED tests/test_gpu.py::test_x[a b]"
+    parallel = re.findall(rf"^\[gw\d+\] \[ *\d+%\] ({outcomes}) \S+?::(.+?) *$", text, flags=re.MULTILINE)
+    return {**dict(found), **{test: outcome for outcome, test in parallel}}
 
 
 def stop(process):
