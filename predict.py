@@ -161,7 +161,7 @@ def held_out_images(root, meta, weights):
         raise UserError(f"--held-out reads an image folder; --weights {shown(weights)} were trained on --dataset "
                         f"{meta.get('dataset', 'of unknown name')}")
     record = meta.get("split")
-    scanned = scan(root, held_out=True)
+    scanned = scan(root, held_out=True, flag="--held-out")
     if list(scanned.classes) != list(meta["classes"]):
         raise UserError(f"--held-out {shown(root)} has the classes {', '.join(map(shown, scanned.classes[:5]))}"
                         f"{', ...' if len(scanned.classes) > 5 else ''}, not those --weights {shown(weights)} were "

@@ -619,7 +619,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     compiled = None
     if args.compile and not args.eval_only:
         from engine.compiling import prepare_compile  # --compile only
-        compiled = prepare_compile(args.compile_mode, ctx.device.type, args.checkpoint_dir, os.environ)
+        compiled = prepare_compile(args.compile_mode or "auto", ctx.device.type, ctx.process_group, args.accumulate,
+                                   args.checkpoint_dir, os.environ)
     layout = memory_format(args.channels_last, ctx.device)  # the model's, from build_task
     name = device_name(ctx.device)
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only

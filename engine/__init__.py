@@ -24,7 +24,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     precision.py     --precision: autocast dtype, TF32
-    compiling.py     --compile: its caches in the checkpoint folder, so a requeued job does not compile again
+    compiling.py     --compile: its mode (CUDA graphs where safe), its caches in the checkpoint folder so a
+                     requeued job does not compile again
     optimization.py  whatever optimizer and schedule recipe.py builds: fused safety, resume, names;
                      the schedule's cycles (warm restarts when a run is extended)
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it

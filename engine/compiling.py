@@ -2,12 +2,13 @@
 checkpoint folder, so that a resumed or requeued job reuses the kernels its first start compiled
 instead of compiling again.
 
-The mode: on CUDA, reduce-overhead (--compile-mode auto). It records the compiled forward and
-backward as CUDA graphs and replays them, so the host launches one graph where it launched a
-few hundred kernels; the optimizer step stays eager (one fused kernel for all parameters).
-PyTorch runs a graph without them where it cannot capture it (a host sync in the model, an input
-it cannot keep in place) and says why only under TORCH_LOGS: the run counts those skips and
-says so in one line. On the CPU there are no graphs: the default mode.
+The mode (--compile-mode auto): reduce-overhead for one process on CUDA. It records the compiled
+forward and backward as CUDA graphs and replays them, so the host launches one graph where it
+launched a few hundred kernels; the optimizer step stays eager (one fused kernel for all
+parameters). PyTorch runs a graph without them where it cannot capture it (a host sync in the
+model, an input it cannot keep in place) and says why only under TORCH_LOGS: the run counts the
+graphs its first step skipped and says so in one line. The default mode where graphs are not
+safe or not measured: on the CPU (no graphs), with --accumulate, under DDP (compile_mode).
 
 Inductor keeps its FX-graph, AOTAutograd and autotuning caches, and Triton its GPU kernels,
 under TORCHINDUCTOR_CACHE_DIR (the caches are on by default in every supported PyTorch, and
@@ -86,13 +87,13 @@ class Compilation:
         return self.mode in GRAPH_MODES
 
     def describe(self):
-        """For the start-up block: 'torch.compile (reduce-overhead: ...)'."""
-        return f"torch.compile ({self.mode}: {self.why})"
+        """For the start-up block: 'torch.compile mode reduce-overhead (auto on CUDA: ...)'."""
+        return f"torch.compile mode {self.mode} ({self.why})"
 
     def after_first_step(self, seconds, model):
         """The lines after the step that compiled ``model`` (what trains: DDP's wrapper or the
-        model) in ``seconds``: its time and cache, and, where PyTorch ran graphs without CUDA
-        graphs, how many and the likely cause."""
+        model) in ``seconds``: its time and cache, and, where PyTorch skipped CUDA graphs for
+        graphs it compiled in that step, how many and the likely cause."""
         lines = [f"torch.compile: the first step took {seconds:.1f}s, compiling included; {self.cache}"]
         skipped = cudagraph_skips() - self.skips_before
         if self.graphs and skipped:
@@ -102,31 +103,45 @@ class Compilation:
         return lines
 
 
-def prepare_compile(requested, device_type, checkpoint_dir, environ):
-    """The run's Compilation for --compile-mode ``requested`` on ``device_type``, with its caches
-    in ``checkpoint_dir`` (use_compile_cache)."""
-    mode, why = compile_mode(requested, device_type)
+def prepare_compile(requested, device_type, distributed, accumulate, checkpoint_dir, environ):
+    """The run's Compilation for --compile-mode ``requested`` (compile_mode), with its caches in
+    ``checkpoint_dir`` (use_compile_cache)."""
+    mode, why = compile_mode(requested, device_type, distributed, accumulate)
     return Compilation(mode, why, use_compile_cache(checkpoint_dir, environ), cudagraph_skips())
 
 
-def compile_mode(requested, device_type):
-    """(torch.compile's mode, why) for --compile-mode ``requested`` on ``device_type``. auto:
-    reduce-overhead on CUDA (the forward and backward replayed as CUDA graphs: 24,600 img/s
-    against 19,700 eager for the guide's Wide ResNet on an H200, BENCHMARKS.md), the default mode
-    on the CPU, which has no graphs."""
-    if requested == "auto":
-        if device_type == "cuda":
-            return "reduce-overhead", "auto on CUDA: forward and backward replayed as CUDA graphs"
-        return "default", "auto on the CPU, where there are no CUDA graphs"
+def compile_mode(requested, device_type, distributed=False, accumulate=1):
+    """(torch.compile's mode, why) for --compile-mode ``requested`` on ``device_type``;
+    ``distributed``: the model trains in DDP; ``accumulate``: --accumulate's micro-batches per
+    step. auto is reduce-overhead where CUDA graphs were measured and are safe: one process on
+    CUDA, one micro-batch per step (24,607 img/s against 23,906 for the default mode on an H200,
+    BENCHMARKS.md 2026-11-27). Else the default mode: the CPU has no CUDA graphs; with
+    --accumulate the first micro-batches' gradients would live in the graphs' memory, which the
+    next replay overwrites (pytorch/pytorch#169545, #96693), so a graph mode is refused there;
+    under DDP, graphs with BatchNorm are a known slowdown (pytorch/pytorch#139207), not measured
+    here: asked for, they run, and a graph PyTorch skips is said after the first step."""
     if requested in GRAPH_MODES and device_type != "cuda":
+        instead = "max-autotune-no-cudagraphs" if requested == "max-autotune" else "default"
         raise UserError(f"--compile-mode {requested} replays CUDA graphs, which need a CUDA GPU; on the "
-                        f"{device_type.upper()} use --compile-mode default")
-    return requested, "--compile-mode"
+                        f"{device_type.upper()} use --compile-mode {instead}")
+    if requested in GRAPH_MODES and accumulate > 1:
+        raise UserError(f"--compile-mode {requested} replays CUDA graphs, whose next replay would overwrite the "
+                        "gradients of --accumulate's first micro-batches; use --compile-mode default with --accumulate")
+    if requested != "auto":
+        return requested, "--compile-mode"
+    if device_type != "cuda":
+        return "default", "auto on the CPU, where there are no CUDA graphs"
+    if accumulate > 1:
+        return "default", "auto with --accumulate, whose micro-batches' gradients CUDA graphs would overwrite"
+    if distributed:
+        return "default", ("auto under DDP, where CUDA graphs are not measured (with BatchNorm a known slowdown, "
+                           "pytorch/pytorch#139207); --compile-mode reduce-overhead tries them")
+    return "reduce-overhead", "auto on CUDA: forward and backward replayed as CUDA graphs"
 
 
 def known_cause(model):
-    """', as under DDP with BatchNorm (...)' when ``model`` is DDP-wrapped and has BatchNorm
-    layers: PyTorch's known case (pytorch/pytorch#139207), else ''."""
+    """', a known PyTorch limit with DDP and BatchNorm (pytorch/pytorch#139207)' when ``model``
+    is DDP-wrapped and has BatchNorm layers, else ''."""
     from torch import nn
 
     batch_norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -137,7 +152,9 @@ def known_cause(model):
 
 
 def cudagraph_skips():
-    """How many compiled graphs PyTorch has run without CUDA graphs in this process so far.
+    """How many compiled graphs PyTorch has run without CUDA graphs in this process so far,
+    counted as each is compiled: a process that compiles the same model again (tools/benchmark.py)
+    reuses the first compile and counts nothing new.
     Private: inductor's counter, the same in every supported PyTorch (2.7 to 2.14; tests on the
     CPU, where every graph is skipped); no public API reports a skip (PyTorch only logs it, and
     only under TORCH_LOGS)."""

@@ -25,7 +25,8 @@ from engine.weights import read_weights
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision", "dali")
-COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+# torch.compile's modes, and auto: engine/compiling.compile_mode chooses by device, DDP and --accumulate.
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
 RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone",
                       "image_size")
@@ -63,7 +64,9 @@ class OneLineParser(argparse.ArgumentParser):
         if message.startswith("the following arguments are required"):
             # argparse says a required flag is missing before it says which were not recognized:
             # a typo of that very flag (--weight) is the mistake to name.
-            unknown = [word for word in map(str, self.words) if word.startswith("--")
+            words = list(map(str, self.words))
+            options = words[:words.index("--")] if "--" in words else words  # after "--": positional arguments
+            unknown = [word for word in options if word.startswith("--")
                        and word.split("=")[0] not in self._option_string_actions]
             message = f"unrecognized arguments: {' '.join(unknown)}" if unknown else message
         if rank_or_zero() == 0:
@@ -269,11 +272,11 @@ def build_parser(description, add_recipe_arguments):
                        help="torch.compile the training model (the first steps then take minutes; the first "
                             "epoch's throughput is reported separately; with --checkpoint-dir the compiled kernels "
                             "are kept in DIR/compile_cache for a resume)")
-    speed.add_argument("--compile-mode", metavar="MODE", choices=COMPILE_MODES, default="auto",
-                       help="--compile: torch.compile's mode, one of " + ", ".join(COMPILE_MODES) + ". auto = "
-                            "reduce-overhead on CUDA (the compiled forward and backward replayed as CUDA graphs, "
-                            "which saves the host launching each kernel), default on the CPU, which has no graphs "
-                            "(docs/performance.md)")
+    speed.add_argument("--compile-mode", metavar="MODE", choices=COMPILE_MODES, default=None,
+                       help="--compile: torch.compile's mode, one of " + ", ".join(COMPILE_MODES) + " (default: "
+                            "auto = reduce-overhead for one process on CUDA: the compiled forward and backward "
+                            "replayed as CUDA graphs, which saves the host launching each kernel; default on the "
+                            "CPU, with --accumulate and under DDP; docs/performance.md)")
 
     run = parser.add_argument_group("run control and output")
     run.add_argument("--limit-batches", metavar="BATCHES", type=positive_int, default=None,
@@ -353,6 +356,10 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     check_recipe_arguments(args, parser.error)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.compile_mode is not None and not args.compile:
+        parser.error("--compile-mode applies with --compile")
+    if args.compile and args.eval_only:
+        parser.error("--compile applies to training; --eval-only evaluates the model uncompiled")
     if args.eval_only and args.weights:
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
@@ -362,8 +369,6 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy
     if args.synthetic and args.dataset not in DATASETS:
         parser.error(f"--synthetic makes random data of a built-in data set's shape: {', '.join(DATASETS)}")
-    if args.compile_mode != "auto" and not args.compile:
-        parser.error("--compile-mode applies with --compile")
     if not args.profile_dir:
         for flag in ("profile_skip", "profile_steps"):
             if getattr(args, flag) != parser.get_default(flag):

@@ -55,41 +55,42 @@ class Scanned(NamedTuple):
     layout: str     # FLAT or SPLIT
 
 
-def scan(root, held_out=False):
+def scan(root, held_out=False, flag="--data-dir"):
     """Scanned of the image folder ``root``. ``held_out`` (--val-fraction): validation is held
     out of the training images, so no test/ is needed (and a flat folder is accepted). A folder
-    or file that cannot be read, and a layout that is neither, is one line naming it."""
+    or file that cannot be read, and a layout that is neither, is one line naming it and
+    ``flag``, the option that gave ``root`` (predict.py's --held-out)."""
     try:
-        return _scan(Path(root).expanduser(), held_out)
+        return _scan(Path(root).expanduser(), held_out, flag)
     except OSError as err:
         raise DatasetError(f"cannot read {err.filename or root} ({err.strerror or err})") from None
 
 
-def split_folders(root, held_out):
-    """({split: folder}, layout) of ``root``: DIR/train (with DIR/test or DIR/val), or DIR itself
-    holding the class folders."""
+def split_folders(root, held_out, flag="--data-dir"):
+    """({split: folder}, layout) of ``root``, given by ``flag``: DIR/train (with DIR/test or
+    DIR/val), or DIR itself holding the class folders."""
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and _visible(p))
     splits = [name for name in folders if any(name in names for names in SPLIT_FOLDERS.values())]
     others = [name for name in folders if name not in splits]
     if splits and others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-        raise DatasetError(f"--data-dir {root} mixes two layouts: {', '.join(f'{name}/' for name in splits)} beside "
+        raise DatasetError(f"{flag} {root} mixes two layouts: {', '.join(f'{name}/' for name in splits)} beside "
                            f"the class folder(s) {shown}; keep either {root}/CLASS/IMAGE or {root}/train/CLASS/IMAGE "
                            f"(with {root}/test/CLASS/IMAGE)")
     if others:
         if not held_out:
-            raise DatasetError(f"--data-dir {root} holds its class folders directly ({root}/CLASS/IMAGE, "
+            raise DatasetError(f"{flag} {root} holds its class folders directly ({root}/CLASS/IMAGE, "
                                f"{len(others)} classes) and no test/ to validate on: add --val-fraction 0.2 to hold "
                                "out 20% of each class for validation")
         return {"train": root}, FLAT
     if not splits:
-        raise DatasetError(f"--data-dir {root} has no class folders (expected {root}/CLASS/IMAGE, or "
+        raise DatasetError(f"{flag} {root} has no class folders (expected {root}/CLASS/IMAGE, or "
                            f"{root}/train/CLASS/IMAGE and {root}/test/CLASS/IMAGE)")
-    found = {split: split_folder(root, split, needed=split == "train" or not held_out) for split in SPLIT_FOLDERS}
+    found = {split: split_folder(root, split, split == "train" or not held_out, flag) for split in SPLIT_FOLDERS}
     return {split: folder for split, folder in found.items() if folder is not None}, SPLIT
 
 
-def split_folder(root, split, needed=True):
+def split_folder(root, split, needed=True, flag="--data-dir"):
     """The folder of ``split``: DIR/train, or DIR/test else DIR/val; None when it is missing and
     not ``needed``."""
     for name in SPLIT_FOLDERS[split]:
@@ -100,7 +101,7 @@ def split_folder(root, split, needed=True):
     wanted = " or ".join(f"{root / name}/" for name in SPLIT_FOLDERS[split])
     hint = ("" if split == "train" else
             f"; to validate on part of {root}/train/ instead, add --val-fraction 0.2 (20% of each class held out)")
-    raise DatasetError(f"--data-dir {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "
+    raise DatasetError(f"{flag} {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "
                        f"{root}/test/CLASS/IMAGE, or val/ for test/){hint}")
 
 
@@ -127,22 +128,22 @@ def class_files(folder, extensions):
     return images, others
 
 
-def one_class(folder, name):
+def one_class(folder, name, flag="--data-dir"):
     """The line for ``folder`` holding a single class folder ``name``: a classifier needs two.
-    Most often --data-dir is one level too high (it names a folder that holds the folder of
-    class folders), and then the line names the folder meant."""
+    Most often ``flag`` (--data-dir) is one level too high (it names a folder that holds the
+    folder of class folders), and then the line names the folder meant."""
     inner = folder / name
     nested = [p.name for p in inner.iterdir() if p.is_dir() and _visible(p)]
     meant = len(nested) >= 2 or any(n in names for n in nested for names in SPLIT_FOLDERS.values())
     return (f"{folder} holds 1 class folder ({name}): a classifier needs at least two; "
-            + (f"did you mean --data-dir {inner}?" if meant else
+            + (f"did you mean {flag} {inner}?" if meant else
                f"add a folder of images for each other class ({folder}/CLASS/IMAGE)"))
 
 
-def _scan(root, held_out):
+def _scan(root, held_out, flag):
     if not root.is_dir():
-        raise DatasetError(f"--data-dir {root}: {'a file, not a folder' if root.exists() else 'no such folder'}")
-    folders, layout = split_folders(root, held_out)
+        raise DatasetError(f"{flag} {root}: {'a file, not a folder' if root.exists() else 'no such folder'}")
+    folders, layout = split_folders(root, held_out, flag)
     classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
     if not classes:
         raise DatasetError(f"{folders['train']} has no class folders (expected {folders['train']}/CLASS/IMAGE)")
@@ -167,7 +168,7 @@ def _scan(root, held_out):
         splits[split] = (files, np.asarray(labels, dtype=np.int64))
         ignored += strays
     if len(classes) == 1:  # trains to 100% on a task of one answer: never what was meant
-        raise DatasetError(one_class(folders["train"], classes[0]))
+        raise DatasetError(one_class(folders["train"], classes[0], flag))
     return Scanned(tuple(classes), splits, ignored, layout)
 
 

@@ -53,8 +53,8 @@ def top_operators(averages, device_time, limit=TOP_OPERATORS):
 
 
 def kernel_times(events):
-    """(computation ms, communication ms, kernels) of the GPU kernels among a profiler's
-    ``events()``: what the GPU itself ran. Host operators' self device time leaves some kernels
+    """(computation ms, communication ms, count) of the GPU's own operations among a profiler's
+    ``events()`` (kernels, and the copies and fills it runs): what the GPU itself ran. Host operators' self device time leaves some kernels
     out (on an H200 an eager step's operators accounted for 61% of its wall time, its kernels for
     97%), and kernels replayed from a CUDA graph have no operator at all."""
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -512,28 +512,44 @@ def test_training_steps_in_every_precision_and_layout(tmp_path, precision, layou
 
 
 # ---------------------------------------------------------------------------------------------
-# Last: the cold compiles (the second reuses the first's inductor cache), so that a --report cut
-# short by its time budget has run every cheaper test first. A small net: the Wide ResNet's
-# compile took the rest of the first report's tier (tools/benchmark.py times its compile).
+# Last: the cold compiles, in one xdist worker (the later ones reuse the first's inductor cache),
+# so that a --report cut short by its time budget has run every cheaper test first. A small
+# net: the Wide ResNet's compile took the rest of the first report's tier (tools/benchmark.py
+# times its compile).
 
+@pytest.mark.xdist_group("compile")
 def test_compiled_training(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", *SHORT, *PLAIN_MODEL, "--compile", "--metrics-file", metrics), cwd=tmp_path,
                  timeout=COLD_COMPILE_S)
     finite_run(result, metrics)
-    assert ("torch.compile (reduce-overhead: auto on CUDA: forward and backward replayed as CUDA graphs)"
+    assert ("torch.compile mode reduce-overhead (auto on CUDA: forward and backward replayed as CUDA graphs)"
             in result.stdout)
     assert "torch.compile: the first step took" in result.stdout
     assert "without CUDA graphs" not in result.stdout  # every compiled graph replayed as a CUDA graph
 
 
-def test_compile_with_ddp(tmp_path):
+@pytest.mark.xdist_group("compile")
+def test_compiled_training_with_accumulation_runs_without_cuda_graphs(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = run(python_cmd("train.py", *SHORT, *PLAIN_MODEL, "--compile", "--accumulate", "2", "--metrics-file",
+                            metrics), cwd=tmp_path, timeout=COLD_COMPILE_S)
+    finite_run(result, metrics)
+    assert "torch.compile mode default (auto with --accumulate" in result.stdout
+
+
+@pytest.mark.xdist_group("compile")
+@pytest.mark.parametrize("mode", ["auto", "reduce-overhead"])
+def test_compile_with_ddp(tmp_path, mode):
+    """auto: the default mode under DDP; reduce-overhead asked for: CUDA graphs tried, and a
+    graph PyTorch skips (DDP with BatchNorm, pytorch/pytorch#139207) said with its cause."""
     metrics = tmp_path / "m.jsonl"
     gpus = min(torch.cuda.device_count(), 2)
-    result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, *PLAIN_MODEL, "--compile", "--metrics-file", metrics),
-                 cwd=tmp_path, timeout=COLD_COMPILE_S)  # a cold inductor cache too: this test may run alone
+    result = run(torchrun_cmd(gpus, "train_ddp.py", *SHORT, *PLAIN_MODEL, "--compile", "--compile-mode", mode,
+                              "--metrics-file", metrics), cwd=tmp_path, timeout=COLD_COMPILE_S)
     finite_run(result, metrics)
-    assert "torch.compile (reduce-overhead: auto on CUDA" in result.stdout
+    assert ("torch.compile mode default (auto under DDP" if mode == "auto"
+            else "torch.compile mode reduce-overhead (--compile-mode)") in result.stdout
     assert "torch.compile: the first step took" in result.stdout
     skips = [line for line in result.stdout.splitlines() if "without CUDA graphs" in line]
     assert all("DDP and BatchNorm (pytorch/pytorch#139207)" in line for line in skips)  # Net has BatchNorm

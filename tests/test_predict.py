@@ -211,8 +211,11 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     code, line = one_line_error(capsys, *MODEL, "--weight", "w.pt", "imgs/test")  # the typo, not the missing flag
     assert (code, line) == (2, "predict.py: error: unrecognized arguments: --weight; did you mean --weights? (see "
                                "--help)")
-    code, line = one_line_error(capsys, *MODEL, "imgs/test")
-    assert (code, line) == (2, "predict.py: error: the following arguments are required: --weights (see --help)")
+    for images in (["imgs/test"], ["--", "imgs/test"]):  # after "--" no word is a flag
+        code, line = one_line_error(capsys, *MODEL, *images)
+        assert (code, line) == (2, "predict.py: error: the following arguments are required: --weights (see --help)")
+    code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "--held-out", "no/such")
+    assert (code, line) == (2, "error: --held-out no/such: no such folder")  # the flag given, not --data-dir
 
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "no/such/images")
     assert (code, line) == (2, "error: no/such/images: no such file or folder")

@@ -123,6 +123,9 @@ BAD_FLAGS = {
     "--mixup-alpha -1": "--mixup-alpha: '-1' is not a number >= 0",
     "--clip-grad-norm 0": "--clip-grad-norm: '0' is not a positive number",
     "--compile-mode default": "--compile-mode applies with --compile",
+    "--compile-mode auto": "--compile-mode applies with --compile",
+    "--compile --eval-only --weights w.pt": "--compile applies to training; --eval-only evaluates the model "
+                                            "uncompiled",
     "--compile --compile-mode fast": "--compile-mode: invalid choice: 'fast' (choose from 'auto', 'default', "
                                      "'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')",
 }
@@ -645,17 +648,44 @@ def test_compile_caches_go_to_the_checkpoint_folder_unless_the_user_chose_a_fold
     assert "takes no flock(2) locks" in use_compile_cache(ckpt, bare) and bare == {}
 
 
-def test_compile_mode_auto_is_cuda_graphs_on_cuda_and_graph_modes_are_refused_on_the_cpu():
-    assert compiling.compile_mode("auto", "cuda")[0] == "reduce-overhead"
+def test_compile_mode_auto_is_cuda_graphs_where_they_are_safe_and_graph_modes_are_refused_where_not():
+    assert compiling.compile_mode("auto", "cuda") == ("reduce-overhead",
+                                                      "auto on CUDA: forward and backward replayed as CUDA graphs")
     assert compiling.compile_mode("auto", "cpu") == ("default", "auto on the CPU, where there are no CUDA graphs")
-    assert compiling.compile_mode("max-autotune-no-cudagraphs", "cpu") == ("max-autotune-no-cudagraphs",
-                                                                           "--compile-mode")
-    for mode in compiling.GRAPH_MODES:
-        assert compiling.compile_mode(mode, "cuda") == (mode, "--compile-mode")
+    mode, why = compiling.compile_mode("auto", "cuda", accumulate=2)
+    assert mode == "default" and why.startswith("auto with --accumulate")
+    mode, why = compiling.compile_mode("auto", "cuda", distributed=True)
+    assert mode == "default" and "under DDP" in why and "--compile-mode reduce-overhead tries them" in why
+    assert compiling.compile_mode("max-autotune-no-cudagraphs", "cpu", True, 4) == ("max-autotune-no-cudagraphs",
+                                                                                  "--compile-mode")
+    for mode, instead in zip(compiling.GRAPH_MODES, ("default", "max-autotune-no-cudagraphs"), strict=True):
+        assert compiling.compile_mode(mode, "cuda", distributed=True) == (mode, "--compile-mode")  # asked: tried
         with pytest.raises(UserError, match=f"--compile-mode {mode} replays CUDA graphs, which need a CUDA GPU; on "
-                                            "the CPU use --compile-mode default"):
+                                            f"the CPU use --compile-mode {instead}$"):
             compiling.compile_mode(mode, "cpu")
+        with pytest.raises(UserError, match=f"--compile-mode {mode} replays CUDA graphs, whose next replay would "
+                                            "overwrite the gradients of --accumulate's first micro-batches; use "
+                                            "--compile-mode default with --accumulate"):
+            compiling.compile_mode(mode, "cuda", accumulate=2)
     assert set(compiling.GRAPH_MODES) < set(flags.COMPILE_MODES)
+
+
+@pytest.mark.oldest_torch
+def test_cuda_graphs_skipped_under_ddp_with_batchnorm_name_the_known_cause(tmp_path):
+    """A one-process gloo group: DDP around a model with BatchNorm, and without."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with_norm = DistributedDataParallel(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)))
+        without = DistributedDataParallel(_conv_model())
+        assert compiling.known_cause(with_norm) == (", a known PyTorch limit with DDP and BatchNorm "
+                                                    "(pytorch/pytorch#139207)")
+        assert compiling.known_cause(without) == ""
+    finally:
+        dist.destroy_process_group()
+    assert compiling.known_cause(torch.nn.BatchNorm2d(3)) == ""  # not DDP-wrapped
 
 
 @pytest.mark.oldest_torch
@@ -663,7 +693,7 @@ def test_a_graph_run_without_cuda_graphs_is_counted_and_said(tmp_path):
     """PyTorch's count of compiled graphs run without CUDA graphs (a private counter: this test
     is what says it still exists and counts): on the CPU, reduce-overhead skips every graph,
     and the line after the first step says how many, from the count before the compile."""
-    compilation = compiling.prepare_compile("reduce-overhead", "cuda", None, {})  # as a CUDA run prepares it
+    compilation = compiling.prepare_compile("reduce-overhead", "cuda", False, 1, None, {})  # as on CUDA
     assert compilation.graphs and compilation.skips_before == compiling.cudagraph_skips()
     model = _conv_model()
     torch.compile(model, mode=compilation.mode)(torch.randn(2, 3, 8, 8)).sum().backward()  # on the CPU: no graphs
@@ -675,7 +705,6 @@ def test_a_graph_run_without_cuda_graphs_is_counted_and_said(tmp_path):
                     "launch every kernel from the host; TORCH_LOGS=perf_hints,cudagraphs says why")
     # The default mode replays no graphs: nothing to say, whatever was skipped.
     assert len(compiling.Compilation("default", "", "cache").after_first_step(1.0, model)) == 1
-    assert compiling.known_cause(torch.nn.BatchNorm2d(3)) == ""  # not DDP-wrapped
 
 
 @pytest.mark.parametrize("losses, first_step, first_bad", [

@@ -28,6 +28,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.cli import run_cli  # noqa: E402
+from engine.errors import UserError  # noqa: E402
+from engine.files import check_writable  # noqa: E402
+from engine.flags import OneLineParser, positive_int  # noqa: E402
+from engine.profiling import device_profiler, kernel_times  # noqa: E402
 from model import WideResNet  # noqa: E402
 
 BATCH, CLASSES = 256, 100
@@ -148,24 +153,16 @@ def measure(name, warmup, timed, data):
     end.record()
     end.synchronize()
     ms = start.elapsed_time(end) / timed
-    kernels = busy = None
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for i in range(5):
-                step(*data[i % len(data)], i)
-            torch.cuda.synchronize()
-            wall_us = 1e6 * (time.perf_counter() - t)
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels = len(events) / 5
-        busy = sum(e.device_time for e in events) / wall_us if hasattr(events[0], "device_time") else \
-            sum(e.cuda_time for e in events) / wall_us
-    except Exception as err:  # noqa: BLE001
-        print(f"   profile failed: {err!r}")
+    # Kernels per step, and their GPU time over the unprofiled step's: the profiler slows the host,
+    # so the profiled steps' own wall time would make a launch-bound step look idler than it is.
+    profiler = device_profiler(torch.device("cuda"))
+    with profiler:
+        for i in range(5):
+            step(*data[i % len(data)], i)
+        torch.cuda.synchronize()
+    kernel_ms, _, kernels = kernel_times(profiler.events())
     return {"variant": name, "images_per_sec": BATCH / ms * 1e3, "ms_per_step": ms, "first_call_s": first_s,
-            "kernels_per_step": kernels, "gpu_busy": busy}
+            "kernels_per_step": kernels / 5, "gpu_busy": min(1.0, kernel_ms / 5 / ms)}
 
 
 def losses(name, data, steps=8):
@@ -186,27 +183,34 @@ def losses(name, data, steps=8):
     return out, [p.detach().float().clone() for p in model.parameters()]
 
 
+def build_parser():
+    parser = OneLineParser(prog="capture_probe.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", metavar="FILE.json", default=None,
+                        help="also write the rows to this new file, after each variant")
+    parser.add_argument("--warmup", metavar="STEPS", type=positive_int, default=20,
+                        help="untimed steps first (default 20)")
+    parser.add_argument("--timed", metavar="STEPS", type=positive_int, default=100, help="timed steps (default 100)")
+    parser.add_argument("--only", metavar="VARIANT", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="these variants alone (default: all): " + ", ".join(VARIANTS))
+    return parser
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", metavar="FILE.json", default=None, help="also write the rows here, after each variant")
-    parser.add_argument("--warmup", metavar="STEPS", type=int, default=20, help="untimed steps first (default 20)")
-    parser.add_argument("--timed", metavar="STEPS", type=int, default=100, help="timed steps (default 100)")
-    parser.add_argument("--only", metavar="VARIANT", nargs="*", default=None,
-                        help="these variants alone (names as in the table; default: all)")
-    opts = parser.parse_args()
+    opts = build_parser().parse_args()
+    if opts.out:
+        if Path(opts.out).exists():
+            raise UserError(f"--out {opts.out} exists already; choose a new file name (nothing is overwritten)")
+        check_writable(opts.out, "--out")
     if not torch.cuda.is_available():
-        sys.exit("capture_probe.py: error: it measures CUDA graphs, and this machine has no CUDA GPU")
-    unknown = set(opts.only or ()) - set(VARIANTS)
-    if unknown:
-        sys.exit(f"capture_probe.py: error: --only: no variant {sorted(unknown)[0]!r}; the variants: "
-                 + ", ".join(VARIANTS))
+        raise UserError("capture_probe.py measures CUDA graphs, and this machine has no CUDA GPU")
     torch.backends.cudnn.benchmark = True
     torch.set_float32_matmul_precision("high")
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     data = batches(8)
     rows = []
     ref_losses, ref_params = losses("eager", data)
-    for name in opts.only or VARIANTS:
+    for name in opts.only:
         try:
             row = measure(name, opts.warmup, opts.timed, data)
             got, params = losses(name, data)
@@ -220,7 +224,7 @@ def main():
             row = {"variant": name, "error": repr(err)[:400]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if opts.out:
+        if opts.out:  # this run's own file, rewritten whole after each variant
             Path(opts.out).write_text(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                                                   "eager_losses": ref_losses, "rows": rows}, indent=1))
         torch.compiler.reset()
@@ -237,4 +241,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

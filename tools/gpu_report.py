@@ -3,9 +3,10 @@ in one command of under 9 minutes (what a lent GPU machine allows per command):
 
 1. the versions: GPU, driver, torch, CUDA, cuDNN, NCCL;
 2. tools/benchmark.py's comparison of the guide's recipe with this project's defaults (pipeline and
-   training), then the defaults with ``--compile``;
+   training), then the defaults' step with ``--compile`` (CUDA graphs) and ``--compile-mode
+   default``, each with its GPU kernels per step and the share of the step's time they run;
 3. a profile of the defaults' training steps, split into convolutions and matmuls,
-   normalization and element-wise work, the rest, and idle time;
+   normalization and element-wise work, the rest, and idle time (from the kernels' own time);
 4. peak GPU memory at batch 256 and 1024;
 5. the GPU test tier (tests/test_gpu.py) with the time that is left; when it does not fit,
    the report says how far it got and gives the command that runs the rest;
@@ -98,10 +99,10 @@ def profile_split(rows, wall_ms):
     return split
 
 
-def busy_percent(row, batch):
+def busy_percent(row):
     """The share of a step's wall time (from its unprofiled timing) its kernels ran, in %: a
-    row of Figures.steps at ``batch`` images per step."""
-    return min(100.0, 100 * row["kernel_ms"] / (1e3 * batch / row["images_per_sec"]))
+    row of Figures.steps."""
+    return min(100.0, 100 * row["kernel_ms"] / (1e3 * row["batch_size"] / row["images_per_sec"]))
 
 
 def busy_split(split, busy):
@@ -282,11 +283,10 @@ def markdown(figures, command):
             lines.append(f"| {measure} | {per_s(guide)} | {per_s(project)} | {compiled} |")
         lines.append("")
     if figures.steps:
-        batch = figures.rows[0]["batch_size"]
-        lines += [f"| training step, batch {batch} | img/s | warm-up s | GPU kernels per step | GPU busy |",
-                  "|---|---|---|---|---|"]
+        lines += [f"| training step, batch {figures.steps[0]['batch_size']} | img/s | warm-up s | GPU kernels per "
+                  "step | GPU busy |", "|---|---|---|---|---|"]
         for row in figures.steps:
-            busy = f"{busy_percent(row, batch):.0f}%" if "kernel_ms" in row else "-"
+            busy = f"{busy_percent(row):.0f}%" if "kernel_ms" in row else "-"
             kernels = f"{row['kernels']:.0f}" if "kernels" in row else "-"
             lines.append(f"| {row['label']} | {per_s(row['images_per_sec'])} | {row['warmup_s']:.0f} | {kernels} | "
                          f"{busy} |")
@@ -339,7 +339,8 @@ def run_gpu_tier(timeout_s, log, tests=GPU_TIER, workers=TIER_WORKERS):
     summary and its failures, or, when the time runs out or pytest dies, what finished and the
     command that runs the rest."""
     Path(log).parent.mkdir(parents=True, exist_ok=True)
-    parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
+    # --dist loadgroup: the tests of one xdist_group (the compiles, which share a cache) in one worker.
+    parallel = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 and importlib.util.find_spec("xdist") else []
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *parallel, str(tests)]
     print(f"GPU tier: {shlex.join(['python', *command[1:]])}, for at most {timeout_s:.0f} s; its output: {log}",
           flush=True)
@@ -467,3 +468,7 @@ def write(path, text):
             os.truncate(path, before)
         print(text, flush=True)
         raise space_problem("--report", path, err, needed=len(text.encode())) from None
+
+
+if __name__ == "__main__":  # the parts of a report, not a command of its own
+    sys.exit("gpu_report.py: error: it holds the parts of a GPU report; run python tools/benchmark.py --report FILE.md")
