@@ -143,6 +143,9 @@ def describe_extension(planned, epochs, base_lr, schedule, cycle, steps_per_epoc
     if cycle.start_factor == 1 and schedule != "cosine":  # a constant LR: nothing to restart
         return f"{extending} at the constant learning rate {base_lr:g}"
     then = f"then {schedule} to 0 at epoch {epochs}" if schedule == "cosine" else "then constant"
+    if not cycle.warmup:  # --warmup-epochs 0, or an extension too short for a warm-up step
+        return (f"{extending}: the learning rate goes back from {cycle.start_factor * base_lr:.3g} to {base_lr:g} at "
+                f"once (no warm-up steps), {then}")
     steps = count(cycle.warmup, 'step', 'steps')
     return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * base_lr:.3g} back up to "
             f"{base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")
