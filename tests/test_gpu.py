@@ -530,6 +530,32 @@ def test_compiled_training(tmp_path):
 
 
 @pytest.mark.xdist_group("compile")
+def test_a_compiled_run_on_cuda_graphs_stops_and_resumes_like_one_that_did_not_stop(tmp_path):
+    """--compile's CUDA graphs: stopped by --stop-file after the first step of epoch 1 and resumed
+    in a new process (its graphs recorded again), the run ends where one that did not stop ends,
+    within bf16 rounding: cuDNN's autotuning may pick other kernels in a new process, so not bit
+    for bit as on the CPU (tests/test_resilience.py)."""
+    common = (*SHORT, *PLAIN_MODEL, "--compile")
+    whole = run(python_cmd("train.py", *common, "--metrics-file", tmp_path / "whole.jsonl"), cwd=tmp_path,
+                timeout=COLD_COMPILE_S)
+    expected = finite_run(whole, tmp_path / "whole.jsonl")
+    (tmp_path / "STOP").touch()
+    split = (*common, "--checkpoint-dir", tmp_path / "ck", "--metrics-file", tmp_path / "split.jsonl")
+    stopped = run(python_cmd("train.py", *split, "--stop-file", tmp_path / "STOP"), cwd=tmp_path,
+                  timeout=COLD_COMPILE_S)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert re.search(r"Stopped after step [12] of epoch 1 \(--stop-file", stopped.stdout), stopped.stdout  # mid-epoch
+    resumed = run(python_cmd("train.py", *split, "--resume"), cwd=tmp_path, timeout=COLD_COMPILE_S)
+    records = finite_run(resumed, tmp_path / "split.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2]
+    for got, want in zip(records, expected, strict=True):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-2)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-2)
+    for log in (whole.stdout, stopped.stdout, resumed.stdout):
+        assert "torch.compile mode reduce-overhead" in log and "without CUDA graphs" not in log
+
+
+@pytest.mark.xdist_group("compile")
 def test_compiled_training_with_accumulation_runs_without_cuda_graphs(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = run(python_cmd("train.py", *SHORT, *PLAIN_MODEL, "--compile", "--accumulate", "2", "--metrics-file",
