@@ -42,6 +42,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from itertools import count, islice
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -350,14 +351,22 @@ def report(opts):
             figures.steps.append({"label": label, "images_per_sec": timing.images_per_sec, "batch_size": batch,
                                   "warmup_s": timing.warmup_s, "flags": extra})
     figures.compiled = next((row for row in figures.steps if row["flags"] == ["--compile"]), None)
-    for row in figures.steps:  # kernels per step and their GPU time, from 5 profiled steps
-        row.update(attempt(f"the kernels of {row['label']}", lambda row=row: kernel_profile(
-            ctx, lambda profiler: project_steps(row["flags"], batch, 3, 5, lambda: profiler), 5)) or {})
-    figures.split = attempt("a profile of the defaults' steps", lambda: profile_split(
-        ctx, lambda profiler: project_steps([], batch, 3, 5, lambda: profiler), 5 * batch))
-    eager = next((row for row in figures.steps if row["flags"] == []), {})
-    if figures.split and "kernel_ms" in eager:  # idle from the kernels' own time, not the operators'
-        figures.split = gpu_report.busy_split(figures.split, gpu_report.busy_percent(eager))
+    # 5 profiled steps of each (on the CPU of the eager defaults' alone: no kernels to count): GPU
+    # kernels per step and their time, and from the eager defaults' profile its split by operator.
+    cuda = ctx.device.type == "cuda"
+    for label, flags in [("the defaults (eager)", []), *((row["label"], row["flags"]) for row in figures.steps
+                                                          if row["flags"] and cuda)]:
+        profile = attempt(f"a profile of {label}", lambda flags=flags: profiled(
+            lambda profiler: project_steps(flags, batch, 3, 5, lambda: profiler), ctx.device))
+        if profile is None:
+            continue
+        row = next((row for row in figures.steps if row["flags"] == flags), {})
+        if cuda:
+            row.update(kernel_profile(profile.profiler, 5))
+        if not flags:
+            figures.split = operator_split(profile, ctx.device, 5 * batch)
+            if "kernel_ms" in row:  # idle from the kernels' own time, not the operators'
+                figures.split = gpu_report.busy_split(figures.split, gpu_report.busy_percent(row))
     for size in (256, 1024):
         figures.peaks[size] = attempt(f"peak memory at batch {size}", lambda size=size: gpu_report.steady_peak_memory(
             lambda window: project_steps([], size, 2, 3, window), ctx.device))
@@ -396,25 +405,30 @@ def gpu_tier(ctx, timeout_s, log, failures):
     return gpu_report.run_gpu_tier(timeout_s, log)
 
 
-def kernel_profile(ctx, steps, count):
-    """{"kernels": GPU kernels per step, "kernel_ms": their GPU time per step} of the ``count``
-    training steps ``steps(profiler)`` runs inside ``profiler``; {} on the CPU. Kernels replayed
-    from a CUDA graph count too (the profiler sees them; no host operator launched them)."""
-    if ctx.device.type != "cuda":
-        return {}
-    profiler = device_profiler(ctx.device)
-    steps(profiler)
+class Profiled(NamedTuple):
+    timing: StepTiming  # of the profiled steps
+    profiler: object    # torch.profiler's, stopped
+
+
+def profiled(steps, device):
+    """Profiled of the training steps ``steps(profiler)`` runs inside a device profiler."""
+    profiler = device_profiler(device)
+    return Profiled(steps(profiler), profiler)
+
+
+def kernel_profile(profiler, count):
+    """{"kernels": GPU operations per step, "kernel_ms": their GPU time per step} of ``count``
+    profiled training steps on CUDA. Kernels replayed from a CUDA graph count too (the profiler
+    sees them; no host operator launched them)."""
     compute_ms, _, kernels = kernel_times(profiler.events())
     return {"kernels": kernels / count, "kernel_ms": compute_ms / count}
 
 
-def profile_split(ctx, steps, images):
-    """gpu_report.profile_split of the timed training steps ``steps(profiler)`` runs inside
-    ``profiler`` (``images`` images in them), from torch.profiler's operators."""
-    profiler = device_profiler(ctx.device)
-    timing = steps(profiler)
-    times = top_operators(profiler.key_averages(), device_time=ctx.device.type == "cuda", limit=None)
-    return gpu_report.profile_split(times.rows, 1e3 * images / timing.images_per_sec)
+def operator_split(profile, device, images):
+    """gpu_report.profile_split of a Profiled's steps (``images`` images in them), from
+    torch.profiler's operators."""
+    times = top_operators(profile.profiler.key_averages(), device_time=device.type == "cuda", limit=None)
+    return gpu_report.profile_split(times.rows, 1e3 * images / profile.timing.images_per_sec)
 
 
 def main():
