@@ -492,8 +492,10 @@ def report(out, counts, unreadable, ignored, device, seconds, model_name, output
     """The summary: what was classified, how fast, what was skipped, what was predicted (``ignored``:
     files that are not images among the folders searched, None when none were)."""
     total = sum(counts.values())
+    rate = total / max(seconds, 1e-9)
+    shown_rate = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"  # one image in 2.7 s: 0.37, not 0
     print(f"Classified {count(total, 'image', 'images')} with {model_name} on {device} in {seconds:.1f} s "
-          f"({total / max(seconds, 1e-9):.0f} images/s)", file=out)
+          f"({shown_rate} images/s)", file=out)
     others = ("" if ignored is None else
               f"; ignored {count(ignored, 'file that is not an image', 'files that are not images')}")
     print(f"Skipped {count(unreadable, 'unreadable image', 'unreadable images')}"

@@ -248,6 +248,9 @@ def test_the_summary_counts_in_words():
         "Classified 4 images with Net on cpu in 1.0 s (4 images/s)",
         "Skipped 2 unreadable images (listed on stderr); ignored 0 files that are not images",
         "Predicted (images per class): dog 3, cat 1"]
+    out = io.StringIO()
+    summary_report(out, Counter(cat=1), 0, None, "cpu", 2.7, "Net", None)
+    assert out.getvalue().splitlines()[0] == "Classified 1 image with Net on cpu in 2.7 s (0.37 images/s)"
 
 
 TEST_CLASSES = [f"class_{i}" for i in range(CLASSES)]
