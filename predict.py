@@ -31,6 +31,7 @@ beside that (val-confusion.png) when matplotlib is installed.
 import argparse
 import csv
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -50,17 +51,26 @@ from engine.flags import OneLineParser, positive_int
 from engine.image_folder import Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
 from engine.memory import OutOfMemory, is_out_of_memory
-from engine.models import check_output, make_model, recorded_model
+from engine.models import check_output, make_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores
 from engine.task import held_out_again
-from engine.weights import check_state_fits, read_weights
+from engine.weights import check_state_fits, read_weights, recorded_model
 
 REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without
 MAX_THREADS = 8  # decoding threads (Pillow releases the GIL)
 SHOWN_CLASSES = 5  # the most common predictions in the summary
 ANNOTATED_CLASSES = 30  # the confusion matrix's picture writes its counts up to this many classes (then unreadable)
 MAX_FIGURE_INCHES, FIGURE_DPI = 40, 100  # the picture's side, at most 4000 pixels
+
+
+class ReaderGone(UserError):
+    """stdout's reader (head) closed it: no line, and 141, a tool's status when SIGPIPE ends it."""
+    exit_code = 128 + signal.SIGPIPE
+    exit_at_once = True  # one process: no rank 0 to wait for
+
+    def __init__(self):
+        super().__init__("stdout was closed by its reader", silent=True)
 
 
 def build_parser():
@@ -115,7 +125,7 @@ def main(argv=None):
     counts, unreadable, truths, guesses, start = Counter(), 0, [], [], time.perf_counter()
     with csv_destination(args.output) as out, ThreadPoolExecutor(min(MAX_THREADS, available_cores())) as pool:
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["path", *(["label"] if labels is not None else []), "prediction", "probability", "top_k"])
+        header = ["path", *(["label"] if labels is not None else []), "prediction", "probability", "top_k"]
         for first, batch, decoded in decoded_batches(pool, images, args.batch_size, meta):
             good = [(first + i, path, pixels) for i, (path, (pixels, _)) in enumerate(zip(batch, decoded))
                     if pixels is not None]
@@ -132,6 +142,8 @@ def main(argv=None):
                     raise OutOfMemory(f"out of memory classifying {len(good)} images of {meta['image_size']} pixels "
                                       f"on {where_of(device)}; use a smaller --batch-size (now {args.batch_size})"
                                       ) from None
+                if not counts:  # the header with the first row: when no image reads, no CSV at all
+                    writer.writerow(header)
                 for (index, path, _), row in zip(good, probs):
                     label = None if labels is None else classes[int(labels[index])]
                     writer.writerow(csv_row(path, row, classes, args.top_k, label))
@@ -370,9 +382,9 @@ def csv_destination(output, flag="--output"):
         try:
             yield sys.stdout
             sys.stdout.flush()
-        except BrokenPipeError:  # piped into head: no traceback, and none when Python flushes at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise UserError("stdout was closed before every row was written (piped into head?)") from None
+        except BrokenPipeError:  # piped into head, which has the rows it wanted: end quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a traceback when Python flushes
+            raise ReaderGone() from None
         return
     if is_stream(output):  # nothing in it to replace, and no folder of files to put a temporary file in
         try:

@@ -232,6 +232,19 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert code == 2 and "none of the 1 image file(s) could be read" in line
     assert not (tmp_path / "none.csv").exists() and sorted(os.listdir(tmp_path)) == ["broken", "empty", "mine.csv",
                                                                                    "old.pt", "plain.pt"]
+    code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "broken", trained / "m.jsonl")
+    assert code == 2 and "none of the 2 image file(s) could be read" in line
+    assert capsys.readouterr().out == ""  # to stdout: no CSV header alone either
+
+
+def test_a_reader_that_closes_stdout_ends_it_quietly(trained):
+    """predict.py ... | head: once the reader has the rows it wanted and closes the pipe,
+    predict.py ends as Unix tools do: no line, and 141, the status SIGPIPE gives them."""
+    process = subprocess.Popen([str(c) for c in python_cmd("predict.py", *MODEL, "--weights", "w.pt", "imgs/test")],
+                               cwd=trained, env=CPU, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # gone before the first row: any write to the pipe fails
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 141 and "Traceback" not in err and error_lines(err) == [], err
 
 
 def test_the_summary_counts_in_words():
