@@ -198,7 +198,7 @@ class Monitors:
                 self.tensorboard.add(self.last_record)
             self.log.info(f"TensorBoard: {self.tensorboard.path} (view: tensorboard --logdir {self.tensorboard_dir})")
         if self.profile_dir:
-            from engine.profiling import ProfileWindow, fitted_skip
+            from engine.profiling import ProfileWindow, fitted_skip, window_length
             skip = fitted_skip(self.profile_skip, self.profile_steps, self.steps_left, self.steps_per_epoch)
             to_go = count(self.steps_left or 0, "training step", "training steps")
             if skip is None or self.steps_per_epoch == 1:
@@ -213,8 +213,12 @@ class Monitors:
             self.stack.callback(self._no_trace_said)
             moved = (f" (--profile-skip {self.profile_skip} moved to {skip}: this run has {to_go} to go)"
                      if skip != self.profile_skip else "")
-            self.log.info(f"Profiler: {self.profile_steps} training steps after the first {skip} of this process"
-                          f"{moved}, traces in {self.profile_dir}")
+            length = window_length(skip, self.profile_steps, self.steps_left, self.steps_per_epoch) or \
+                self.profile_steps  # 0: the run ends first, and says so (_no_trace_said)
+            short = (f" (of --profile-steps {self.profile_steps}: the window ends with the epoch)"
+                     if length < self.profile_steps else "")
+            self.log.info(f"Profiler: {count(length, 'training step', 'training steps')}{short} after the first "
+                          f"{skip} of this process{moved}, traces in {self.profile_dir}")
 
     def _no_trace_said(self):
         if self.profile.where is None:  # stopped (a signal, an error, early stopping) before the window

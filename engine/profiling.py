@@ -197,6 +197,22 @@ def fitted_skip(skip, steps, steps_left, steps_per_epoch=None):
     return max(1, steps_left - steps)
 
 
+def window_length(skip, steps, steps_left, steps_per_epoch=None):
+    """The training steps ProfileWindow records after the first ``skip`` of the ``steps_left``
+    this process trains: ``steps``, or fewer where the epoch or the run ends first (a window
+    never spans two epochs, and never starts after an epoch's last step)."""
+    if steps_left is None:
+        return steps
+    after = max(skip, 1)  # the window opens after this process's step ``after``
+    if not steps_per_epoch:
+        return max(0, min(steps, steps_left - after))
+    done = -steps_left % steps_per_epoch  # steps of the first epoch trained before this process (a resume)
+    if (done + after) % steps_per_epoch == 0:  # an epoch's last step: the window opens after the next one
+        after += 1
+    in_epoch = (done + after - 1) % steps_per_epoch + 1  # the step ``after`` within its epoch
+    return max(0, min(steps, steps_per_epoch - in_epoch, steps_left - after))
+
+
 def unused_path(path):
     """``path``, or path with _2, _3 ... before its suffixes when it exists: a trace is never
     overwritten (a run resumed twice from one checkpoint profiles the same steps again)."""

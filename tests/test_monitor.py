@@ -273,6 +273,19 @@ def test_the_profile_window_is_moved_into_the_run(skip, steps, steps_left, per_e
     assert profiling.fitted_skip(skip, steps, steps_left, per_epoch) == expected
 
 
+@pytest.mark.parametrize("skip, steps, steps_left, per_epoch, expected", [
+    (3, 5, 8, 8, 5),     # one epoch of 8: steps 4 to 8
+    (3, 2, 4, 2, 1),     # 2 epochs of 2: after step 3 (epoch 2's first), step 4 alone
+    (2, 5, 20, 4, 2),    # epochs of 4: after step 2, steps 3 and 4
+    (4, 3, 20, 4, 3),    # step 4 ends an epoch: the window opens after step 5 (the next epoch's first): 6 to 8
+    (3, 5, 6, 4, 3),     # resumed after step 2 of an epoch of 4 (6 to go): the process's step 3 is the next epoch's
+                         # first, then its steps 2 to 4
+    (0, 5, 20, None, 5), (7, 5, 9, None, 2), (3, 5, None, None, 5)])
+def test_the_start_up_line_counts_the_steps_the_window_records(skip, steps, steps_left, per_epoch, expected):
+    """profiling.window_length: --profile-steps, or fewer where the epoch (or the run) ends first."""
+    assert profiling.window_length(skip, steps, steps_left, per_epoch) == expected
+
+
 def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tmp_path, capsys):
     """A quick 4-step trial with the default --profile-skip 10: the window is moved into the
     run, and the start-up line says so; a run with one step says why there is no trace."""
@@ -280,8 +293,10 @@ def test_a_run_shorter_than_the_profile_skip_still_writes_a_trace_and_says_so(tm
     assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "2", "--profile-dir", tmp_path / "prof",
                     "--profile-steps", "2") == 0
     out = capsys.readouterr().out
-    assert ("Profiler: 2 training steps after the first 3 of this process (--profile-skip 10 moved to 3: this run "
-            f"has 4 training steps to go), traces in {tmp_path / 'prof'}") in out
+    assert ("Profiler: 1 training step (of --profile-steps 2: the window ends with the epoch) after the first 3 of "
+            "this process (--profile-skip 10 moved to 3: this run has 4 training steps to go), traces in "
+            f"{tmp_path / 'prof'}") in out
+    assert "Profile of 1 training step from step 2 of epoch 2 " in out  # as announced
     (trace,) = (tmp_path / "prof").iterdir()
     assert trace.name.endswith("_epoch2_step2_rank0.pt.trace.json.gz")  # in the last epoch, after its first step
     assert run_main("train.py", "--data-dir", data, *TINY, "--epochs", "1", "--limit-batches", "1", "--profile-dir",
