@@ -55,7 +55,6 @@ from engine.processes import available_cores, from_rank0
 from engine.seeds import derived_seed
 from engine.stopping import ignore_ctrl_c
 from engine.task import DataInfo, check_labels, data_fingerprint, describe_split, held_out_record, stratified_split
-from engine.weights import read_weights
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
@@ -597,6 +596,7 @@ def build_data(args, ctx, listed=False, normalization=None):
 def as_trained(train, test, info, weights):
     """--eval-only: the images normalized as the --weights file's training normalized its own
     (engine/flags.py took --image-size and --augment from the file); the start-up block says so."""
+    from engine.weights import read_weights  # --weights only
     prep, note = trained_preprocessing(info.prep, read_weights(weights, mmap=True).metadata, weights)
     if note is None:  # a plain state_dict: the data's own normalization
         return train, test, info

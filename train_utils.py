@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -37,9 +38,7 @@ from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_
                            default_num_workers, set_loader_epoch, with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
-from engine import files, flags
-from engine.checkpoints import (Checkpointer, TrainState, check_newest_flags, check_resumable, claimed_folder,
-                                load_agreed_checkpoint, new_run_id, restore)
+from engine import flags
 from engine.errors import RunAborted, UserError
 from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
                         describe_resume, duration, epoch_line, epoch_record, eta_seconds, per_process, processes,
@@ -55,7 +54,6 @@ from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
 from engine.stopping import StopRequests
 from engine.task import Task
-from engine.weights import check_state_fits, save_trained_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +66,8 @@ def fit(task, args, ctx, clock=None):
     Returns the epochs' metrics records."""
     clock = clock or RunClock()
     # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
-    with claimed_folder(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
-                        None if args.eval_only else args.save_weights) as continuing:
+    with claimed_outputs(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
+                         None if args.eval_only else args.save_weights) as continuing:
         run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
         if args.eval_only:
             return [evaluate_once(run, task.test_loader)]
@@ -81,9 +79,9 @@ def fit(task, args, ctx, clock=None):
                 rng_state = None
                 stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
                 if stop and state.epoch <= args.epochs and not reached():
-                    path = run.checkpointer.save(run, state) if run.checkpointer.directory else None
+                    path = run.checkpointer.save(run, state) if run.checkpointer else None
                     raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
-            final = run.checkpointer.save(run, state) if run.checkpointer.directory else None  # no-op when just written
+            final = run.checkpointer.save(run, state) if run.checkpointer else None  # no-op when just written
     if reached() and state.epoch - 1 < args.epochs:
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1} of {args.epochs} "
                      f"(--target-accuracy {args.target_accuracy:g} for --patience {args.patience}; the LR schedule "
@@ -97,16 +95,27 @@ def fit(task, args, ctx, clock=None):
     for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
                           task.data.held_out):
         run.log.info(line)
-    if run.checkpointer.count:
+    if run.checkpointer and run.checkpointer.count:
         wall, spent = clock.elapsed(), run.checkpointer.seconds
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in {spent:.1f}s "
                      f"({100 * spent / wall:.1f}% of this run's {wall:.1f}s)")
     if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
+        from engine.weights import save_trained_weights
         last = state.records[-1] if state.records else None
         line = from_rank0(lambda: save_trained_weights(run.trained(last), args.save_weights,
                                                        run.weights_metadata(last), final), ctx.control_group)
         run.log.info(line + which_weights(last))
     return state.records
+
+
+def claimed_outputs(checkpoint_dir, resume, ctx, save_weights):
+    """``with claimed_outputs(...) as continuing``: engine/checkpoints.claimed_folder (one run
+    per folder; whether the run in it continues; a --save-weights file that is another run's is
+    refused) when the run writes either; a run that writes neither claims nothing."""
+    if not checkpoint_dir and not save_weights:
+        return nullcontext(False)
+    from engine.checkpoints import claimed_folder
+    return claimed_folder(checkpoint_dir, resume, ctx, save_weights)
 
 
 def evaluate_once(run, test_loader):
@@ -162,7 +171,7 @@ def run_epoch(run, state, rng_state=None):
         state.partial = (loss_sum, images, seconds)
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
         path = None
-        if run.checkpointer.directory:  # the same on every rank, so every rank joins the gather or none
+        if run.checkpointer:  # the same on every rank, so every rank joins the gather or none
             path = run.checkpointer.save(run, state, gather_objects(rng_snapshot(train_loader), run.ctx.control_group))
         raise run.stop.stopped(done.stop, f"after step {state.step} of epoch {state.epoch}", path)
     label = f"Evaluation after epoch {state.epoch}"
@@ -179,9 +188,10 @@ def run_epoch(run, state, rng_state=None):
     state.history.append(validated(record))  # early stopping, like --save-weights, goes by the better of the two
     state.records.append(record)
     state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
-    run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
-    if run.checkpointer.due():
-        run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
+    if run.checkpointer:
+        run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
+        if run.checkpointer.due():
+            run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
     run.monitor.record(record)
     run.clock.epoch_done(1 - skipped / run.steps)
@@ -312,8 +322,25 @@ def evaluate(run, model, loader, label="Evaluation"):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the loop keeps as it runs: the progress line of a phase, the books of an epoch's steps and of
-# an evaluation.
+# What the loop keeps as it runs: where the run is, the progress line of a phase, the books of an
+# epoch's steps and of an evaluation.
+
+@dataclass
+class TrainState:
+    """Where the run is. The loop updates it in place; every checkpoint saves it whole."""
+    run_id: str                                      # tags this run's lines in --metrics-file
+    epoch: int = 1                                   # the epoch in progress (1-based)
+    step: int = 0                                    # optimizer steps done in it
+    partial: tuple = (0.0, 0, 0.0)                   # loss sum, images, seconds of those steps (all ranks)
+    history: list = field(default_factory=list)      # validation accuracy of each finished epoch
+    records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
+    checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
+    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (optimization.Cycle as lists)
+
+
+def new_run_id():
+    return uuid.uuid4().hex[:12]
+
 
 TERMINAL_INTERVAL_S = 0.5  # how often the updating terminal line is redrawn
 
@@ -436,9 +463,12 @@ def parse_args(description, argv=None):
 def check_outputs(args, ctx):
     """Every output the flags name, checked before any data is read: an unwritable one fails now
     (one line), not after hours of training (engine/files.py)."""
-    files.check_outputs({"--metrics-file": args.metrics_file, "--save-weights": args.save_weights},
-                        {"--checkpoint-dir": args.checkpoint_dir, "--tensorboard": args.tensorboard,
-                         "--profile-dir": args.profile_dir}, ctx.control_group)
+    output_files = {"--metrics-file": args.metrics_file, "--save-weights": args.save_weights}
+    output_folders = {"--checkpoint-dir": args.checkpoint_dir, "--tensorboard": args.tensorboard,
+                      "--profile-dir": args.profile_dir}
+    if any(output_files.values()) or any(output_folders.values()):  # the same on every rank
+        from engine import files
+        files.check_outputs(output_files, output_folders, ctx.control_group)
 
 
 def build_task(args, ctx):
@@ -446,6 +476,7 @@ def build_task(args, ctx):
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
     normalization = {}  # a resumed run's own, as its checkpoints record it
     if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
+        from engine.checkpoints import check_newest_flags
         normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args), *resume_rules()),
                                    ctx.control_group)
     per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
@@ -500,7 +531,7 @@ class Run:
     task: Task             # the model as built, the loaders and what the data is
     log: RunLogger
     steps: int             # optimizer steps per epoch
-    checkpointer: Checkpointer
+    checkpointer: object   # engine/checkpoints.Checkpointer: writes --checkpoint-dir; None without one
     device_name: str       # what runs: GPU model and memory, or the CPU
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
@@ -637,7 +668,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     if args.synthetic:
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
-    checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
+    checkpointer = None
+    if args.checkpoint_dir:
+        from engine.checkpoints import Checkpointer
+        checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
@@ -670,6 +704,8 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
     continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
     --epochs extends lr_factor's schedule by a warm restart (``own``: recipe.make_scheduler's
     scheduler, which keeps the run's --epochs)."""
+    from engine.checkpoints import check_resumable, load_agreed_checkpoint, restore
+    from engine.weights import check_state_fits
     module = unwrap(task.model)
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
     check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
@@ -689,8 +725,8 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
         log.info(describe_extension(planned, args.epochs, args.base_lr, args.lr_schedule, Cycle(*cycles[-1]), steps))
     scheduler = own if own is not None else make_scheduler(optimizer, cycles, factor, args.epochs * steps)
     kernels = kernel_choices(optimizer)
-    state, rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
-    state.lr_cycles = [list(c) for c in cycles]
+    rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
+    state = replace(TrainState(**checkpoint["state"]), lr_cycles=[list(c) for c in cycles])
     fit_optimizer_to_params(optimizer, kernels)
     checkpointer.loaded(scheduler.last_epoch)  # that checkpoint need not be written again
     log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))

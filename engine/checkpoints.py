@@ -15,41 +15,24 @@ without losing or overwriting anything already written.
 import itertools
 import os
 import time
-import uuid
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
+from engine.flags import KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
 
-CHECKPOINT_PREFIX, CHECKPOINT_FORMAT, KEEP_CHECKPOINTS = "checkpoint_", 1, 2
+CHECKPOINT_PREFIX, CHECKPOINT_FORMAT = "checkpoint_", 1
 
 
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
 BEST_WEIGHTS = "model_best.pt"  # the weights of the run's best epoch so far (timm's model_best), a weights file
-
-
-@dataclass
-class TrainState:
-    """Where the run is. Saved in every checkpoint; the loop updates it in place."""
-    run_id: str                                      # tags this run's lines in --metrics-file
-    epoch: int = 1                                   # the epoch in progress (1-based)
-    step: int = 0                                    # optimizer steps done in it
-    partial: tuple = (0.0, 0, 0.0)                   # loss sum, images, seconds of those steps (all ranks)
-    history: list = field(default_factory=list)      # validation accuracy of each finished epoch
-    records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
-    checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first
-    lr_cycles: list = field(default_factory=list)    # the LR schedule's cycles (optimization.Cycle as lists)
-
-
-def new_run_id():
-    return uuid.uuid4().hex[:12]
 
 
 def checkpoint_paths(directory):
@@ -299,8 +282,9 @@ def smaller_steps_hint(saved_batch, batch, accumulate):
 
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):
     """Load model, optimizer, schedule, scaler and the model's moving average ``ema`` (an
-    AveragedModel, or None) from ``checkpoint``; returns its TrainState and this rank's RNG
-    states (None when it was saved at an epoch boundary or by another number of ranks)."""
+    AveragedModel, or None) from ``checkpoint``; returns this rank's RNG states (None when it
+    was saved at an epoch boundary or by another number of ranks). Where the run was, the
+    loop's TrainState, is ``checkpoint["state"]``, as ``save`` wrote it."""
     module.load_state_dict(checkpoint["model"])
     if ema is not None:
         ema.module.load_state_dict(checkpoint[MODEL_EMA])
@@ -309,8 +293,7 @@ def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):
     scheduler.load_state_dict(checkpoint["scheduler"])
     scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
-    rng_state = rng[ctx.rank] if rng and len(rng) == ctx.world_size else None
-    return TrainState(**checkpoint["state"]), rng_state
+    return rng[ctx.rank] if rng and len(rng) == ctx.world_size else None
 
 
 # After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait
@@ -355,7 +338,7 @@ class Checkpointer:
         return any_rank(self.ctx.is_main and late, self.ctx.control_group)
 
     def save(self, run, state, rng_states=None):
-        """Write the checkpoint of the run at ``state`` (unless exactly that one was written
+        """Write the checkpoint of the run at ``state`` (train_utils.TrainState) (unless exactly that one was written
         already) and prune this run's older ones, keeping KEEP_CHECKPOINTS. Returns its path."""
         step = run.scheduler.last_epoch  # optimizer steps so far: the name sorts by progress
         path = self.directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"

@@ -47,9 +47,12 @@ class ResourceProblem(UserError):
     exit_code = 1
 
 
+EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
+
+
 class TrainingStopped(Exception):
     """Raised after the stop checkpoint is written; the entry point prints the message and
-    exits with ``exit_code``."""
+    exits with ``exit_code``: EXIT_STOPPED after a signal, 0 after --stop-file."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)

@@ -12,15 +12,12 @@ import math
 import os
 import sys
 
-from engine.checkpoints import KEEP_CHECKPOINTS
 from engine.cli import let_rank0_fail_first
 from engine.data_formats import DATASETS
-from engine.errors import UserError
+from engine.errors import EXIT_STOPPED, UserError
 from engine.log import flag_value
-from engine.models import DEFAULT_MODEL, recorded_model
+from engine.models import DEFAULT_MODEL
 from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, launcher_pid, rank_or_zero
-from engine.stopping import EXIT_STOPPED
-from engine.weights import read_weights
 
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
@@ -30,6 +27,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-auto
 # Flags outside the recipe's group that define the run all the same: a resume must keep them.
 RUN_DEFINING_FLAGS = ("precision", "seed", "limit_batches", "synthetic", "val_fraction", "freeze_backbone",
                       "image_size")
+KEEP_CHECKPOINTS = 2  # a run keeps its newest two checkpoints (engine/checkpoints.Checkpointer prunes the rest)
 FOLDER = "folder"  # --dataset folder: an image folder in torchvision's ImageFolder layout
 
 
@@ -361,6 +359,7 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     if args.compile and args.eval_only:
         parser.error("--compile applies to training; --eval-only evaluates the model uncompiled")
     if args.eval_only and args.weights:
+        from engine.weights import read_weights  # --weights only
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
@@ -410,6 +409,7 @@ def adopt_trained_settings(args, given, saved, error):
                         "classifier needs at least two; train again on a folder of class folders (did --data-dir "
                         "name the folder that holds them?)")
     if "model" not in given and trained.get("model"):
+        from engine.weights import recorded_model
         args.model = recorded_model(trained, path)
     dataset = trained.get("dataset")
     if "dataset" not in given and dataset:

@@ -9,7 +9,6 @@ models) is an RGB network: it gets none, and gray data is refused in one line.
 
 import inspect
 import re
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -17,7 +16,6 @@ import torch.nn as nn
 from engine.errors import UserError, first_line
 from engine.memory import is_out_of_memory
 from engine.plugins import call_user_code, load_plugin
-from engine.weights import MODEL_FILE, MODEL_FILE_NEAR, load_weights
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
 # An error of the first forward pass that is about the images' size: torchvision's ViT ("Wrong
@@ -53,6 +51,7 @@ def build_model(ref, data, seed, device, layout, weights=None):
     if layout != torch.contiguous_format:
         check_output(model, ref, shape, len(data.classes), device, layout)
     if weights:
+        from engine.weights import load_weights  # --weights only
         load_weights(model, weights, name, expected=data.weights_metadata())
     return model, name
 
@@ -144,20 +143,3 @@ def wrong_size(ref, image_shape, err, resizable):
               "use a model that takes these images (--image-size resizes the images of --dataset folder only)"
     return (f"--model {ref} does not take images of {' x '.join(map(str, image_shape))} pixels "
             f"({type(err).__name__}: {message}): {fix}")
-
-
-def recorded_model(metadata, weights_path, flag="--weights"):
-    """The --model a weights file (or checkpoint) records, as a reference that loads from here:
-    its module:NAME, or its FILE.py:NAME where the file was (absolute), else where it is
-    relative to the weights file as it was then (the folder moved as a whole). None when the
-    file records no model; one line naming --model when the file is in neither place."""
-    key, file = metadata.get("model"), metadata.get(MODEL_FILE)
-    if not key or not file:
-        return key
-    name = key.rpartition(":")[2]
-    near = Path(weights_path).resolve().parent / metadata.get(MODEL_FILE_NEAR, Path(file).name)
-    for candidate in (Path(file), near):
-        if candidate.is_file():
-            return f"{candidate}:{name}"
-    raise UserError(f"{flag} {weights_path} were trained with --model {file}:{name}, which is no longer there (nor at "
-                    f"{near}); pass --model path/to/{Path(file).name}:{name}")

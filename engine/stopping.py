@@ -8,11 +8,8 @@ import signal
 import threading
 from pathlib import Path
 
-from engine.checkpoints import checkpoint_paths
-from engine.errors import TrainingStopped
+from engine.errors import EXIT_STOPPED, TrainingStopped
 from engine.processes import PendingMax, group_active, max_over_ranks
-
-EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
 
 
 STOP_FILE_POLL_S = 1.0  # rank 0's thread looks for --stop-file this often (a metadata call on a shared FS)
@@ -90,6 +87,7 @@ class StopRequests:
         """What a run that quits now leaves behind, for the line that says it quit."""
         if not self.checkpoint_dir:
             return "the model is lost (no --checkpoint-dir)"
+        from engine.checkpoints import checkpoint_paths  # a run that writes checkpoints has imported it
         newest = checkpoint_paths(self.checkpoint_dir)
         if not newest:
             return f"no checkpoint was written yet (--checkpoint-dir {self.checkpoint_dir})"

@@ -19,7 +19,10 @@ import numpy as np
 import torch.nn as nn
 
 from engine.errors import UserError
-from engine.weights import MODEL_FILE
+
+# In the metadata a weights file or checkpoint records (Task.weights_metadata; engine/weights.py):
+MODEL_FILE = "model_file"  # the absolute path of --model FILE.py:NAME's file
+MODEL_FILE_NEAR = "model_file_near"  # that path relative to the weights file's folder (engine/weights.py adds it)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ import torch
 
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
+from engine.task import MODEL_FILE, MODEL_FILE_NEAR
 
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 WRITTEN_FROM = "checkpoint_dir"  # in that metadata: the checkpoint folder of the run that wrote it, resolved
-MODEL_FILE = "model_file"  # in that metadata: the absolute path of --model FILE.py:NAME's file
-MODEL_FILE_NEAR = "model_file_near"  # and that path relative to the weights file's folder
 MODEL_EMA = "model_ema"  # in a checkpoint of a --model-ema run: the average's state_dict, its weights
 
 
@@ -207,3 +206,20 @@ def check_state_fits(model, state, source, model_name=None, finetune_path=None):
     raise UserError(f"{source} does not fit {model_name or type(model).__name__}: "
                     f"{len(missing)} missing, {len(unexpected)} unexpected and {len(reshaped)} "
                     f"differently shaped tensors (e.g. {example}): weights of another --model or --dataset?")
+
+
+def recorded_model(metadata, weights_path, flag="--weights"):
+    """The --model a weights file (or checkpoint) records, as a reference that loads from here:
+    its module:NAME, or its FILE.py:NAME where the file was (absolute), else where it is
+    relative to the weights file as it was then (the folder moved as a whole). None when the
+    file records no model; one line naming --model when the file is in neither place."""
+    key, file = metadata.get("model"), metadata.get(MODEL_FILE)
+    if not key or not file:
+        return key
+    name = key.rpartition(":")[2]
+    near = Path(weights_path).resolve().parent / metadata.get(MODEL_FILE_NEAR, Path(file).name)
+    for candidate in (Path(file), near):
+        if candidate.is_file():
+            return f"{candidate}:{name}"
+    raise UserError(f"{flag} {weights_path} were trained with --model {file}:{name}, which is no longer there (nor at "
+                    f"{near}); pass --model path/to/{Path(file).name}:{name}")

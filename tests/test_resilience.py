@@ -55,7 +55,7 @@ def reference(tmp_path_factory):
     result = run(python_cmd("train.py", *RUN, "--metrics-file", tmp / "m.jsonl", "--save-weights", tmp / "w.pt",
                             "--checkpoint-dir", tmp / "ckpt"), cwd=tmp)
     assert result.returncode == 0, result.stderr
-    assert len(list((tmp / "ckpt").glob("checkpoint_*.pt"))) == checkpoints.KEEP_CHECKPOINTS  # the newest two kept
+    assert len(list((tmp / "ckpt").glob("checkpoint_*.pt"))) == flags.KEEP_CHECKPOINTS  # the newest two kept
     return tmp / "m.jsonl", tmp / "w.pt"
 
 
@@ -476,7 +476,7 @@ def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_pa
     foreign = [tmp_path / "checkpoint_000000001.pt", tmp_path / "checkpoint_000000099.pt"]
     for path in foreign:
         path.write_bytes(b"another run's")
-    run, state = _TinyRun(tmp_path), checkpoints.TrainState(run_id="r")
+    run, state = _TinyRun(tmp_path), tu.TrainState(run_id="r")
     checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, {})
     paths = []
     for _ in range(3):
@@ -496,7 +496,7 @@ def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_pa
 def test_a_checkpoint_too_slow_for_a_signals_grace_is_a_warning_once(tmp_path, monkeypatch):
     """torchrun and Slurm give 30 s after a signal: a checkpoint that takes most of that is
     named once, with the way out (--stop-file)."""
-    run, state, warnings = _TinyRun(tmp_path), checkpoints.TrainState(run_id="r"), []
+    run, state, warnings = _TinyRun(tmp_path), tu.TrainState(run_id="r"), []
     checkpointer = checkpoints.Checkpointer(tmp_path, 0, run.ctx, {}, warnings.append)
     run.optimizer.step(), run.scheduler.step()
     checkpointer.save(run, state)
