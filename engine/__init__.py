@@ -4,7 +4,8 @@ optimizer, so yours plug in without changes here. Imports flow one way: the top-
 scripts import the engine, and the engine imports no top-level module except the user's
 files named on the command line (--model, --dataset FILE.py:NAME).
 
-    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line; a full disk
+    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line, its exit status;
+                     a full disk
     cli.py           run_cli: those as one line and an exit status
     processes.py     who this process is (torchrun's variables) and how the ranks agree
     lost_ranks.py    a rank that stopped answering, named in one line
@@ -30,7 +31,7 @@ files named on the command line (--model, --dataset FILE.py:NAME).
                      the schedule's cycles (warm restarts when a run is extended)
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it
     checkpoints.py   checkpoint folders, resume, Checkpointer
-    weights.py       weights files: save, read (with what they were trained on), load, check
+    weights.py       weights files: save, read (with what they were trained on and their --model), load, check
     files.py         atomic writes, outputs checked at start
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
