@@ -80,6 +80,7 @@ def claimed_folder(directory, resume, ctx, weights=None):
         def claim():
             if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
                 raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
+            check_not_the_folders_own(weights, directory)
             if directory:
                 from engine.folder_lock import FolderLock
                 held.enter_context(FolderLock(directory))
@@ -88,6 +89,23 @@ def claimed_folder(directory, resume, ctx, weights=None):
             return continuing
 
         yield from_rank0(claim, ctx.control_group)
+
+
+def check_not_the_folders_own(weights, directory):
+    """--save-weights may lie in --checkpoint-dir (the job scripts' DIR/weights.pt), but not
+    under a name the folder keeps for itself: the final weights would replace the best epoch's
+    (BEST_WEIGHTS), or a checkpoint, or be pruned as one."""
+    if not weights or not directory or Path(weights).resolve().parent != Path(directory).resolve():
+        return
+    name = Path(weights).name
+    if name == BEST_WEIGHTS:
+        kept = "the best epoch's weights"
+    elif name.startswith(CHECKPOINT_PREFIX) and name.endswith(".pt"):
+        kept = "its checkpoints"
+    else:
+        return
+    raise UserError(f"--save-weights {weights}: --checkpoint-dir {directory} keeps {kept} under that name; save the "
+                    f"final weights under another (the job scripts write {Path(directory) / 'weights.pt'})")
 
 
 def read_checkpoint(path, device, mmap=False):

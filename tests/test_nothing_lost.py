@@ -196,6 +196,16 @@ def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
     assert run_main("train.py", *SMOKE, "--eval-only", "--weights", inside, "--save-weights", inside) == 0
     assert inside.read_bytes() == evaluated
 
+    best = ck / "model_best.pt"  # the folder's own names: refused at start, the best epoch's weights kept
+    kept = best.read_bytes()
+    for own in (best, ck / "checkpoint_000000001.pt"):
+        capsys.readouterr()
+        assert run_main("train.py", *SMOKE[:2], "3", *SMOKE[3:], "--checkpoint-dir", ck, "--resume=auto",
+                        "--save-weights", own) == 2
+        [line] = error_lines(capsys.readouterr().err)
+        assert line.startswith(f"error: --save-weights {own}: --checkpoint-dir {ck} keeps ") and "weights.pt" in line
+    assert best.read_bytes() == kept and not (ck / "checkpoint_000000001.pt").exists()
+
 
 def test_weights_that_appear_during_a_run_are_kept(tmp_path):
     """A copied command started alongside: both passed the check at start, and the one that
