@@ -468,7 +468,7 @@ def check_outputs(args, ctx):
                       "--profile-dir": args.profile_dir}
     if any(output_files.values()) or any(output_folders.values()):  # the same on every rank
         from engine import files
-        files.check_outputs(output_files, output_folders, ctx.control_group)
+        files.check_outputs(output_files, output_folders, ctx.control_group, json_lines={"--metrics-file"})
 
 
 def build_task(args, ctx):

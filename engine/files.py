@@ -5,6 +5,7 @@ it needed and how much was free.
 """
 
 import errno
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -48,16 +49,19 @@ def atomic_save(obj, path, what="file"):
         raise
 
 
-def check_outputs(output_files, output_folders, group=None):
+def check_outputs(output_files, output_folders, group=None, json_lines=()):
     """Every output path of the command line ({flag: path or None} of files and of folders),
     checked by global rank 0 before any data is read or any step trained: a folder that cannot
     be written (someone else's project area, a read-only mount) is one line and exit status 2 at
-    start, not a traceback after hours of training that loses the model. Every rank gets rank
-    0's verdict (``group``: the gloo control group)."""
+    start, not a traceback after hours of training that loses the model. The files of the
+    flags in ``json_lines`` are appended to: one that exists must be a file of JSON lines.
+    Every rank gets rank 0's verdict (``group``: the gloo control group)."""
     def check():
         for flag, path in output_files.items():
             if path:
                 check_writable(path, flag)
+                if flag in json_lines:
+                    check_json_lines(path, flag)
         for flag, directory in output_folders.items():
             if directory:
                 check_writable_dir(directory, flag)
@@ -83,6 +87,24 @@ def check_writable(path, flag):
     if why:
         verb = "write in" if os.path.isdir(path.parent) else "create"
         raise UserError(f"{flag} {path}: cannot {verb} {path.parent} ({why})")
+
+
+def check_json_lines(path, flag, probe_bytes=1 << 16):
+    """A file that is appended to (--metrics-file) takes JSON lines after JSON lines: an
+    existing file whose first line is not a JSON object (a script, a weights file: a name typed
+    for another) is refused, as nothing the user wrote is changed."""
+    try:
+        with open(path, "rb") as f:
+            first, newline, _ = f.read(probe_bytes).partition(b"\n")
+    except FileNotFoundError:
+        return
+    try:
+        ok = not first.strip() or isinstance(json.loads(first), dict)
+    except ValueError:  # not JSON, not text at all, or the half-written first line of a killed run
+        ok = not newline and first.lstrip().startswith(b"{")  # (reconcile_metrics drops that one)
+    if not ok:
+        raise UserError(f"{flag} {path} exists and is not a file of JSON lines (another file's name?): its lines "
+                        "would be appended to it; give a new file name, or a metrics file of an earlier run")
 
 
 def check_writable_dir(directory, flag):

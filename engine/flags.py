@@ -285,7 +285,8 @@ def build_parser(description, add_recipe_arguments):
                           "every this many seconds during training and evaluation (0 = none); each line waits "
                           "for the GPU once. On a terminal one line is updated instead")
     run.add_argument("--metrics-file", metavar="PATH", default=None,
-                     help="append one JSON line per epoch to this file (global rank 0)")
+                     help="append one JSON line per epoch to this file (global rank 0); a file there already must be "
+                          "one of JSON lines (another run's metrics), else it is refused unchanged")
     run.add_argument("--tensorboard", metavar="DIR", default=None,
                      help="write each epoch's losses, accuracy, img/s, LR, times, peak GPU memory, GPU utilization "
                           "and power as TensorBoard scalars to DIR/RUN_ID (global rank 0; a resumed run continues "

@@ -18,7 +18,7 @@ import torch
 
 from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
                       unavailable, wait_held, write_image_folder)
-from engine import folder_lock, image_cache, stopping, task
+from engine import files, folder_lock, image_cache, stopping, task
 from engine.errors import ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.log import reconcile_metrics
@@ -347,6 +347,27 @@ def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_
     assert run_main("train.py", *RUN, "--epochs", "1", "--metrics-file", path) == 0
     lines = path.read_text().splitlines()
     assert lines[1] == '{"epoch": 2, "ru' and json.loads(lines[2])["epoch"] == 1
+
+
+def test_a_metrics_file_that_names_another_file_is_refused_unchanged(tmp_path, capsys):
+    """--metrics-file appends: a script, a weights file or notes typed in its place are refused
+    before training, unchanged; an empty file, a metrics file and the half-written first line
+    of a killed run are appended to."""
+    code, weights = tmp_path / "my_net.py", tmp_path / "w.pt"
+    code.write_text("import torch.nn as nn\n")
+    torch.save({"w": torch.zeros(2)}, weights)
+    for path in (code, weights):
+        before = path.read_bytes()
+        assert run_main("train.py", *RUN, "--epochs", "1", "--metrics-file", path) == 2
+        out, err = capsys.readouterr()
+        assert error_lines(err) == [f"error: --metrics-file {path} exists and is not a file of JSON lines (another "
+                                    "file's name?): its lines would be appended to it; give a new file name, or a "
+                                    "metrics file of an earlier run"]
+        assert path.read_bytes() == before and "Epoch 1/" not in out
+    for first in ("", '{"epoch": 1, "ru'):
+        path = tmp_path / "m.jsonl"
+        path.write_text(first)
+        assert files.check_json_lines(path, "--metrics-file") is None
 
 
 def test_a_repeated_stop_signal_cannot_turn_exit_75_into_143(tmp_path):
