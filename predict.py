@@ -33,7 +33,6 @@ import csv
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -158,11 +157,14 @@ def main(argv=None):
     if labels is not None:
         matrix = confusion_matrix(truths, guesses, len(classes))
         correct, total = int(np.trace(matrix)), int(matrix.sum())
-        print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}: training's validation accuracy of "
-              "these weights", file=summary)
+        left_out = f", {count(unreadable, 'unreadable one', 'unreadable ones')} left out" if unreadable else ""
+        print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}{left_out}: training's validation "
+              "accuracy of these weights", file=summary)
         for line in per_class_lines(matrix, classes):
             print(line, file=summary)
         print(write_confusion(matrix, classes, confusion, picture, args.output), file=summary)
+    if getattr(out, "left", False):  # every file asked for is written: now the quiet end of a closed pipe
+        raise ReaderGone()
 
 
 def held_out_images(root, meta, weights):
@@ -374,17 +376,40 @@ def csv_row(path, probs, classes, k, label=None):
     return [shown(path), *([label] if label is not None else []), classes[pairs[0][0]], f"{pairs[0][1]:.6f}", top_k]
 
 
+class LeavingReader:
+    """stdout, whose reader may close it before the last row (``predict.py ... | head``): the
+    rows after that go nowhere, and the rest of the work is done (--confusion-matrix, the
+    summary on stderr); ``left`` says whether the reader left. The end is then quiet
+    (ReaderGone), as a Unix tool's is."""
+
+    def __init__(self, stream):
+        self.stream, self.left = stream, False
+
+    def write(self, text):
+        self._try(self.stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._try(self.stream.flush)
+
+    def _try(self, call, *args):
+        if self.left:
+            return
+        try:
+            call(*args)
+        except BrokenPipeError:
+            self.left = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # nor an error when Python flushes
+
+
 @contextmanager
 def csv_destination(output, flag="--output"):
     """stdout; ``output`` itself when it is a stream (is_stream: /dev/stdout, a FIFO); or a new
     file, through new_file. ``flag`` names it in error lines."""
     if output is None:
-        try:
-            yield sys.stdout
-            sys.stdout.flush()
-        except BrokenPipeError:  # piped into head, which has the rows it wanted: end quietly, as Unix tools do
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a traceback when Python flushes
-            raise ReaderGone() from None
+        out = LeavingReader(sys.stdout)
+        yield out
+        out.flush()
         return
     if is_stream(output):  # nothing in it to replace, and no folder of files to put a temporary file in
         try:
@@ -402,9 +427,9 @@ def new_file(output, flag, binary=False):
     """A temporary file beside ``output``, open for writing, that becomes ``output`` when
     complete (never half-written, never replacing a file that appeared meanwhile)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")  # created as the umask says (not mkstemp's 0600)
     try:
-        with open(handle, "wb") if binary else open(handle, "w", newline="", encoding="utf-8") as out:
+        with open(tmp, "wb") if binary else open(tmp, "w", newline="", encoding="utf-8") as out:
             yield out
             out.flush()
             os.fsync(out.fileno())

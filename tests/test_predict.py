@@ -166,6 +166,9 @@ def test_odd_files_are_skipped_listed_or_ignored_never_a_traceback(trained, tmp_
     assert "Skipped 1 unreadable image (listed on stderr); ignored 1 file that is not an image" in result.stdout
     assert "Classified 5 images" in result.stdout
     assert os.listdir(tmp_path / "out") == ["p.csv"]  # its temporary file gone
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out" / "p.csv").stat().st_mode) == 0o666 & ~umask  # colleagues read it too
 
 
 def one_line_error(capsys, *args):
@@ -237,14 +240,18 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out == ""  # to stdout: no CSV header alone either
 
 
-def test_a_reader_that_closes_stdout_ends_it_quietly(trained):
+def test_a_reader_that_closes_stdout_ends_it_quietly(trained, tmp_path):
     """predict.py ... | head: once the reader has the rows it wanted and closes the pipe,
-    predict.py ends as Unix tools do: no line, and 141, the status SIGPIPE gives them."""
-    process = subprocess.Popen([str(c) for c in python_cmd("predict.py", *MODEL, "--weights", "w.pt", "imgs/test")],
-                               cwd=trained, env=CPU, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    process.stdout.close()  # gone before the first row: any write to the pipe fails
-    err = process.stderr.read()
-    assert process.wait(timeout=300) == 141 and "Traceback" not in err and error_lines(err) == [], err
+    predict.py ends as Unix tools do: no line, and 141, the status SIGPIPE gives them; but only
+    after the files it was asked for (--confusion-matrix) are written."""
+    for images in (["imgs/test"], ["--held-out", "imgs", "--confusion-matrix", tmp_path / "cm.csv"]):
+        process = subprocess.Popen([str(c) for c in python_cmd("predict.py", *MODEL, "--weights", "w.pt", *images)],
+                                   cwd=trained, env=CPU, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process.stdout.close()  # gone before the first row: any write to the pipe fails
+        err = process.stderr.read()
+        assert process.wait(timeout=300) == 141 and "Traceback" not in err and error_lines(err) == [], err
+    assert f"written to {tmp_path / 'cm.csv'}" in err  # the summary, on stderr as ever with rows on stdout
+    assert confusion_csv(tmp_path / "cm.csv")[1] == TEST_CLASSES
 
 
 def test_the_summary_counts_in_words():
@@ -398,6 +405,15 @@ def test_held_out_prints_each_class_and_writes_the_confusion_matrix_beside(train
     else:
         assert "matplotlib is not installed" in out[at + 1 + CLASSES]
         assert sorted(os.listdir(tmp_path)) == ["held-confusion.csv", "held.csv"]
+
+
+def test_an_unreadable_held_out_image_is_counted_as_left_out(trained, tmp_path):
+    shutil.copytree(trained / "imgs", tmp_path / "imgs")
+    (tmp_path / "imgs" / "test" / TEST_CLASSES[0] / "broken.png").write_bytes(b"\x89PNG cut short")
+    result = predict(trained, "--weights", "w.pt", "--held-out", tmp_path / "imgs", "--output", tmp_path / "h.csv")
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert f" of 24) on the 25 test images of {tmp_path / 'imgs'}, 1 unreadable one left out: " in line
 
 
 def test_held_out_to_stdout_names_the_flag_and_without_matplotlib_no_picture(here, tmp_path, capsys, monkeypatch):
