@@ -190,7 +190,8 @@ def sizes_warning(title, expected, found):
                   if key in expected and key in found and found[key] != expected[key]]
     if not unexpected:
         return []
-    return [f"WARNING: this {title} has {' and '.join(unexpected)}: an incomplete copy or other files?"]
+    return [f"WARNING: this {title} has {' and '.join(unexpected)}: a small copy (tools/demo_data.py), an "
+            "incomplete one, or other files?"]
 
 
 def epoch_record(state, fields, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):

@@ -169,8 +169,8 @@ def test_fetching_ahead_names_a_copy_that_is_not_the_official_size(tmp_path, cap
     assert run_main("dataset_utils.py", "--dataset", "cifar10", "--data-dir", tmp_path) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"CIFAR-10 ready in {tmp_path / 'cifar-10-batches-py'}: 50 training and 20 test images",
-        "WARNING: this CIFAR-10 has 50 training images instead of 50000 and 20 test images instead of 10000: an "
-        "incomplete copy or other files?"]
+        "WARNING: this CIFAR-10 has 50 training images instead of 50000 and 20 test images instead of 10000: a "
+        "small copy (tools/demo_data.py), an incomplete one, or other files?"]
 
 
 def test_a_failed_idx_download_leaves_nothing_behind(tmp_path, monkeypatch, capsys):

@@ -156,10 +156,11 @@ def test_a_data_set_of_the_wrong_size_is_said():
                                read_sizes={"train": train, "test": test})
 
     assert run_log.size_warning(cifar(64, 10_000)) == [
-        "WARNING: this CIFAR-100 has 64 training images instead of 50000: an incomplete copy or other files?"]
+        "WARNING: this CIFAR-100 has 64 training images instead of 50000: a small copy (tools/demo_data.py), an "
+        "incomplete one, or other files?"]
     assert run_log.size_warning(cifar(64, 9)) == [
-        "WARNING: this CIFAR-100 has 64 training images instead of 50000 and 9 test images instead of 10000: an "
-        "incomplete copy or other files?"]
+        "WARNING: this CIFAR-100 has 64 training images instead of 50000 and 9 test images instead of 10000: a "
+        "small copy (tools/demo_data.py), an incomplete one, or other files?"]
     assert run_log.size_warning(cifar(50_000, 10_000)) == []
     assert run_log.size_warning(SimpleNamespace(title="my folder", expected_sizes=None, read_sizes={"train": 64})) == []
 

@@ -493,10 +493,15 @@ def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
     assert len(list((tmp_path / "demo" / "train" / "class_3").glob("image_*"))) == 64
     assert demo_data.main(["--dataset", "folder", str(tmp_path / "demo")]) == 2
     assert f"error: {tmp_path / 'demo' / 'train'} exists already" in capsys.readouterr().err
-    assert demo_data.main(["--dataset", "mnist", str(tmp_path / "demo")]) == 0
-    images, labels = data_formats.read_split(tmp_path / "demo", "train", data_formats.DATASETS["mnist"])
+    for other in ("photos", "mnist"):  # into an image folder: it would read as more classes, or mixed layouts
+        assert demo_data.main(["--dataset", other, str(tmp_path / "demo")]) == 2
+        assert f"error: {tmp_path / 'demo'} holds test, train: " in capsys.readouterr().err
+    assert json.dumps(sorted(p.name for p in (tmp_path / "demo").iterdir())) == '["test", "train"]'
+    assert demo_data.main(["--dataset", "cifar10", str(tmp_path / "data")]) == 0
+    assert demo_data.main(["--dataset", "mnist", str(tmp_path / "data")]) == 0  # built-in sets side by side
+    images, labels = data_formats.read_split(tmp_path / "data", "train", data_formats.DATASETS["mnist"])
     assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
-    assert json.dumps(sorted(p.name for p in (tmp_path / "demo").iterdir())) == '["MNIST", "test", "train"]'
+    assert demo_data.main(["--dataset", "photos", str(tmp_path / "data")]) == 2
 
 
 def test_a_job_script_takes_your_model_and_folder_relative_to_the_submit_directory(project):

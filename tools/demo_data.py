@@ -247,7 +247,8 @@ def build_parser():
                              "DIR/CLASS/IMAGE, photos of varied sizes; real-photos: DIR/CLASS/IMAGE, 104 crops of "
                              "each of 8 photographs scikit-image ships, the class being the photograph)")
     parser.add_argument("directory", metavar="DIR", type=Path,
-                        help="where to write it (must not hold that data set already)")
+                        help="where to write it: a new folder, or one of built-in data sets only for another "
+                             "built-in one (never over a copy, never into an image folder)")
     return parser
 
 
@@ -261,14 +262,24 @@ def main(argv=None):
     if target.exists():
         print(f"error: {target} exists already; give another folder", file=sys.stderr)
         return 2
+    # An image folder's classes are its folders: it needs a folder of its own, which no other data set may join.
+    present = sorted(path.name for path in root.iterdir()) if root.is_dir() else []
+    builtin = {spec.folder for spec in DATASETS.values()}
+    others = present if dataset in first else [name for name in present if name not in builtin]
+    if others:
+        print(f"error: {root} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}: "
+              + ("an image folder needs a new or empty folder" if dataset in first
+                 else "a built-in data set goes into a new folder, or one of built-in data sets only")
+              + " (mixed, neither would read as it should)", file=sys.stderr)
+        return 2
     if dataset == "real-photos":
         write_real_photo_crops(root)
         print(f"Wrote 104 crops of each of {len(REAL_PHOTOS)} photographs ({', '.join(REAL_PHOTOS)}; JPEG and PNG) "
               f"into {root}, one folder per class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
     elif dataset == "photos":
         write_photo_folder(root)
-        print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, JPEG and PNG, "
-              f"60x80 to 500x333 pixels) into {root}, one folder per class: train with --dataset folder --data-dir "
+        print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, and a CMYK print "
+              f"among the {PHOTO_CLASSES[0]}s; JPEG and PNG, 60x80 to 500x333 pixels) into {root}, one folder per class: train with --dataset folder --data-dir "
               f"{root} --val-fraction 0.2")
     elif dataset == "folder":
         write_image_folder(root, classes=4, n_train=64, n_test=16)
