@@ -78,6 +78,8 @@ def split_folders(root, held_out, flag="--data-dir"):
                            f"the class folder(s) {shown}; keep either {root}/CLASS/IMAGE or {root}/train/CLASS/IMAGE "
                            f"(with {root}/test/CLASS/IMAGE)")
     if others:
+        if len(others) == 1:  # the first thing to fix (often --data-dir one level too high), before validation
+            raise DatasetError(one_class(root, others[0], flag))
         if not held_out:
             raise DatasetError(f"{flag} {root} holds its class folders directly ({root}/CLASS/IMAGE, "
                                f"{len(others)} classes) and no test/ to validate on: add --val-fraction 0.2 to hold "

@@ -147,10 +147,13 @@ def test_a_folder_of_one_class_is_one_line_naming_the_folder_meant(photos, tmp_p
     (tmp_path / "solo" / "cat").mkdir(parents=True)
     for path in sorted((photos / "photos" / "cat").glob("IMG_*"))[:4]:
         shutil.copy(path, tmp_path / "solo" / "cat")
-    for folder, hint in (("wrap", f"did you mean --data-dir {tmp_path / 'wrap' / 'photos'}?"),
-                         ("solo", f"add a folder of images for each other class ({tmp_path / 'solo'}/CLASS/IMAGE)")):
-        assert run_main("train.py", "--dataset", "folder", "--data-dir", tmp_path / folder, "--val-fraction", "0.2",
+    hints = {"wrap": f"did you mean --data-dir {tmp_path / 'wrap' / 'photos'}?",
+             "solo": f"add a folder of images for each other class ({tmp_path / 'solo'}/CLASS/IMAGE)"}
+    # With --val-fraction or without: the one class is the first thing to fix, not the missing validation.
+    for folder, split in (("wrap", ["--val-fraction", "0.2"]), ("solo", ["--val-fraction", "0.2"]), ("solo", [])):
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", tmp_path / folder, *split,
                         "--cache-dir", tmp_path / "cache") == 2
+        hint = hints[folder]
         inner = "photos" if folder == "wrap" else "cat"
         assert error_lines(capsys.readouterr().err) == [
             f"error: {tmp_path / folder} holds 1 class folder ({inner}): a classifier needs at least two; {hint}"]
