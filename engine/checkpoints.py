@@ -216,9 +216,13 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
     if differ:
         other = {"train_labels_sha256": "different labels", "classes": "other classes",
                  "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now"}
-        raise UserError(f"the checkpoint was trained on other data ({old['train_images']} training images, "
-                        f"synthetic={old['synthetic']}; now {new['train_images']}, synthetic={new['synthetic']}"
-                        + "".join(f", {other[key]}" for key in other if key in differ) + ")")
+
+        def images(fingerprint):
+            return f"{fingerprint['train_images']} {'--synthetic ' if fingerprint['synthetic'] else ''}training images"
+
+        raise UserError(f"the checkpoint was trained on other data ({images(old)}; now {images(new)}"
+                        + "".join(f", {other[key]}" for key in other if key in differ) + "): resume on the data it "
+                        "was trained on, or start a new run in another --checkpoint-dir")
     check_resume_flags(saved, flags, recipe_flags)
 
 

@@ -260,11 +260,12 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     check({**_checkpoint_like(args, before, model), "args": old_args})
     with pytest.raises(UserError, match="does not fit WideResNet"):
         check(_checkpoint_like(args, data, WideResNet(num_classes=10)))
-    with pytest.raises(UserError, match="trained on other data .50000 training images, synthetic=False; now "
-                                        "50000, synthetic=False, different labels"):
+    with pytest.raises(UserError, match="trained on other data .50000 training images; now 50000 training images, "
+                                        "different labels.: resume on the data it was trained on, or start a new run "
+                                        "in another --checkpoint-dir"):
         check(_checkpoint_like(args, data, model), fingerprint={**data, "train_labels_sha256": "b"})
     folder = {**data, "dataset": "folder", "classes": ["a", "b"], "image_shape": [32, 32, 3]}
-    with pytest.raises(UserError, match=r"now 50000, synthetic=False, images of shape \[32, 32, 3\] then, "
+    with pytest.raises(UserError, match=r"now 50000 training images, images of shape \[32, 32, 3\] then, "
                                         r"\[64, 64, 3\] now\)"):
         check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
