@@ -143,6 +143,8 @@ def describe_extension(planned, epochs, base_lr, schedule, cycle, steps_per_epoc
     if cycle.start_factor == 1 and schedule != "cosine":  # a constant LR: nothing to restart
         return f"{extending} at the constant learning rate {base_lr:g}"
     then = f"then {schedule} to 0 at epoch {epochs}" if schedule == "cosine" else "then constant"
+    if cycle.start_factor > 0.999:  # the run ended at its peak (a run no longer than its warm-up): no restart
+        return f"{extending}: the learning rate is at its peak {base_lr:g} already, {then}"
     if not cycle.warmup:  # --warmup-epochs 0, or an extension too short for a warm-up step
         return (f"{extending}: the learning rate goes back from {cycle.start_factor * base_lr:.3g} to {base_lr:g} at "
                 f"once (no warm-up steps), {then}")

@@ -52,6 +52,8 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     if os.path.isfile(path) and not is_runs_own(path, folder):
         written = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
         note = f" ({path} appeared during this run, from another run, and is kept)"
+    elif os.path.isfile(path):  # the run continued (check_weights_target let it): its own earlier weights
+        note = ", in place of this run's earlier ones"
     try:
         save_weights(model, written, metadata)
         return f"Model weights written to {written}{note}"

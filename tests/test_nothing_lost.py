@@ -227,5 +227,5 @@ def test_weights_that_appear_during_a_run_are_kept(tmp_path):
         f"Model weights written to {ours}"
     model.bias.data += 1
     assert weights_file.save_trained_weights(model, ours, {}, ck / "checkpoint_000000008.pt") == \
-        f"Model weights written to {ours}"
+        f"Model weights written to {ours}, in place of this run's earlier ones"  # said, as the file was there
     assert torch.equal(weights_file.read_weights(ours).state["bias"], model.bias.data)
