@@ -20,7 +20,8 @@ import dataset_utils as du
 import recipe
 from engine import data_formats
 from conftest import (FAST, REPO, SMALL_MODEL, TINY_MODEL, clean_env, error_lines, idx_bytes, python_cmd,
-                      read_metrics, run, run_main, torchrun_cmd, write_cifar10, write_dataset, write_idx)
+                      read_metrics, run, run_main, torchrun_cmd, write_cifar10, write_dataset, write_idx,
+                      write_image_folder)
 from model import WideResNet
 
 NAMES = tuple(data_formats.DATASETS)
@@ -345,3 +346,22 @@ def test_held_out_images_are_not_called_test_images(capsys):
     out = capsys.readouterr().out
     assert "SYNTHETIC random images and labels: accuracy is meaningless, 40003 training / 9997 held-out images" in out
     assert "instead of" not in out and "Validation: 9997 of the 50000 training images held out" in out
+
+
+@pytest.mark.parametrize("layout", ["split", "flat"])
+def test_an_image_folder_without_dataset_folder_is_one_line_and_nothing_is_fetched(tmp_path, capsys, layout):
+    """--data-dir naming your images, --dataset folder forgotten: the default CIFAR-100 is not
+    downloaded into them; one line says what to add."""
+    images = write_image_folder(tmp_path / "imgs", classes=2, n_train=2, n_test=1)
+    if layout == "flat":
+        (images / "test").rename(tmp_path / "test")
+        for folder in list((images / "train").iterdir()):
+            folder.rename(images / folder.name)
+        (images / "train").rmdir()
+    before = sorted(p.relative_to(images) for p in images.rglob("*"))
+    assert run_main("train.py", "--data-dir", images, "--epochs", "1", *TINY_MODEL) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    first = "class_0/" if layout == "flat" else "test/"
+    assert line == (f"error: --data-dir {images} holds images in folders ({first}), not CIFAR-100 (--dataset "
+                    "cifar100, the default): for your own images add --dataset folder")
+    assert sorted(p.relative_to(images) for p in images.rglob("*")) == before  # no download folder made
