@@ -12,7 +12,8 @@
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
 # overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train_ddp.py is),
 # NPROC_PER_NODE (default: the GPUs Slurm gave this node), PER_GPU_BATCH (images), BASE_LR,
-# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE, TORCHRUN_PATH (empty, the default:
+# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE, OMP_NUM_THREADS (default: the task's
+# cores / NPROC_PER_NODE, each rank's CPU threads), TORCHRUN_PATH (empty, the default:
 # tools/torchrun.py, torchrun ending in the ranks' own error lines instead of its traceback;
 # /usr/local/bin/torchrun: PyTorch's own).
 # Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
@@ -84,6 +85,14 @@ lr_flags=()
 # container's PyTorch defaults to. train_ddp.py writes each rank's NCCL flight recorder into
 # the checkpoint folder when a collective times out (docs/checkpoints.md).
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+
+# Each rank's CPU threads (PyTorch's intra-op pool): the task's cores shared by this node's
+# ranks, 72 / 4 = 18 on Olivia. torchrun would set 1 and print a warning in every job log.
+cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
+[[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))}"
+[[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || die "OMP_NUM_THREADS=$OMP_NUM_THREADS is not a positive whole number of threads"
+export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over whatever the container sets)
 
 # Sample GPU utilization in the background (appending: a requeued job keeps the first
 # run's samples); on any exit stop exactly this monitor (by PID) and drop the stop file.

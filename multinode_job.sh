@@ -16,7 +16,8 @@
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
 # PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH (empty: tools/torchrun.py, which
 # ends in the ranks' own error lines, not torchrun's traceback), the HOST_*_PATH library paths,
-# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, every network setting in NETWORK_DEFAULTS
+# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, OMP_NUM_THREADS (default: the task's cores /
+# NPROC_PER_NODE, each rank's CPU threads), every network setting in NETWORK_DEFAULTS
 # below (on a cluster other than Olivia: docs/network.md, "On another cluster"), and:
 #   HOST_BINDS=1          1 (default): bind the host's libfabric, NCCL and aws-ofi-nccl (HOST_*_PATH) into
 #                         the container; 0: use the container's own NCCL (InfiniBand, Ethernet)
@@ -216,6 +217,14 @@ lr_flags=()
 # container's PyTorch defaults to. train_ddp.py writes each rank's NCCL flight recorder into
 # the checkpoint folder when a collective times out (docs/checkpoints.md).
 export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+
+# Each rank's CPU threads (PyTorch's intra-op pool): the task's cores shared by this node's
+# ranks, 72 / 4 = 18 on Olivia. torchrun would set 1 and print a warning in every job log.
+cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
+[[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))}"
+[[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || die "OMP_NUM_THREADS=$OMP_NUM_THREADS is not a positive whole number of threads"
+export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over whatever the container sets)
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once. It creates STOP_FILE: global rank 0

@@ -137,9 +137,11 @@ def test_single_gpu_job(tmp_path, other_jobs_monitor):
 
 
 def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
-    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08)
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08, SLURM_CPUS_PER_TASK=4)
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
+    # Each rank's threads: the task's 4 cores over 2 ranks, set by the script (torchrun would set 1 and warn).
+    assert "2 threads" in first.split("Device: ", 1)[1].splitlines()[0] and "OMP_NUM_THREADS" not in first
     assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in first  # an NCCL hang is an error (in "Network settings:")
     assert all(r["world_size"] == 2 for r in records) and records[0]["lr"] == pytest.approx(0.08 * 0.5)
     assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")
@@ -269,6 +271,16 @@ def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes
 ])
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_a_bad_setting_is_a_clear_error(tmp_path, script, variable, value, message):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: value})
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS[1:])
+@pytest.mark.parametrize("variable, value, message", [
+    ("OMP_NUM_THREADS", "many", "OMP_NUM_THREADS=many is not a positive whole number of threads"),
+    ("SLURM_CPUS_PER_TASK", "0", "SLURM_CPUS_PER_TASK=0 is not a positive whole number of cores")])
+def test_a_bad_thread_count_is_a_clear_error(tmp_path, script, variable, value, message):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: value})
     result = run_job(script, tmp_path, env)
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
