@@ -607,6 +607,9 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                      + (f"at the end of an epoch at most every {args.checkpoint_interval:g} min"
                         if args.checkpoint_interval else "after every epoch")
                      + ", on a stop request and at the end")
+    elif args.save_weights:  # the weights asked for come at the end: a stop before it would keep nothing
+        lines.append(f"Checkpoints: none: a stop before the end (Ctrl-C, scancel, a time limit) keeps nothing, not "
+                     f"even {args.save_weights}; --checkpoint-dir DIR keeps the run")
     return lines
 
 

@@ -168,6 +168,8 @@ def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
     folder itself, written before files named their folder."""
     weights, ck = tmp_path / "w.pt", tmp_path / "ck"
     assert run_main("train.py", *SMOKE, "--save-weights", weights) == 0
+    assert (f"Checkpoints: none: a stop before the end (Ctrl-C, scancel, a time limit) keeps nothing, not even "
+            f"{weights}; --checkpoint-dir DIR keeps the run") in capsys.readouterr().out  # said before it matters
     first = weights.read_bytes()
     for again in ([], ["--checkpoint-dir", ck, "--resume=auto"]):  # a new run; a new run in the job scripts' way
         capsys.readouterr()
