@@ -131,8 +131,8 @@ def stratified_split(labels, fraction, seed):
 def describe_split(split, fraction, seed, classes):
     """The start-up block's line."""
     return (f"Validation: {len(split.val)} of the {len(split.train) + len(split.val)} training images held out "
-            f"(--val-fraction {fraction:g} of each of the {classes} classes, chosen by --seed {seed}); training on "
-            f"the other {len(split.train)}")
+            f"(--val-fraction {fraction:g} of each of the {classes} classes, chosen by --seed {seed}); the training "
+            f"split is the other {len(split.train)}")
 
 
 def held_out_record(fraction, seed, labels, skipped=()):

@@ -357,7 +357,7 @@ def test_every_unreadable_photo_is_named_in_one_run_and_left_out(photos, trained
     assert sorted(line.split("\t")[0] for line in listed) == sorted(f"photos/{path}" for path in BAD_FILES)
     # The 61 readable photos are what the split and training see.
     assert ("Validation: 12 of the 61 training images held out (--val-fraction 0.2 of each of the 3 classes, chosen "
-            "by --seed 0); training on the other 49") in out
+            "by --seed 0); the training split is the other 49") in out
     assert [r["val_samples"] for r in records] == [12, 12] and [r["train_images"] for r in records] == [48, 48]
     assert f"Final Accuracy: {records[-1]['val_accuracy']:.4f} on all 12 held-out images" in out
 
