@@ -45,7 +45,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
-from engine.data_formats import DATASETS, class_names, data_root, default_data_dir, prepare, read_split
+from engine.data_formats import (DATASETS, class_names, data_root, default_data_dir, missing_files, prepare,
+                                 read_split)
 from engine.errors import UserError, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
@@ -215,10 +216,22 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
     else:
         root = builtin_root(data_dir, spec)
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
-        from_rank0(lambda: prepare(root, spec, download) if rank == 0 else None, group, patient=True)
+        from_rank0(lambda: fetch(root, spec, download) if rank == 0 else None, group, patient=True)
         splits = {split: read_split(root, split, spec) for split in spec.split_sizes}
     prep = spec_preprocessing(spec, augment)
     return InMemoryImages(*splits["train"], prep), InMemoryImages(*splits["test"], prep)
+
+
+def fetch(root, spec, download=True):
+    """The files of data set ``spec`` in ``root``, fetched when missing (engine/data_formats.py);
+    but never into an image folder: that is --dataset folder forgotten."""
+    if len(missing_files(root, spec)) == len(spec.all_files()):
+        from engine.image_folder import image_folder_layout  # only when the data set is not there
+        layout = image_folder_layout(root)
+        if layout:
+            raise DatasetError(f"{root} is an image folder ({layout.replace('DIR', str(root))}), not "
+                               f"{spec.title} (--dataset {spec.name}): for your own images add --dataset folder")
+    prepare(root, spec, download)
 
 
 def builtin_root(data_dir, spec):

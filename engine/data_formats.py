@@ -17,7 +17,6 @@ files already present are never overwritten, and a failed one leaves nothing beh
 import codecs
 import gzip
 import hashlib
-import itertools
 import pickle
 import shutil
 import socket
@@ -218,10 +217,6 @@ def prepare(root, spec, download=True):
         return
     what = (f"{spec.title} not found in {root / spec.folder}" if len(missing) == len(spec.all_files())
             else f"{spec.title} in {root / spec.folder} is incomplete: {', '.join(missing)} missing")
-    images = len(missing) == len(spec.all_files()) and image_folder_in(root)
-    if images:  # --dataset folder forgotten: no download into the user's images
-        raise DatasetError(f"--data-dir {root} holds images in folders ({images}), not {spec.title} (--dataset "
-                           f"{spec.name}, the default): for your own images add --dataset folder")
     if not download:
         raise DatasetError(f"{what}; fetch it first with: {fetch_hint(root, spec)}")
     created = _new_folders(root / spec.folder)
@@ -238,22 +233,6 @@ def prepare(root, spec, download=True):
     except BaseException:  # Ctrl-C: the temporary folder is gone, and so are the folders made for it
         _remove_empty(created)
         raise
-
-
-def image_folder_in(root, most=100):
-    """A folder of ``root`` that holds image files (looking at ``most`` files at most), or
-    None: root is an image folder (root/CLASS/IMAGE, root/train/CLASS/IMAGE), not a data
-    set's download folder."""
-    from PIL import Image  # the endings of every format Pillow opens, as engine/image_folder.py reads them
-    Image.init()
-    endings = {ending.lower() for ending in Image.registered_extensions()}
-    builtin = {Path(spec.folder).parts[0] for spec in DATASETS.values()}
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in builtin:
-            files = itertools.islice((path for path in folder.rglob("*") if path.is_file()), most)
-            if any(path.suffix.lower() in endings for path in files):
-                return f"{folder.name}/"
-    return None
 
 
 @contextmanager

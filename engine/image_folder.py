@@ -16,6 +16,7 @@ ignored; an image that cannot be read is an Unreadable, which the cache skips an
 Any file name the OS allows works, UTF-8 or not.
 """
 
+import itertools
 import os
 import statistics
 import time
@@ -109,6 +110,30 @@ def split_folder(root, split, needed=True, flag="--data-dir"):
 
 def _visible(path):
     return not path.name.startswith(".")
+
+
+def image_folder_layout(root, most=100):
+    """The layout (FLAT or SPLIT) of ``root`` when it is an image folder, else None. For the
+    --data-dir of a built-in data set whose files are missing: --dataset folder forgotten, not
+    a folder to download into. An image folder here: train/ holding class folders, or two
+    folders or more beside each other, each holding image files among its first ``most``
+    entries (a data set's download folder holds archives and arrays)."""
+    extensions = image_extensions()
+
+    def holds_images(folder):
+        entries = itertools.islice(os.scandir(folder), most)
+        return any(Path(entry.name).suffix.lower() in extensions for entry in entries)
+
+    def classes(folder):
+        return [path for path in folder.iterdir() if path.is_dir() and _visible(path) and holds_images(path)]
+
+    try:
+        train = next((root / name for name in SPLIT_FOLDERS["train"] if (root / name).is_dir()), None)
+        if train is not None:
+            return SPLIT if classes(train) else None
+        return FLAT if len(classes(root)) >= 2 else None
+    except OSError:  # a folder that cannot be read: the data set's own error says what is missing
+        return None
 
 
 def class_files(folder, extensions):

@@ -361,7 +361,19 @@ def test_an_image_folder_without_dataset_folder_is_one_line_and_nothing_is_fetch
     before = sorted(p.relative_to(images) for p in images.rglob("*"))
     assert run_main("train.py", "--data-dir", images, "--epochs", "1", *TINY_MODEL) == 2
     [line] = error_lines(capsys.readouterr().err)
-    first = "class_0/" if layout == "flat" else "test/"
-    assert line == (f"error: --data-dir {images} holds images in folders ({first}), not CIFAR-100 (--dataset "
-                    "cifar100, the default): for your own images add --dataset folder")
+    shape = f"{images}/CLASS/IMAGE" if layout == "flat" else f"{images}/train/CLASS/IMAGE"
+    assert line == (f"error: {images} is an image folder ({shape}), not CIFAR-100 (--dataset cifar100): for your own "
+                    "images add --dataset folder")
     assert sorted(p.relative_to(images) for p in images.rglob("*")) == before  # no download folder made
+
+
+def test_a_data_folder_that_is_no_image_folder_is_fetched_into(tmp_path):
+    """One folder of images beside the data sets (datasets/my_photos), or a data set's own
+    download folder, is no image folder: fetching goes on (here, offline: its own line)."""
+    from engine.image_folder import image_folder_layout
+    write_image_folder(tmp_path / "data" / "my_photos", classes=2, n_train=1, n_test=1)
+    write_dataset(tmp_path / "data", "mnist")
+    assert image_folder_layout(tmp_path / "data") is None
+    assert image_folder_layout(tmp_path / "data" / "my_photos") == "DIR/train/CLASS/IMAGE"
+    assert image_folder_layout(tmp_path / "data" / "my_photos" / "train") == "DIR/CLASS/IMAGE"
+    assert image_folder_layout(tmp_path / "nowhere") is None
