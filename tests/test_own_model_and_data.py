@@ -17,8 +17,8 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, image_cache, image_folder, models, stopping
-from engine.errors import UserError
+from engine import data_formats, image_cache, image_folder, models
+from engine.errors import EXIT_STOPPED, UserError
 from engine import weights as weights_file
 from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
@@ -99,7 +99,7 @@ def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
     process = start(python_cmd("train.py", *args), project, project / "first.log")
     wait_for(project / "first.log", "Epoch 2/20:", process)
     process.send_signal(signal.SIGUSR1)
-    assert process.wait(timeout=120) == stopping.EXIT_STOPPED
+    assert process.wait(timeout=120) == EXIT_STOPPED
     assert "Stopped after" in (project / "first.log").read_text()
 
     # Resuming with the Wide ResNet instead is refused: another model is another run.
@@ -497,8 +497,10 @@ def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
         assert demo_data.main(["--dataset", other, str(tmp_path / "demo")]) == 2
         assert f"error: {tmp_path / 'demo'} holds test, train: " in capsys.readouterr().err
     assert json.dumps(sorted(p.name for p in (tmp_path / "demo").iterdir())) == '["test", "train"]'
-    assert demo_data.main(["--dataset", "cifar10", str(tmp_path / "data")]) == 0
-    assert demo_data.main(["--dataset", "mnist", str(tmp_path / "data")]) == 0  # built-in sets side by side
+    assert demo_data.main(["--dataset", "mnist", str(tmp_path / "data")]) == 0
+    (tmp_path / "data" / ".DS_Store").touch()
+    (tmp_path / "data" / "cache").mkdir()  # the image folders' cache, as in datasets/
+    assert demo_data.main(["--dataset", "cifar10", str(tmp_path / "data")]) == 0  # built-in sets side by side
     images, labels = data_formats.read_split(tmp_path / "data", "train", data_formats.DATASETS["mnist"])
     assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
     assert demo_data.main(["--dataset", "photos", str(tmp_path / "data")]) == 2

@@ -262,15 +262,16 @@ def main(argv=None):
     if target.exists():
         print(f"error: {target} exists already; give another folder", file=sys.stderr)
         return 2
-    # An image folder's classes are its folders: it needs a folder of its own, which no other data set may join.
-    present = sorted(path.name for path in root.iterdir()) if root.is_dir() else []
-    builtin = {spec.folder for spec in DATASETS.values()}
-    others = present if dataset in first else [name for name in present if name not in builtin]
+    # An image folder's classes are its folders: it needs a folder of its own, which no other data set may join
+    # (hidden files aside; built-in sets sit side by side, with the image cache, as in datasets/).
+    present = sorted(path.name for path in root.iterdir() if not path.name.startswith(".")) if root.is_dir() else []
+    beside = {Path(spec.folder).parts[0] for spec in DATASETS.values()} | {"cache"}
+    others = present if dataset in first else [name for name in present if name not in beside]
     if others:
-        print(f"error: {root} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}: "
-              + ("an image folder needs a new or empty folder" if dataset in first
-                 else "a built-in data set goes into a new folder, or one of built-in data sets only")
-              + " (mixed, neither would read as it should)", file=sys.stderr)
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        where = ("an image folder needs a new or empty folder" if dataset in first
+                 else "a built-in data set goes into a new folder or beside other built-in ones")
+        print(f"error: {root} holds {shown}: {where} (mixed, neither would read as it should)", file=sys.stderr)
         return 2
     if dataset == "real-photos":
         write_real_photo_crops(root)
@@ -279,8 +280,8 @@ def main(argv=None):
     elif dataset == "photos":
         write_photo_folder(root)
         print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, and a CMYK print "
-              f"among the {PHOTO_CLASSES[0]}s; JPEG and PNG, 60x80 to 500x333 pixels) into {root}, one folder per class: train with --dataset folder --data-dir "
-              f"{root} --val-fraction 0.2")
+              f"among the {PHOTO_CLASSES[0]}s; JPEG and PNG, 60x80 to 500x333 pixels) into {root}, one folder per "
+              f"class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
     elif dataset == "folder":
         write_image_folder(root, classes=4, n_train=64, n_test=16)
         print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
