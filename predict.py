@@ -31,6 +31,7 @@ beside that (val-confusion.png) when matplotlib is installed.
 import argparse
 import csv
 import os
+import secrets
 import signal
 import sys
 import time
@@ -163,8 +164,8 @@ def main(argv=None):
         for line in per_class_lines(matrix, classes):
             print(line, file=summary)
         print(write_confusion(matrix, classes, confusion, picture, args.output), file=summary)
-    if getattr(out, "left", False):  # every file asked for is written: now the quiet end of a closed pipe
-        raise ReaderGone()
+    if any(getattr(stream, "left", False) for stream in (out, summary)):  # every file asked for is written:
+        raise ReaderGone()  # now the quiet end of a closed pipe
 
 
 def held_out_images(root, meta, weights):
@@ -227,8 +228,8 @@ def is_stdout(path):
 
 def summary_stream(output):
     """stderr when the CSV goes to stdout (no --output, --output -, /dev/stdout): the summary
-    must not end up among its rows; stdout otherwise."""
-    return sys.stderr if output is None or is_stdout(output) else sys.stdout
+    must not end up among its rows; stdout otherwise (whose reader may leave: LeavingReader)."""
+    return sys.stderr if output is None or is_stdout(output) else LeavingReader(sys.stdout)
 
 
 def confusion_destination(output, held_out, given):
@@ -406,7 +407,7 @@ class LeavingReader:
 def csv_destination(output, flag="--output"):
     """stdout; ``output`` itself when it is a stream (is_stream: /dev/stdout, a FIFO); or a new
     file, through new_file. ``flag`` names it in error lines."""
-    if output is None:
+    if output is None or is_stdout(output):  # /dev/stdout: a pipe here (check_outputs refused a file)
         out = LeavingReader(sys.stdout)
         yield out
         out.flush()
@@ -427,9 +428,10 @@ def new_file(output, flag, binary=False):
     """A temporary file beside ``output``, open for writing, that becomes ``output`` when
     complete (never half-written, never replacing a file that appeared meanwhile)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")  # created as the umask says (not mkstemp's 0600)
+    # A name of its own (two runs' PIDs may meet on a shared file system), created as the umask says (mkstemp: 0600).
+    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(tmp, "wb") if binary else open(tmp, "w", newline="", encoding="utf-8") as out:
+        with open(tmp, "xb") if binary else open(tmp, "x", newline="", encoding="utf-8") as out:
             yield out
             out.flush()
             os.fsync(out.fileno())

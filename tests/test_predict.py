@@ -244,7 +244,9 @@ def test_a_reader_that_closes_stdout_ends_it_quietly(trained, tmp_path):
     """predict.py ... | head: once the reader has the rows it wanted and closes the pipe,
     predict.py ends as Unix tools do: no line, and 141, the status SIGPIPE gives them; but only
     after the files it was asked for (--confusion-matrix) are written."""
-    for images in (["imgs/test"], ["--held-out", "imgs", "--confusion-matrix", tmp_path / "cm.csv"]):
+    for images in (["imgs/test", "--output", "/dev/stdout"],  # a pipe here: stdout under its other name
+                   ["--held-out", "imgs", "--output", tmp_path / "h.csv"],  # the summary on the closed stdout
+                   ["--held-out", "imgs", "--confusion-matrix", tmp_path / "cm.csv"]):
         process = subprocess.Popen([str(c) for c in python_cmd("predict.py", *MODEL, "--weights", "w.pt", *images)],
                                    cwd=trained, env=CPU, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         process.stdout.close()  # gone before the first row: any write to the pipe fails
@@ -252,6 +254,7 @@ def test_a_reader_that_closes_stdout_ends_it_quietly(trained, tmp_path):
         assert process.wait(timeout=300) == 141 and "Traceback" not in err and error_lines(err) == [], err
     assert f"written to {tmp_path / 'cm.csv'}" in err  # the summary, on stderr as ever with rows on stdout
     assert confusion_csv(tmp_path / "cm.csv")[1] == TEST_CLASSES
+    assert len(read_csv(tmp_path / "h.csv")) == CLASSES * 8 and confusion_csv(tmp_path / "h-confusion.csv")[1]
 
 
 def test_the_summary_counts_in_words():
