@@ -88,9 +88,11 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 
 # Each rank's CPU threads (PyTorch's intra-op pool): the task's cores shared by this node's
 # ranks, 72 / 4 = 18 on Olivia. torchrun would set 1 and print a warning in every job log.
-cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
-[[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))}"
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
+    [[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
+    OMP_NUM_THREADS=$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))
+fi
 [[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || die "OMP_NUM_THREADS=$OMP_NUM_THREADS is not a positive whole number of threads"
 export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over whatever the container sets)
 

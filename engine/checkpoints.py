@@ -217,8 +217,8 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         other = {"train_labels_sha256": "different labels", "classes": "other classes",
                  "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now"}
 
-        def images(fingerprint):
-            return f"{fingerprint['train_images']} {'--synthetic ' if fingerprint['synthetic'] else ''}training images"
+        def images(of):  # a fingerprint's
+            return f"{of['train_images']} {'--synthetic ' if of['synthetic'] else ''}training images"
 
         raise UserError(f"the checkpoint was trained on other data ({images(old)}; now {images(new)}"
                         + "".join(f", {other[key]}" for key in other if key in differ) + "): resume on the data it "
@@ -333,7 +333,7 @@ class Checkpointer:
     ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks)."""
 
     def __init__(self, directory, interval_minutes, ctx, flags, warn=print):
-        self.directory = Path(directory) if directory else None
+        self.directory = Path(directory)
         self.flags = flags
         self.interval_s = interval_minutes * 60
         self.ctx = ctx
@@ -344,8 +344,7 @@ class Checkpointer:
         self.count, self.seconds = 0, 0.0
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
-        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS),
-                               ctx.control_group) if self.directory else -1.0
+        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS), ctx.control_group)
 
     def loaded(self, step):
         """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""
@@ -354,8 +353,6 @@ class Checkpointer:
     def due(self):
         """At the end of an epoch: is a checkpoint due? Decided by rank 0's clock, so every
         rank agrees (a one-element all-reduce on the CPU)."""
-        if self.directory is None:
-            return False
         late = time.monotonic() - self.last_time >= self.interval_s
         return any_rank(self.ctx.is_main and late, self.ctx.control_group)
 
@@ -410,7 +407,7 @@ class Checkpointer:
         ``model``'s there in their place (global rank 0, atomically; every rank waits, and every
         rank decides alike: the accuracy is all-reduced). One that cannot be written (a full
         disk) is a warning: the run goes on, its checkpoints are what a resume needs."""
-        if self.directory is None or accuracy <= self.best:
+        if accuracy <= self.best:
             return
         self.best = accuracy
 

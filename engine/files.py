@@ -93,15 +93,17 @@ def check_json_lines(path, flag, probe_bytes=1 << 16):
     """A file that is appended to (--metrics-file) takes JSON lines after JSON lines: an
     existing file whose first line is not a JSON object (a script, a weights file: a name typed
     for another) is refused, as nothing the user wrote is changed."""
-    try:
-        with open(path, "rb") as f:
-            first, newline, _ = f.read(probe_bytes).partition(b"\n")
-    except FileNotFoundError:
+    if not os.path.isfile(path):  # none yet; or a pipe, a terminal: nothing to read, nothing to spoil
         return
     try:
-        ok = not first.strip() or isinstance(json.loads(first), dict)
+        with open(path, "rb") as f:
+            first, newline, _ = f.read(probe_bytes).lstrip().partition(b"\n")  # the first line that is not blank
+    except OSError:  # unreadable (write-only): appending is what it allows
+        return
+    try:
+        ok = not first or isinstance(json.loads(first), dict)
     except ValueError:  # not JSON, not text at all, or the half-written first line of a killed run
-        ok = not newline and first.lstrip().startswith(b"{")  # (reconcile_metrics drops that one)
+        ok = not newline and first.startswith(b"{")  # (reconcile_metrics drops that one)
     if not ok:
         raise UserError(f"{flag} {path} exists and is not a file of JSON lines (another file's name?): its lines "
                         "would be appended to it; give a new file name, or a metrics file of an earlier run")

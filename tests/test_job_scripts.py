@@ -141,7 +141,7 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
     # Each rank's threads: the task's 4 cores over 2 ranks, set by the script (torchrun would set 1 and warn).
-    assert "2 threads" in first.split("Device: ", 1)[1].splitlines()[0] and "OMP_NUM_THREADS" not in first
+    assert re.search(r"\b2 threads\b", first.split("Device: ", 1)[1].splitlines()[0]) and "OMP_NUM_THREADS" not in first
     assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in first  # an NCCL hang is an error (in "Network settings:")
     assert all(r["world_size"] == 2 for r in records) and records[0]["lr"] == pytest.approx(0.08 * 0.5)
     assert_gpu_log(tmp_path / f"multigpu_{JOB_ID}_gpu.csv")

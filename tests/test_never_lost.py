@@ -19,7 +19,7 @@ import torch
 from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
                       unavailable, wait_held, write_image_folder)
 from engine import files, folder_lock, image_cache, stopping, task
-from engine.errors import ResourceProblem, TrainingStopped, UserError
+from engine.errors import EXIT_STOPPED, ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.log import reconcile_metrics
 from tools import gpu_report, report
@@ -289,7 +289,7 @@ def test_a_second_run_on_a_checkpoint_folder_is_refused_naming_the_first(tmp_pat
     assert "Training" not in second.stdout
     first.send_signal(signal.SIGTERM)
     go.touch()
-    assert first.wait(60) == stopping.EXIT_STOPPED
+    assert first.wait(60) == EXIT_STOPPED
     resumed = run(job, cwd=tmp_path)
     assert resumed.returncode == 0 and "Resuming from" in resumed.stdout  # the kernel released the lock
 
@@ -354,7 +354,7 @@ def test_a_metrics_file_that_names_another_file_is_refused_unchanged(tmp_path, c
     before training, unchanged; an empty file, a metrics file and the half-written first line
     of a killed run are appended to."""
     code, weights = tmp_path / "my_net.py", tmp_path / "w.pt"
-    code.write_text("import torch.nn as nn\n")
+    code.write_text("\nimport torch.nn as nn\n")  # a blank first line: the first line that is not is looked at
     torch.save({"w": torch.zeros(2)}, weights)
     for path in (code, weights):
         before = path.read_bytes()
