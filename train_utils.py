@@ -262,8 +262,7 @@ def train_steps(run, batches, state):
                 for line in run.compiled.after_first_step(run.clock.first_step_s, run.task.model):
                     run.log.info(f"{timestamp()} {line}")
         if run.ema:  # recipe.py's model EMA, every ema_every optimizer steps; copies during the warm-up
-            warmup = first_cycle(run.args.epochs, run.args.warmup_epochs, run.steps).warmup  # the schedule's own
-            update_model_ema(run.ema, run.module, run.scheduler.last_epoch, warmup, run.ema_every)
+            update_model_ema(run.ema, run.module, run.scheduler.last_epoch, run.ema_warmup, run.ema_every)
         books.add(loss, y.size(0))
         state.step = step
         if run.monitor.profile is not None:  # --profile-dir: the profiler's window counts the steps
@@ -539,6 +538,7 @@ class Run:
     mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
+    ema_warmup: int = 0    # optimizer steps of the LR warm-up, during which ``ema`` restarts after each update
     compiled: object = None  # --compile: its mode and caches (engine/compiling.Compilation), else None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
 
@@ -698,6 +698,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
+              ema_warmup=first_cycle(args.epochs, args.warmup_epochs, steps).warmup if ema_schedule else 0,
               regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled)
     return run, state, rng_state
 
