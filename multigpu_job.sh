@@ -12,10 +12,10 @@
 # The global batch is PER_GPU_BATCH x GPUs (256 x 4 = 1024, the guide's). Environment
 # overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR (where train_ddp.py is),
 # NPROC_PER_NODE (default: the GPUs Slurm gave this node), PER_GPU_BATCH (images), BASE_LR,
-# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE, OMP_NUM_THREADS (default: the task's
-# cores / NPROC_PER_NODE, each rank's CPU threads), TORCHRUN_PATH (empty, the default:
-# tools/torchrun.py, torchrun ending in the ranks' own error lines instead of its traceback;
-# /usr/local/bin/torchrun: PyTorch's own).
+# GPU_LOG_INTERVAL (seconds), GPU_LOG_FILE, STOP_FILE, REQUEUE_MIN_S (seconds), OMP_NUM_THREADS
+# (default: the task's cores / NPROC_PER_NODE, each rank's CPU threads), TORCHRUN_PATH (empty,
+# the default: tools/torchrun.py, torchrun ending in the ranks' own error lines instead of its
+# traceback; /usr/local/bin/torchrun: PyTorch's own).
 # Training checkpoints into its checkpoint folder (CHECKPOINT_DIR, or --checkpoint-dir among
 # the arguments); 300 s before the time limit it is stopped with a checkpoint, the job
 # requeues itself and the requeued job resumes from that folder (see README). The final
@@ -46,6 +46,7 @@ GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_FILE="${GPU_LOG_FILE:-multigpu_${SLURM_JOB_ID:-local}_gpu.csv}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multigpu_${SLURM_JOB_ID:-local}}"
 STOP_FILE="${STOP_FILE:-$PWD/.multigpu_${SLURM_JOB_ID:-local}.stop}"
+REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued: see requeue() below
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 TORCHRUN_PATH="${TORCHRUN_PATH:-}"
 launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
@@ -55,6 +56,9 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 [[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+[[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
+{ : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null ||
+    die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
 for script in train_ddp.py tools/torchrun.py; do
     [[ -f "$PROJECT_DIR/$script" ]] ||
         die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
@@ -110,6 +114,19 @@ trap 'kill "$monitor_pid" 2>/dev/null || true; rm -f "$STOP_FILE"' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
+# A job that ran less than REQUEUE_MIN_S (300 s, the signal's margin) is not requeued: its time
+# limit leaves so little past the margin that each requeued run would stop soon after starting.
+requeue() {
+    if ((SECONDS < REQUEUE_MIN_S)); then
+        echo "Not requeueing job $SLURM_JOB_ID: it ran $SECONDS s, less than REQUEUE_MIN_S=$REQUEUE_MIN_S, as" \
+            "its time limit leaves little past the 300 s stop margin; continue it with a longer --time:" \
+            "sbatch --time=HH:MM:SS multigpu_job.sh --checkpoint-dir $CHECKPOINT_DIR" >&2
+        return
+    fi
+    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
+    scontrol requeue "$SLURM_JOB_ID"
+}
+
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 # --standalone: torchrun runs its own rendezvous on a free local port.
@@ -125,7 +142,10 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     wait "$training_pid" || status=$?
 done
 if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
-    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
-    scontrol requeue "$SLURM_JOB_ID"
+    if [[ -e "$STOP_FILE" ]]; then  # training removes the stop file it stops on: it finished first
+        echo "Training finished before the stop request took effect: the job is done, not requeued"
+    else
+        requeue
+    fi
 fi
 exit "$status"

@@ -16,8 +16,8 @@
 # guide's). Environment overrides: CONTAINER_PATH, CHECKPOINT_DIR, PROJECT_DIR, NPROC_PER_NODE,
 # PER_GPU_BATCH, BASE_LR, RDZV_HOST, RDZV_PORT, TORCHRUN_PATH (empty: tools/torchrun.py, which
 # ends in the ranks' own error lines, not torchrun's traceback), the HOST_*_PATH library paths,
-# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, OMP_NUM_THREADS (default: the task's cores /
-# NPROC_PER_NODE, each rank's CPU threads), every network setting in NETWORK_DEFAULTS
+# GPU_LOG_INTERVAL, GPU_LOG_PREFIX, STOP_FILE, REQUEUE_MIN_S, OMP_NUM_THREADS (default: the
+# task's cores / NPROC_PER_NODE, each rank's CPU threads), every network setting in NETWORK_DEFAULTS
 # below (on a cluster other than Olivia: docs/network.md, "On another cluster"), and:
 #   HOST_BINDS=1          1 (default): bind the host's libfabric, NCCL and aws-ofi-nccl (HOST_*_PATH) into
 #                         the container; 0: use the container's own NCCL (InfiniBand, Ethernet)
@@ -67,6 +67,7 @@ GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
 STOP_FILE="${STOP_FILE:-$PWD/.multinode_${SLURM_JOB_ID:-local}.stop}"  # shared: rank 0 may be on any node
+REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued: see requeue() below
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
 HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/1.22.0/include}"
@@ -125,6 +126,9 @@ flags_only='^[-A-Za-z0-9_.=+ ]*$'  # check_network.py checks the flags; no quote
 read -r -a network_check_args <<<"$NETWORK_CHECK_ARGS"
 [[ -z "$NETWORK_MIN_BUSBW" ]] || network_check_args+=(--min-busbw "$NETWORK_MIN_BUSBW")
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+[[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
+{ : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null ||
+    die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
 # The host's network libraries (Olivia's paths by default), checked here on the first node:
 # apptainer would refuse a missing one once per task, in its own words.
 binds=()
@@ -297,7 +301,15 @@ if ! interfaces="$(srun --ntasks-per-node=1 apptainer exec --nv "${binds[@]}" "$
 fi
 echo "$interfaces"
 
+# A job that ran less than REQUEUE_MIN_S (300 s, the signal's margin) is not requeued: its time
+# limit leaves so little past the margin that each requeued run would stop soon after starting.
 requeue() {
+    if ((SECONDS < REQUEUE_MIN_S)); then
+        echo "Not requeueing job $SLURM_JOB_ID: it ran $SECONDS s, less than REQUEUE_MIN_S=$REQUEUE_MIN_S, as" \
+            "its time limit leaves little past the 300 s stop margin; continue it with a longer --time:" \
+            "sbatch --time=HH:MM:SS multinode_job.sh --checkpoint-dir $CHECKPOINT_DIR" >&2
+        return
+    fi
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
     scontrol requeue "$SLURM_JOB_ID"
 }
@@ -336,6 +348,10 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     wait "$training_pid" || status=$?
 done
 if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
-    requeue
+    if [[ -e "$STOP_FILE" ]]; then  # training removes the stop file it stops on: it finished first
+        echo "Training finished before the stop request took effect: the job is done, not requeued"
+    else
+        requeue
+    fi
 fi
 exit "$status"

@@ -28,7 +28,8 @@ class StopRequests:
 
     Exit status: EXIT_STOPPED after a signal; 0 after the stop file, which the job scripts
     use to stop training before the time limit without signalling torchrun (it would report
-    the stop as a crash, with a traceback).
+    the stop as a crash, with a traceback); the file is then removed, which tells the script
+    that training stopped rather than finished.
 
     Nothing of this waits in a training step: a thread looks for the stop file (a stat on
     Lustre can take 50 ms), and the ranks agree asynchronously (``after_step``): the
@@ -125,7 +126,14 @@ class StopRequests:
         return max_over_ranks(self._local(), self.ctx.control_group)
 
     def stopped(self, kind, where, path):
-        """The exception that ends training after the stop checkpoint ``path``."""
+        """The exception that ends training after the stop checkpoint ``path``. The stop file
+        it acted on is removed (global rank 0): a job script that finds it gone knows training
+        stopped on it rather than finished, and a later run is not stopped by it."""
+        if kind == STOP_FILE and self.stop_file is not None:
+            try:
+                self.stop_file.unlink(missing_ok=True)
+            except OSError:  # a folder no longer writable: the file stays, and says nothing new
+                pass
         cause = {STOP_FILE: f"--stop-file {self.stop_file}" if self.stop_file else "--stop-file",
                  STOP_SIGNAL: self.received or "a signal to another rank"}[kind]
         saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"

@@ -48,6 +48,7 @@ def job_env(tmp_path, **extra):
                     CONTAINER_PATH=tmp_path / "pytorch.sif", PER_GPU_BATCH=4, GPU_LOG_INTERVAL=1,
                     STUB_LOG=tmp_path / "stub.log", STUB_PIDS=tmp_path / "monitor.pids",
                     GLOO_SOCKET_IFNAME="lo",  # the "nodes" are processes on this machine: no hsn0
+                    REQUEUE_MIN_S=0,  # the tests' jobs get their warning seconds after the start
                     **host_libraries(tmp_path))
     return clean_env(**{**defaults, **extra})
 
@@ -284,6 +285,50 @@ def test_a_bad_thread_count_is_a_clear_error(tmp_path, script, variable, value, 
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: value})
     result = run_job(script, tmp_path, env)
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
+
+
+def warned_job(tmp_path, env, *args):
+    """singlegpu_job.sh warned of its time limit (USR1) in epoch 2; its output once it ends."""
+    go = tmp_path / "go"
+    job = start(["bash", REPO / "singlegpu_job.sh", *TRAIN_ARGS, *args], tmp_path, tmp_path / "job.log",
+                env={**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"})
+    wait_held(go, job)
+    job.send_signal(signal.SIGUSR1)
+    wait_for_path(tmp_path / f".singlegpu_{JOB_ID}.stop", job)
+    time.sleep(STOP_FILE_POLL_S * 1.5)
+    go.touch()
+    assert job.wait(timeout=120) == 0
+    return (tmp_path / "job.log").read_text()
+
+
+def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
+    """A --time within the signal's 300 s margin warns right after the start: the job stops
+    with a checkpoint and says how to go on, instead of requeueing itself over and over."""
+    log = warned_job(tmp_path, job_env(tmp_path, REQUEUE_MIN_S=300))  # the default
+    assert "Stopped after step 1 of epoch 2 (--stop-file " in log
+    assert re.search(rf"Not requeueing job {JOB_ID}: it ran \d+ s, less than REQUEUE_MIN_S=300, .* continue it with "
+                     rf"a longer --time: sbatch --time=HH:MM:SS singlegpu_job.sh --checkpoint-dir checkpoints/"
+                     rf"singlegpu_{JOB_ID}$", log, re.M), log
+    assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
+
+
+def test_a_job_whose_training_ended_before_the_stop_is_not_requeued(tmp_path):
+    """Training that never acted on the stop file (here it watches another: a finished run
+    looks the same) leaves it in place: the job is done, and says so, not requeued."""
+    log = warned_job(tmp_path, job_env(tmp_path), "--stop-file", tmp_path / "other.stop")
+    assert "Training complete." in log and "Stopped after" not in log
+    assert "Training finished before the stop request took effect: the job is done, not requeued" in log
+    assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_stop_file_that_cannot_be_created_is_refused_at_start(tmp_path, script):
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  STOP_FILE=tmp_path / "no" / "such" / "x.stop")
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: STOP_FILE={tmp_path / 'no' / 'such' / 'x.stop'} cannot be created, and the stop before the time "
+        "limit needs it (set STOP_FILE)\n")
 
 
 def test_a_job_that_fails_is_not_requeued(tmp_path):

@@ -549,7 +549,7 @@ def test_stop_file_stops_with_exit_status_0(tmp_path, monkeypatch):
             time.sleep(0.01)
         assert stop.agreed() == stopping.STOP_FILE
         stopped = stop.stopped(stopping.STOP_FILE, "after step 3 of epoch 2", tmp_path / "checkpoint_000000007.pt")
-    assert stopped.exit_code == 0
+    assert stopped.exit_code == 0 and not stop_file.exists()  # acted on: removed (what the job scripts look at)
     assert str(stopped) == (f"Stopped after step 3 of epoch 2 (--stop-file {stop_file}); checkpoint "
                             f"{tmp_path / 'checkpoint_000000007.pt'}: continue with --resume")
     with stopping.StopRequests(ctx, stop_file) as stop:

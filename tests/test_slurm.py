@@ -124,6 +124,7 @@ def submit_env(cluster, tmp_path, **extra):
     return {**cluster.env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PROJECT_DIR": str(REPO),
             "CONTAINER_PATH": str(tmp_path / "pytorch.sif"), "PER_GPU_BATCH": "4", "GPU_LOG_INTERVAL": "1",
             "GLOO_SOCKET_IFNAME": "lo",  # both slurmd run here: no Slingshot interface
+            "REQUEUE_MIN_S": "0",  # the tests' jobs get their warning seconds after the start
             **host_libraries(tmp_path), **{k: str(v) for k, v in extra.items()}}
 
 
