@@ -90,8 +90,8 @@ class TooSlow(UserError):
     exit_code = 4
 
 
-NOT_UNDER_TORCHRUN = ("check_network.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=4 "
-                      "check_network.py")
+NOT_UNDER_TORCHRUN = ("check_network.py must be started by torchrun, e.g. python tools/torchrun.py --standalone "
+                      "--nproc_per_node=4 check_network.py")
 
 
 class CheckLost(UserError):
@@ -275,8 +275,9 @@ def first_contact(ctx, log_path, timeout_s):
     return gather_objects((log, right, one.item(), socket.gethostname()), ctx.control_group)
 
 
-def check_lost(lost, trace):
-    """process_group_scope's error for a rank lost during the check."""
+def check_lost(lost, trace, checkpoint_dir):
+    """process_group_scope's error for a rank lost during the check (which writes neither a
+    flight recorder nor checkpoints: ``trace`` and ``checkpoint_dir`` are None)."""
     return CheckLost(f"the network check could not finish: {lost.message}", same_on_every_rank=not lost.printed_here,
                      silent=lost.spoke)
 

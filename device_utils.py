@@ -108,8 +108,8 @@ def flight_recorder_settings(directory, version=None) -> dict:
     return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", file_variable: prefix}
 
 
-NOT_UNDER_TORCHRUN = ("train_ddp.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
-                      "train_ddp.py (for one process: python train.py)")
+NOT_UNDER_TORCHRUN = ("train_ddp.py must be started by torchrun, e.g. python tools/torchrun.py --standalone "
+                      "--nproc_per_node=2 train_ddp.py (for one process: python train.py)")
 
 
 def setup_distributed(collective_timeout_min=DEFAULT_COLLECTIVE_TIMEOUT_MIN, trace_dir=None,

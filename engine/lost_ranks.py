@@ -201,11 +201,23 @@ def dump_flight_recorder(directory, rank):
         return None
 
 
-def training_stopped(lost, trace):
-    """train_ddp.py's RanksLost for the LostRanks ``lost``, with the flight recorder ``trace``."""
+def training_stopped(lost, trace, checkpoint_dir=None):
+    """train_ddp.py's RanksLost for the LostRanks ``lost``, with the flight recorder ``trace``
+    and what the run's ``checkpoint_dir`` keeps."""
     traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
-    return RanksLost(f"{lost.message}: stopping every rank; the checkpoints written so far are kept, continue "
-                     f"with --resume{traces}", same_on_every_rank=not lost.printed_here, silent=lost.spoke)
+    return RanksLost(f"{lost.message}: stopping every rank; {kept_checkpoints(checkpoint_dir)}{traces}",
+                     same_on_every_rank=not lost.printed_here, silent=lost.spoke)
+
+
+def kept_checkpoints(checkpoint_dir):
+    """What a run that ends now keeps, in words: never a --resume where there is nothing to resume."""
+    if not checkpoint_dir:
+        return "nothing is saved (no --checkpoint-dir)"
+    from engine.checkpoints import checkpoint_paths  # a run with a checkpoint folder has imported it
+    newest = checkpoint_paths(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    if not newest:
+        return f"no checkpoint was written yet (--checkpoint-dir {checkpoint_dir})"
+    return f"the checkpoints written so far are kept (newest: {newest[0]}), continue with --resume"
 
 
 @contextmanager
@@ -213,7 +225,7 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
     """The process group's life in an entry point: destroyed at the end, also after an error.
 
     A collective that timed out or lost a peer becomes one line naming the ranks that stopped
-    responding (``lost_error(lost, trace)``: RanksLost, exit status 3, for training), printed
+    responding (``lost_error(lost, trace, trace_dir)``: RanksLost, exit status 3, for training), printed
     by the lowest rank still alive, instead of a traceback on every rank. On GPUs each rank
     first writes its NCCL flight recorder into ``trace_dir`` (the checkpoint folder), when
     given. Nothing else is written and the group is not destroyed: the checkpoints so far
@@ -231,7 +243,7 @@ def process_group_scope(ctx: DistContext, timeout_min: float, trace_dir=None, lo
             raise
         ignore_stop_signals()  # torchrun signals the ranks left when one dies: the roll call and its line first
         trace = dump_flight_recorder(trace_dir, ctx.rank) if ctx.device.type == "cuda" else None
-        raise lost_error(who_is_lost(err, ctx, timeout_min), trace) from None
+        raise lost_error(who_is_lost(err, ctx, timeout_min), trace, trace_dir) from None
     except BaseException:
         said_why(ctx)  # before the group goes: the others learn of this rank's end through it
         cleanup_distributed()

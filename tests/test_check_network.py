@@ -261,8 +261,8 @@ def test_a_bad_flag_is_one_line(capsys, args, message):
 
 def test_without_torchrun_it_says_how_to_start_it(capsys):
     assert run_main("check_network.py") == 2
-    assert capsys.readouterr().err == ("error: check_network.py must be started by torchrun, e.g. torchrun "
-                                       "--standalone --nproc_per_node=4 check_network.py\n")
+    assert capsys.readouterr().err == ("error: check_network.py must be started by torchrun, e.g. python "
+                                       "tools/torchrun.py --standalone --nproc_per_node=4 check_network.py\n")
 
 
 def table(stdout):

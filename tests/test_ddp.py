@@ -121,5 +121,5 @@ def test_rank_0s_error_line_is_not_lost_when_another_rank_gets_there_first(tmp_p
 def test_train_ddp_without_torchrun_says_how_to_start_it(capsys):
     assert run_main("train_ddp.py", "--synthetic") == 2
     assert error_lines(capsys.readouterr().err) == [
-        "error: train_ddp.py must be started by torchrun, e.g. torchrun --standalone --nproc_per_node=2 "
-        "train_ddp.py (for one process: python train.py)"]
+        "error: train_ddp.py must be started by torchrun, e.g. python tools/torchrun.py --standalone "
+        "--nproc_per_node=2 train_ddp.py (for one process: python train.py)"]

@@ -745,12 +745,24 @@ def test_a_frozen_or_killed_rank_ends_the_run_promptly_with_one_line(tmp_path, h
                 or line.startswith(who + "died without a word: killed (SIGKILL: the kernel's out-of-memory killer, "
                                          "kill -9) or crashed in native code (")), line
         assert elapsed < 30
+    kept = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))
     assert line.endswith("; --collective-timeout 0.1 min): stopping every rank; the checkpoints written so far "
-                         "are kept, continue with --resume")
+                         f"are kept (newest: {kept[-1]}), continue with --resume")
     assert log.index(line) < log.index("ChildFailedError")  # before torchrun's report
     assert f'File "{REPO}' not in log  # no traceback through this project's code (torchrun prints its own)
-    kept = sorted((tmp_path / "ckpt").glob("checkpoint_*.pt"))
     assert kept and all(torch.load(path, weights_only=True)["format"] == checkpoints.CHECKPOINT_FORMAT for path in kept)
+
+
+def test_a_lost_rank_line_says_what_is_kept_and_resume_only_where_there_is_something(tmp_path):
+    assert lost_ranks.kept_checkpoints(None) == "nothing is saved (no --checkpoint-dir)"
+    assert lost_ranks.kept_checkpoints(tmp_path / "ck") == (
+        f"no checkpoint was written yet (--checkpoint-dir {tmp_path / 'ck'})")
+    (tmp_path / "ck").mkdir()
+    for step in (4, 8):
+        (tmp_path / "ck" / f"checkpoint_{step:09d}.pt").touch()
+    assert lost_ranks.kept_checkpoints(tmp_path / "ck") == (
+        f"the checkpoints written so far are kept (newest: {tmp_path / 'ck' / 'checkpoint_000000008.pt'}), continue "
+        "with --resume")
 
 
 def test_a_lost_rank_that_said_why_is_not_named_again_and_one_that_did_not_is():
