@@ -57,14 +57,14 @@ def check_outputs(output_files, output_folders, group=None, json_lines=()):
     flags in ``json_lines`` are appended to: one that exists must be a file of JSON lines.
     Every rank gets rank 0's verdict (``group``: the gloo control group)."""
     def check():
+        for flag, directory in output_folders.items():  # first: a file in one (DIR/weights.pt) names the folder
+            if directory:
+                check_writable_dir(directory, flag)
         for flag, path in output_files.items():
             if path:
                 check_writable(path, flag)
                 if flag in json_lines:
                     check_json_lines(path, flag)
-        for flag, directory in output_folders.items():
-            if directory:
-                check_writable_dir(directory, flag)
 
     from_rank0(check, group)
 

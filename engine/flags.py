@@ -180,8 +180,8 @@ def add_data_arguments(group):
                             "and test/ (or val/) holding them; for FILE.py:NAME the argument NAME gets")
     group.add_argument("--val-fraction", metavar="FRACTION", type=open_fraction, default=None,
                        help="hold out this fraction of each class of the training images for validation (e.g. 0.2), "
-                            "chosen by --seed, the same on every rank and after a resume; for data without a test "
-                            f"split (a --dataset {FOLDER} of class folders or of train/ alone, a FILE.py:NAME "
+                            "chosen by the training run's --seed, the same on every rank and after a resume; for data "
+                            f"without a test split (a --dataset {FOLDER} of class folders or of train/ alone, a FILE.py:NAME "
                             "returning (train, None)). Its test split, if any, is then not used")
     group.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
                        help=f"--dataset {FOLDER}: the model's input size, N or HxW in pixels (images scaled to "
