@@ -85,6 +85,19 @@ def test_appended_runs_are_told_apart_and_cut_lines_skipped(metrics, tmp_path, c
     assert "skipped 1 line(s) that are not epoch records" in captured.err
 
 
+def test_a_run_resumed_on_another_number_of_processes_says_so_and_is_not_a_scaling_point(metrics, tmp_path,
+                                                                                          capsys):
+    resumed = tmp_path / "resumed.jsonl"
+    one, two = read_metrics(metrics[1]), read_metrics(metrics[2])
+    records = [one[0], {**two[1], "run_id": one[0]["run_id"]}]  # epoch 1 on 1 process, epoch 2 on 2
+    resumed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(metrics[1]), str(resumed)]) == 0
+    out = capsys.readouterr().out
+    assert [row["Processes"] for row in _rows(out, "Runs")] == ["1", "1 then 2"]
+    assert f"Left out of scaling tables: {resumed.name}, resumed on another number of processes." in out
+    assert "## Scaling" not in out
+
+
 def _png_size(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"

@@ -62,6 +62,12 @@ class RunRecords:
         return self.value("world_size", 1)
 
     @property
+    def processes(self):
+        """The process counts of its epochs, in the order they ran: more than one for a run
+        resumed on another number of processes."""
+        return list(dict.fromkeys(r.get("world_size", 1) for r in self.records))
+
+    @property
     def is_cpu(self):
         return str(self.value("device", "")).startswith("CPU")
 
@@ -187,7 +193,8 @@ def runs_table(runs):
         best = max(run.records, key=validated)  # with --model-ema, the better of the model and its average
         peaks = [r["peak_memory_gib"] for r in run.records if r.get("peak_memory_gib") is not None]
         rows.append([
-            run.label, len(run.records), run.world_size, run.value("nodes", "-"), run.value("per_process_batch", "-"),
+            run.label, len(run.records), " then ".join(map(str, run.processes)), run.value("nodes", "-"),
+            run.value("per_process_batch", "-"),
             run.value("precision", "-"), f"{last['val_accuracy']:.4f}",
             f"{validated(best):.4f} (epoch {best['epoch']})",
             last.get("val_samples", "-"), _number(sum(r["epoch_time_s"] for r in run.records)),
@@ -229,16 +236,21 @@ def scaling_rows(runs):
 def scaling_tables(runs):
     """A scaling table per recipe that was run at two or more GPU counts; otherwise one line
     saying why there is none."""
-    groups = defaultdict(list)
+    groups, mixed = defaultdict(list), []
     for run in runs:
-        groups[run.recipe()].append(run)
+        if len(run.processes) > 1:  # its throughput mixes process counts: no point of a scaling curve
+            mixed.append(run.label)
+        else:
+            groups[run.recipe()].append(run)
+    note = ([f"Left out of scaling tables: {', '.join(mixed)}, resumed on another number of processes."]
+            if mixed else [])
     comparable = [group for group in groups.values() if len({run.world_size for run in group}) > 1]
     if not comparable:
         if len(runs) > 1:
-            return ["No scaling table: that needs runs of one recipe (the same " + ", ".join(RECIPE_KEYS)
+            return [*note, "No scaling table: that needs runs of one recipe (the same " + ", ".join(RECIPE_KEYS)
                     + ") at different GPU counts."]
-        return []
-    lines = []
+        return note
+    lines = [*note, ""] if note else []
     for group in comparable:
         rows = scaling_rows(group)
         base, unit = rows[0], "process" if group[0].is_cpu else "GPU"  # CPU runs: gloo processes
