@@ -157,7 +157,7 @@ def test_a_compiled_run_recompiles_nothing_and_resumes_exactly_on_its_cached_ker
     assert "Stopped after" in stopped.stdout and "Epoch 3/3" not in stopped.stdout, stopped.stdout
     graphs = sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*"))
     assert graphs  # inductor's FX graphs, in the job's folder
-    stop_file.unlink()
+    assert not stop_file.exists()  # the stop removed the file it acted on: the resume is not stopped by it
     resumed, _ = train("stopped", "--resume")
     assert "compile_cache, with what an earlier start compiled: reused where it fits" in resumed.stdout
     assert sorted((out / "ckpt" / "compile_cache" / "fxgraph").rglob("*")) == graphs  # read back, none compiled anew
