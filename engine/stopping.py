@@ -135,7 +135,7 @@ class StopRequests:
             except OSError:  # a folder no longer writable: the file stays, and says nothing new
                 pass
         cause = {STOP_FILE: f"--stop-file {self.stop_file}" if self.stop_file else "--stop-file",
-                 STOP_SIGNAL: self.received or "a signal to another rank"}[kind]
+                 STOP_SIGNAL: self.received or "a stop request on another rank"}[kind]
         saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
         return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
 

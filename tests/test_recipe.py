@@ -105,7 +105,7 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     log = (stopped / "log").read_text()
     resumed = run(launcher(*BASE, *outputs[1], "--resume"), cwd=stopped)
     step = 2 if launcher is single else 3  # DDP: the ranks agree during the next step
-    assert re.search(rf"Stopped after step {step} of epoch 2 \((SIGUSR1|a signal to another rank)\)", log), log
+    assert re.search(rf"Stopped after step {step} of epoch 2 \((SIGUSR1|a stop request on another rank)\)", log), log
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming from" in resumed.stdout and f"Recipe: {names[optimizer]} (" in resumed.stdout
     a, b = (torch.load(folder / "w.pt", weights_only=True) for folder in (reference, stopped))
