@@ -94,9 +94,12 @@ _BACKGROUND = []  # processes of ``start``, killed when their test ends
 
 def start(cmd, cwd, log, env=None):
     """Start a command in the background, its output going to ``log``, in a session of its own:
-    whatever it leaves running when its test ends (passed or failed) is killed then."""
+    whatever it leaves running when its test ends (passed or failed) is killed then. Ctrl-C
+    (SIGINT) is at its default there, as for a command typed at a terminal, even when the suite
+    itself runs in the background (``&``), which ignores SIGINT and passes that on."""
     process = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or clean_env(), stdout=open(log, "w"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _BACKGROUND.append(process)
     return process
 
