@@ -24,7 +24,7 @@ from engine.errors import RunAborted, first_line
 from engine.interfaces import NetworkSetupError
 from engine.nccl_log import refused_network
 from engine.processes import DistContext, cleanup_distributed, group_active
-from engine.stopping import ignore_stop_signals
+from engine.stopping import ignore_stop_signals, newest_checkpoint
 
 # After a failed collective: how long the ranks that are alive wait for each other. Under
 # torchrun's 30 s grace: torchrun signals the ranks when one dies and kills them 30 s later.
@@ -213,11 +213,10 @@ def kept_checkpoints(checkpoint_dir):
     """What a run that ends now keeps, in words: never a --resume where there is nothing to resume."""
     if not checkpoint_dir:
         return "nothing is saved (no --checkpoint-dir)"
-    from engine.checkpoints import checkpoint_paths  # a run with a checkpoint folder has imported it
-    newest = checkpoint_paths(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    if not newest:
+    newest = newest_checkpoint(checkpoint_dir)
+    if newest is None:
         return f"no checkpoint was written yet (--checkpoint-dir {checkpoint_dir})"
-    return f"the checkpoints written so far are kept (newest: {newest[0]}), continue with --resume"
+    return f"the checkpoints written so far are kept (newest: {newest}), continue with --resume"
 
 
 @contextmanager

@@ -88,11 +88,10 @@ class StopRequests:
         """What a run that quits now leaves behind, for the line that says it quit."""
         if not self.checkpoint_dir:
             return "the model is lost (no --checkpoint-dir)"
-        from engine.checkpoints import checkpoint_paths  # a run that writes checkpoints has imported it
-        newest = checkpoint_paths(self.checkpoint_dir)
-        if not newest:
+        newest = newest_checkpoint(self.checkpoint_dir)
+        if newest is None:
             return f"no checkpoint was written yet (--checkpoint-dir {self.checkpoint_dir})"
-        return f"nothing saved since {newest[0]}"
+        return f"nothing saved since {newest}"
 
     def _local(self):
         if not self.received and launcher_gone(self.ctx.launcher_pid):  # an orphan: nobody would see its output
@@ -138,6 +137,14 @@ class StopRequests:
                  STOP_SIGNAL: self.received or "a stop request on another rank"}[kind]
         saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
         return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
+
+
+def newest_checkpoint(checkpoint_dir):
+    """The newest checkpoint file in ``checkpoint_dir`` (a folder, which may not exist yet),
+    or None: what a run that ends now leaves to resume from."""
+    from engine.checkpoints import checkpoint_paths  # a run that writes checkpoints has imported it
+    newest = checkpoint_paths(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    return newest[0] if newest else None
 
 
 def launcher_gone(launcher_pid):
