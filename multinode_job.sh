@@ -175,15 +175,23 @@ RDZV_PORT="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 3000))}"
 [[ "$RDZV_PORT" =~ ^[1-9][0-9]*$ && "$RDZV_PORT" -lt 65536 ]] || die "RDZV_PORT=$RDZV_PORT is not a port number"
 echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, nodes: $SLURM_JOB_NUM_NODES, GPUs per node: $NPROC_PER_NODE"
 
-# Runs once per node (host side): sample this node's GPUs into its own file, run the
-# container, then stop exactly this monitor by its PID.
+# Runs once per node (host side), as `node-task STEP COMMAND...`: for training (STEP train),
+# sample this node's GPUs into its own file; run the container, stop exactly this monitor by
+# its PID, and record the status the task ended with by itself in STATUS_DIR (a task that srun
+# stops dies with its shell and records nothing: see task_status below).
 node_task=$(cat <<'EOF'
-monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
-nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$monitor_log" &
-monitor_pid=$!
+step="$1"
+shift
+monitor_pid=""
+if [[ "$step" == train ]]; then
+    monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
+    nvidia-smi --query-gpu="$GPU_QUERY" --format=csv -l "$GPU_LOG_INTERVAL" >>"$monitor_log" &
+    monitor_pid=$!
+fi
 status=0
 "$@" || status=$?
-kill "$monitor_pid" 2>/dev/null || true
+[[ -z "$monitor_pid" ]] || kill "$monitor_pid" 2>/dev/null || true
+echo "$status" >"$STATUS_DIR/$step.${SLURM_NODEID:-0}" || true
 exit "$status"
 EOF
 )
@@ -238,9 +246,14 @@ export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over what
 # report a crash). The job is then requeued, and training continues from the checkpoint
 # (--resume=auto).
 rm -f "$STOP_FILE"
+STATUS_DIR="$STOP_FILE.status"  # beside the stop file, where every node sees it: node_task's statuses
+export STATUS_DIR
+rm -f "$STATUS_DIR"/*
+mkdir -p "$STATUS_DIR" || die "cannot create $STATUS_DIR (beside STOP_FILE, for the nodes' exit statuses)"
 store_pid=""
 store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
-trap 'rm -f "$STOP_FILE" "$store_ready"; [[ -z "$store_pid" ]] || kill "$store_pid" 2>/dev/null || true' EXIT
+trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/*; rmdir "$STATUS_DIR" 2>/dev/null
+[[ -z "$store_pid" ]] || kill "$store_pid" 2>/dev/null || true' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
@@ -314,14 +327,35 @@ requeue() {
     scontrol requeue "$SLURM_JOB_ID"
 }
 
+# srun ends with the highest status of its tasks, and --kill-on-bad-exit stops the others with
+# SIGTERM as soon as one fails: a mistake that every rank refuses (status 2) would end the job as
+# 143, a signal, when one node's ranks refuse it first. The status of an srun step (check or
+# train) is the highest that a task of it ended with by itself (node_task records them), or
+# srun's own when none failed by itself (scancel, a node lost).
+task_status() {  # task_status STEP SRUN_STATUS
+    local worst=0 file value
+    for file in "$STATUS_DIR/$1".*; do
+        [[ -f "$file" ]] || continue
+        read -r value <"$file" || continue
+        [[ "$value" =~ ^[0-9]+$ ]] || continue
+        ((value <= worst)) || worst="$value"
+    done
+    if [[ "$2" -eq 0 || "$worst" -eq 0 ]]; then
+        echo "$2"
+    else
+        echo "$worst"
+    fi
+}
+
 # The network check, through the same container, libraries and torchrun as training (a
 # rendezvous of its own in the same store), without a GPU monitor: seconds. It runs in the
 # foreground, so a USR1 arriving meanwhile is handled once it is done: training is then
 # skipped and the job requeued. A failure ends the job now, before training, unrequeued.
 if [[ "$NETWORK_CHECK" == 1 ]]; then
     check_status=0
-    "${on_every_node[@]}" "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID-network" \
-        "$PROJECT_DIR/check_network.py" "${network_check_args[@]}" || check_status=$?
+    "${on_every_node[@]}" bash -c "$node_task" node-task check "${in_container[@]}" \
+        --rdzv_id="$SLURM_JOB_ID-network" "$PROJECT_DIR/check_network.py" "${network_check_args[@]}" ||
+        check_status=$(task_status check "$?")
     if [[ "$check_status" -ne 0 ]]; then
         echo "error: the network check failed (status $check_status; its output is above): training not" \
             "started (NETWORK_CHECK=0 skips the check, docs/network.md)" >&2
@@ -335,7 +369,7 @@ fi
 
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
-"${on_every_node[@]}" bash -c "$node_task" node-task "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
+"${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 "${lr_flags[@]}" \
         --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
@@ -347,6 +381,7 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     status=0
     wait "$training_pid" || status=$?
 done
+status=$(task_status train "$status")
 if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
     if [[ -e "$STOP_FILE" ]]; then  # training removes the stop file it stops on: it finished first
         echo "Training finished before the stop request took effect: the job is done, not requeued"

@@ -163,7 +163,7 @@ def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
         assert symptom not in text + errors, errors  # torchrun's end, logged even without a traceback
     assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]  # each epoch once
     assert (tmp_path / checkpoint_dir / "weights.pt").exists()
-    assert not list(tmp_path.glob(".*.stop"))
+    assert not list(tmp_path.glob(".*.stop*"))  # the stop file, and multinode_job.sh's folder of statuses
     return text, job_id
 
 
@@ -251,3 +251,19 @@ def test_multi_node_job_with_its_rendezvous_port_taken_is_one_line(cluster, tmp_
     assert err.splitlines() == [
         f"error: the rendezvous store did not start on port {port} of localhost (in use by another job?); set "
         "RDZV_PORT to a free port (1024-65535) before sbatch"], err
+
+
+def test_a_users_mistake_in_a_multi_node_job_ends_it_with_status_2_and_its_line(cluster, tmp_path):
+    """A flag every rank on both nodes refuses: the job ends with the ranks' status 2 (a user
+    error), not the 143 of the task srun stopped on the other node, and its line once per rank
+    at most, no traceback."""
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
+                     NETWORK_CHECK="0")
+    job_id = sbatch(cluster, tmp_path, env, "multinode_job.sh", *TRAIN_ARGS, "--batch-size", "3")
+    state = cluster.wait_until_done(job_id, timeout=120)
+    out, err = ((tmp_path / f"multinode_{job_id}.{kind}").read_text() for kind in ("out", "err"))
+    assert state == "FAILED" and cluster.job_field(job_id, "ExitCode") == "2:0", out + err
+    assert cluster.job_field(job_id, "Restarts") == "0"
+    assert "Traceback" not in out + err and "Training " not in out, err
+    assert "error: --batch-size 3 " in err, err
+    assert not list(tmp_path.glob(".multinode_*"))  # the nodes' statuses, with the stop file: gone with the job
