@@ -253,7 +253,7 @@ mkdir -p "$STATUS_DIR" || die "cannot create $STATUS_DIR (beside STOP_FILE, for 
 store_pid=""
 store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
 trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/*; rmdir "$STATUS_DIR" 2>/dev/null
-[[ -z "$store_pid" ]] || kill "$store_pid" 2>/dev/null || true' EXIT
+[[ -z "$store_pid" ]] || kill -USR2 "$store_pid" 2>/dev/null || true' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
@@ -263,19 +263,24 @@ trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP
 # (c10d or static rendezvous), the head node's torchrun can exit while the others still
 # wait in torchrun's exit barrier or close the rendezvous, and they print a traceback
 # ("Error waiting on exit barrier", RendezvousConnectionError) at the end of a good run
-# (pytorch/pytorch#118891, #128096; seen in tests/test_slurm.py).
+# (pytorch/pytorch#118891, #128096; seen in tests/test_slurm.py). scancel's SIGTERM reaches
+# every process of the job at once, the store too: it ignores it and serves the torchruns while
+# they stop their ranks (else they print C++ stack traces of their lost store into the .err
+# file); this script stops it with SIGUSR2 once training has ended (Slurm's SIGKILL, KillWait
+# later, at the latest).
 # shellcheck disable=SC2016
 store_server='
 import signal, sys
 from datetime import timedelta
 import torch.distributed as dist
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 try:
     store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False,
                           timeout=timedelta(days=7))
 except (RuntimeError, OSError):  # the port is taken: the script says so in one line
     sys.exit(1)
 open(sys.argv[3], "w").write("ready")
-signal.pause()  # until this script ends the job and stops it'
+signal.pause()  # until SIGUSR2 (its default action ends the process, without a traceback)'
 apptainer exec "$CONTAINER_PATH" python3 -c "$store_server" "$RDZV_HOST" "$RDZV_PORT" "$store_ready" &
 store_pid=$!
 for _ in $(seq 1200); do  # up to 120 s: the container starts and imports torch
@@ -369,6 +374,7 @@ fi
 
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
+trap ':' TERM  # scancel: wait (below) for srun to stop the tasks, then stop the store (EXIT)
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 "${lr_flags[@]}" \

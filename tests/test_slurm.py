@@ -267,3 +267,27 @@ def test_a_users_mistake_in_a_multi_node_job_ends_it_with_status_2_and_its_line(
     assert "Traceback" not in out + err and "Training " not in out, err
     assert "error: --batch-size 3 " in err, err
     assert not list(tmp_path.glob(".multinode_*"))  # the nodes' statuses, with the stop file: gone with the job
+
+
+def test_a_cancelled_multi_node_job_stops_with_a_checkpoint_and_no_stack_traces(cluster, tmp_path):
+    """scancel reaches every process of the job at once. The ranks checkpoint and stop while
+    the rendezvous store the batch script holds goes on serving the nodes' torchruns: their
+    heartbeats once found it gone and printed C++ stack traces (TCPStore.cpp, frame #0 ...)
+    into the .err file. Here the ranks take 6 s to stop after the cancel, a heartbeat's
+    interval."""
+    go = tmp_path / "go"
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
+                     NETWORK_CHECK="0", HOLD_AT=f"{STEPS_PER_EPOCH + 1}:{go}")
+    job_id = sbatch(cluster, tmp_path, env, "multinode_job.sh", *TRAIN_ARGS)
+    wait_held(go, timeout=240)
+    cluster.command("scancel", job_id)
+    time.sleep(6)
+    go.touch()
+    assert cluster.wait_until_done(job_id) == "CANCELLED"
+    out, err = ((tmp_path / f"multinode_{job_id}.{kind}").read_text() for kind in ("out", "err"))
+    [stop_line] = [line for line in out.splitlines() if line.startswith("Stopped ")]
+    # The held step, or the next one: the ranks agree on a stop one step after it is seen.
+    assert re.match(r"Stopped after step [12] of epoch 2 \(SIGTERM\); checkpoint checkpoints/multinode_", stop_line), out
+    for trace in ("TCPStore", "frame #", "Traceback", "RendezvousConnectionError"):
+        assert trace not in err, err
+    assert not list(tmp_path.glob(".multinode_*"))
