@@ -73,27 +73,39 @@ def fit(task, args, ctx, clock=None):
             return [evaluate_once(run, task.test_loader)]
         reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
         run.clock.loop_started()
-        with run.stop, run.monitor:
-            while state.epoch <= args.epochs and not reached():
-                run_epoch(run, state, rng_state)
-                rng_state = None
-                stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
-                if stop and state.epoch <= args.epochs and not reached():
-                    path = run.checkpointer.save(run, state) if run.checkpointer else None
-                    raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
-            final = run.checkpointer.save(run, state) if run.checkpointer else None  # no-op when just written
-    if reached() and state.epoch - 1 < args.epochs:
+        # To the end of the run a signal only sets a flag: one that comes after the last step
+        # (Ctrl-C, scancel during the summary) waits for the final weights, which are written.
+        with run.stop:
+            with run.monitor:
+                while state.epoch <= args.epochs and not reached():
+                    run_epoch(run, state, rng_state)
+                    rng_state = None
+                    stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
+                    if stop and state.epoch <= args.epochs and not reached():
+                        path = run.checkpointer.save(run, state) if run.checkpointer else None
+                        raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
+                final = run.checkpointer.save(run, state) if run.checkpointer else None  # no-op when just written
+            finish(run, state, continuing, final)
+    return state.records
+
+
+def finish(run, state, continuing, final):
+    """The end of a run that trained to its end: why it ended, the summary, and the
+    --save-weights file (``final``: the final checkpoint's path, or None)."""
+    args, clock = run.args, run.clock
+    reached = target_reached(state.history, args.target_accuracy, args.patience)
+    if reached and state.epoch - 1 < args.epochs:
         run.log.info(f"Target accuracy reached. Early stopping after epoch {state.epoch - 1} of {args.epochs} "
                      f"(--target-accuracy {args.target_accuracy:g} for --patience {args.patience}; the LR schedule "
                      f"had not finished: LR {state.records[-1]['lr']:.3g}; --target-accuracy off trains all --epochs).")
-    elif reached():  # in the last epoch: nothing was cut short
+    elif reached:  # in the last epoch: nothing was cut short
         run.log.info(f"Target accuracy reached (--target-accuracy {args.target_accuracy:g} for --patience "
                      f"{args.patience}) in the last of the {args.epochs} epochs.")
     elif args.target_accuracy is not None and state.records:
         run.log.info(f"Early stop not reached (--target-accuracy {args.target_accuracy:g} for --patience "
                      f"{args.patience}): trained to --epochs {args.epochs}.")
-    for line in summarize(state.records, ctx, len(task.test_loader.dataset), clock.elapsed(), continuing,
-                          task.data.held_out):
+    for line in summarize(state.records, run.ctx, len(run.task.test_loader.dataset), clock.elapsed(), continuing,
+                          run.task.data.held_out):
         run.log.info(line)
     if run.checkpointer and run.checkpointer.count:
         wall, spent = clock.elapsed(), run.checkpointer.seconds
@@ -103,9 +115,10 @@ def fit(task, args, ctx, clock=None):
         from engine.weights import save_trained_weights
         last = state.records[-1] if state.records else None
         line = from_rank0(lambda: save_trained_weights(run.trained(last), args.save_weights,
-                                                       run.weights_metadata(last), final), ctx.control_group)
+                                                       run.weights_metadata(last), final), run.ctx.control_group)
         run.log.info(line + which_weights(last))
-    return state.records
+    if run.stop.received:
+        run.log.info(f"({run.stop.received} came after the last step: the run is complete)")
 
 
 def claimed_outputs(checkpoint_dir, resume, ctx, save_weights):

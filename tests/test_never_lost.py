@@ -416,3 +416,17 @@ def test_a_second_ctrl_c_names_what_is_kept_and_after_the_stop_checkpoint_change
         os.kill(os.getpid(), signal.SIGINT)  # 0.3 s later, while exiting with status 75: nothing happens
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_after_the_last_step_waits_for_the_final_weights(tmp_path, name):
+    """Ctrl-C or scancel while the summary is printed and --save-weights written (here: as the
+    weights are read to be saved) came after the last step: the run is complete, the weights
+    are written, and it ends with 0, saying so. It ended with no weights and 130 (or -15)."""
+    weights = tmp_path / "w.pt"
+    result = run(python_cmd("train.py", *RUN, "--save-weights", weights), cwd=tmp_path,
+                 env=clean_env(SIGNAL_AT_SAVE=name))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"({name} came after the last step: the run is complete)" in result.stdout
+    assert "Interrupted" not in result.stderr and "Traceback" not in result.stderr
+    assert "layers.0.weight" in torch.load(weights, weights_only=True)  # written whole

@@ -6,9 +6,14 @@ tests/tiny_net.py:Net).
 HOLD_AT=N:PATH holds each process at its N-th training forward until the file PATH exists,
 having written PATH.held<RANK>: a test then acts on a run that is surely still running (a
 signal, a second run on its folder) and creates PATH to let it go on. A run that finds PATH
-there already (resumed, requeued) is not held."""
+there already (resumed, requeued) is not held.
+
+SIGNAL_AT_SAVE=NAME sends the signal NAME (SIGINT, SIGTERM) to the process when its weights
+are first read to be saved (state_dict): a stop that comes after the last step, while the
+final weights are written."""
 
 import os
+import signal
 import time
 
 import torch.nn as nn
@@ -29,6 +34,12 @@ class Net(nn.Module):
             hold(self.forwards)
         time.sleep(FORWARD_S)
         return self.layers(x)
+
+    def state_dict(self, *args, **kwargs):
+        name = os.environ.pop("SIGNAL_AT_SAVE", None)  # once
+        if name:
+            os.kill(os.getpid(), signal.Signals[name])
+        return super().state_dict(*args, **kwargs)
 
 
 def hold(forwards):
