@@ -47,7 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
 from engine.data_formats import (DATASETS, class_names, data_root, default_data_dir, missing_files, prepare,
                                  read_split)
-from engine.errors import UserError, size_text
+from engine.errors import UserError, first_line, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
@@ -285,7 +285,10 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
     common = dict(batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0,
                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                   worker_init_fn=ignore_ctrl_c if num_workers else None)
-    train_set = train_set.with_transform(recipe.loader_transforms(train_set.prep))
+    transform = recipe.loader_transforms(train_set.prep)
+    if train_set.prep.per_image is not None:
+        check_image_transforms(train_set, transform)
+    train_set = train_set.with_transform(transform)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
     return (DataLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **common),
@@ -302,6 +305,30 @@ def with_image_transforms(train_set, transforms):
         raise UserError(f"{transform_names(transforms)} works on 8-bit images of 1 or 3 channels; these are "
                         f"{train_set.source.dtype} with {channels}: drop --auto-augment (or the transforms)")
     return train_set.with_prep(replace(train_set.prep, per_image=transforms)), transform_names(transforms)
+
+
+def check_image_transforms(train_set, transform):
+    """The DataLoader's per-image ``transform`` (recipe.loader_transforms, with recipe.py's own
+    transforms) tried on the first training image, at start: it must return what the loader
+    takes next, an 8-bit (C, H, W) image with the model's channels and at least its input size
+    (the loader crops the centre and normalizes). Else one line naming the transforms, where
+    the run would train silently on other images (a float image scaled as an 8-bit one, a 2x2
+    corner of a smaller crop) or fail with a DataLoader worker's traceback."""
+    names = transform_names(train_set.prep.per_image)
+    image = torch.from_numpy(np.array(train_set.source[0])).permute(2, 0, 1)  # (C, H, W), as __getitem__ reads it
+    try:
+        out = transformed(image, transform, seed=0)
+    except Exception as err:
+        raise UserError(f"{names} failed on a training image ({image.dtype} {tuple(image.shape)}): "
+                        f"{type(err).__name__}: {first_line(err)}") from None
+    height, width, channels = train_set.prep.image_shape
+    if not (torch.is_tensor(out) and out.dtype == torch.uint8 and out.ndim == 3 and out.shape[0] == channels
+            and out.shape[1] >= height and out.shape[2] >= width):
+        got = f"{out.dtype} {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+        raise UserError(f"{names} returned {got} for an 8-bit {tuple(image.shape)} image; the loader takes 8-bit "
+                        f"(C, H, W) images of at least the model's input ({channels}, {height}, {width}), then "
+                        "crops and normalizes them itself: leave out v2.ToDtype, v2.Normalize and crops smaller than "
+                        "the input (--image-size sets it for an image folder)")
 
 
 def transform_names(transforms):

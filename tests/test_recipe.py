@@ -306,6 +306,32 @@ def test_a_v2_transform_added_as_docs_recipe_shows_is_applied_to_each_image():
         du.with_image_transforms(floats, transforms)
 
 
+@pytest.mark.parametrize("transform, returned", [
+    ("ToDtype", r"torch.float32 \(3, 32, 32\)"),  # scaled to 0..1: normalized as 8-bit, all but blank
+    ("RandomCrop", r"torch.uint8 \(3, 28, 28\)"),  # smaller than the input: a 2x2 corner was trained on
+    ("Grayscale", r"torch.uint8 \(1, 32, 32\)"),  # not the model's channels
+    ("Normalize", None),  # fails on 8-bit images: in a DataLoader worker, with its traceback
+])
+def test_a_v2_transform_that_returns_what_the_loader_cannot_take_is_one_line_at_start(transform, returned):
+    """recipe.py's per-image transforms must hand the DataLoader's next step an 8-bit image
+    with the model's channels, at least its input size: anything else trained silently on
+    other images, or failed in a worker; now one line naming the transform, before training."""
+    from torchvision.transforms import v2
+    made = {"ToDtype": lambda: v2.ToDtype(torch.float32, scale=True), "RandomCrop": lambda: v2.RandomCrop(28),
+            "Grayscale": lambda: v2.Grayscale(), "Normalize": lambda: v2.Normalize((0.5,) * 3, (0.25,) * 3)}
+    images = np.random.default_rng(0).integers(30, 220, (16, 32, 32, 3), dtype=np.uint8)
+    plain = du.InMemoryImages(images, np.arange(16), du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3))
+    data, _ = du.with_image_transforms(plain, v2.Compose([made[transform]()]))
+    expected = (f"^recipe.py's per-image {transform} returned {returned} for an 8-bit \\(3, 32, 32\\) image; the "
+                r"loader takes 8-bit \(C, H, W\) images of at least the model's input \(3, 32, 32\)" if returned
+                else f"^recipe.py's per-image {transform} failed on a training image \\(torch.uint8 \\(3, 32, 32\\)\\): ")
+    with pytest.raises(UserError, match=expected):
+        du.build_loaders(data, plain, 8, loader="torchvision")
+    du.build_loaders(plain, plain, 8, loader="torchvision")  # the same images without it: taken
+    du.build_loaders(du.with_image_transforms(plain, v2.Compose([v2.RandomCrop(40, pad_if_needed=True)]))[0],
+                     plain, 8, loader="torchvision")  # larger than the input: centre-cropped, as stored larger ones
+
+
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     sgd = recipe.make_optimizer(model, parse_args("x", []), torch.device("cpu"))
