@@ -18,6 +18,7 @@ from __future__ import annotations  # Run names Precision and friends in its ann
 import argparse
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -564,6 +565,9 @@ class Run:
                 "loss": type(self.loss_fn).__name__, "augment": [op.__name__ for op in self.task.data.prep.ops],
                 "regularization": self.regularization, "device": self.device_name}
 
+    def recipe_code(self):
+        return recipe_code(self.loss_fn, self.task.data.prep)
+
     def trained(self, record=None):
         """The weights --save-weights and model_best.pt keep: the --model-ema average when it
         validated better than the model in ``record`` (an epoch's metrics), else the model."""
@@ -691,8 +695,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
-        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor,
-                                             own)
+        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps,
+                                             factor, own)
     else:
         if args.resume == "auto":
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
@@ -716,7 +720,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     return run, state, rng_state
 
 
-def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor, own=None):
+def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps, factor, own=None):
     """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
     continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
     --epochs extends lr_factor's schedule by a warm restart (``own``: recipe.make_scheduler's
@@ -727,7 +731,8 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
     check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
                     partial(check_state_fits, module, model_name=task.model_name), *resume_rules(),
-                    scheduler_class=type(own).__name__ if own is not None else "LambdaLR")
+                    scheduler_class=type(own).__name__ if own is not None else "LambdaLR",
+                    recipe_code=recipe_code(loss_fn, task.data.prep))
     saved = checkpoint["args"]
     planned = saved["epochs"]
     # A checkpoint written before extensions existed has the one cycle its flags define.
@@ -754,6 +759,16 @@ def resume(task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, fa
                                   ctx.control_group):
             log.info(warning)
     return state, rng_state, scheduler
+
+
+def recipe_code(loss_fn, prep):
+    """What recipe.py's code, beyond its flags, made of a run, in words: its loss, the
+    augmentation and the per-image transforms (``prep``: the data's Preprocessing). A checkpoint
+    records it, and a resume after an edit that changes it is refused (check_resumable)."""
+    per_image = "none" if prep.per_image is None else re.sub(r"\s+", " ", repr(prep.per_image))  # one line
+    per_image = re.sub(r" at 0x[0-9a-fA-F]+", "", per_image)  # a plain object's repr, without its address
+    return {"loss": describe_loss(loss_fn), "augmentation": f"{prep.augment} ({', '.join(op.__name__ for op in prep.ops)})",
+            "per-image transforms": per_image}
 
 
 def run_out_of_memory(run, state, where, steps_done):

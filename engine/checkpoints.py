@@ -180,14 +180,15 @@ def load_agreed_checkpoint(directory, ctx, log):
 
 
 def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_fits, defaults, recipe_flags,
-                    scheduler_class="LambdaLR"):
+                    scheduler_class="LambdaLR", recipe_code=None):
     """Refuse to continue a run with another model, data set, optimizer or recipe (it would not
     be the same run). ``flags``: this run's, by name, as a checkpoint records them (its "args").
     ``check_fits(state_dict, source)`` raises when the model's shape differs;
     ``optimizer`` is the one this run built, ``scheduler_class`` the name of its LR scheduler's
     class (LambdaLR: lr_factor's; recipe.make_scheduler's own); ``recipe_flags``: the names of
-    the flags a resume must keep. A checkpoint written before a flag existed ran with its default (``defaults``:
-    the flags' defaults, by name)."""
+    the flags a resume must keep; ``recipe_code``: what recipe.py's code made of this run in
+    words (Run.recipe_code), to compare with the checkpoint's. A checkpoint written before a
+    flag existed ran with its default (``defaults``: the flags' defaults, by name)."""
     saved = {**defaults, **checkpoint["args"]}
     trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
     if trained_on != fingerprint["dataset"]:
@@ -208,8 +209,10 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
                         "new run in another --checkpoint-dir")
     saved_scheduler = checkpoint.get("scheduler_class", "LambdaLR")
     if saved_scheduler != scheduler_class:
-        raise UserError(f"the checkpoint was trained with the LR scheduler {saved_scheduler}, this run builds "
-                        f"{scheduler_class} (recipe.make_scheduler): its state would not fit; restore recipe.py's "
+        def source(name):  # LambdaLR: lr_factor's, when recipe.make_scheduler returns None
+            return f"{name} (recipe.make_scheduler)" if name != "LambdaLR" else "lr_factor's LambdaLR"
+        raise UserError(f"the checkpoint was trained with the LR scheduler {source(saved_scheduler)}, this run "
+                        f"builds {source(scheduler_class)}: its state would not fit; restore recipe.py's "
                         "make_scheduler as it was, or start a new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
@@ -224,6 +227,13 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
                         + "".join(f", {other[key]}" for key in other if key in differ) + "): resume on the data it "
                         "was trained on, or start a new run in another --checkpoint-dir")
     check_resume_flags(saved, flags, recipe_flags)
+    saved_code = checkpoint.get("recipe_code") or {}  # none in checkpoints written before it was recorded
+    edited = [f"{what} {saved_code[what]} (now {now})" for what, now in (recipe_code or {}).items()
+              if what in saved_code and saved_code[what] != now]
+    if edited:
+        raise UserError("--resume needs the checkpoint's recipe, but recipe.py made another since: its "
+                        + ", ".join(edited) + "; restore recipe.py as it was, or start a new run in another "
+                        "--checkpoint-dir (--weights takes the checkpoint's model)")
 
 
 # Checkpoints written before --model-ema's defaults followed the run's length recorded the old
@@ -374,7 +384,7 @@ class Checkpointer:
                 atomic_save({"format": CHECKPOINT_FORMAT, "state": asdict(state), "model": run.module.state_dict(),
                              "optimizer": run.optimizer.state_dict(),
                              "optimizer_class": type(run.optimizer).__name__, "scheduler": run.scheduler.state_dict(),
-                             "scheduler_class": type(run.scheduler).__name__,
+                             "scheduler_class": type(run.scheduler).__name__, "recipe_code": run.recipe_code(),
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": self.flags,
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": with_model_file(run.weights_metadata(last), path), "trained": trained,

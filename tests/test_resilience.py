@@ -7,13 +7,16 @@ import shutil
 import signal
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torchvision.transforms import v2
 
+import dataset_utils as du
 import device_utils
 import recipe
 import train_utils as tu
@@ -248,11 +251,12 @@ def test_resume_refuses_another_model_data_set_or_recipe():
             "train_labels_sha256": "a"}
     model = WideResNet(num_classes=100)
 
-    def check(checkpoint, run_args=args, fingerprint=data, key="model:WideResNet", optimizer_class="SGD"):
+    def check(checkpoint, run_args=args, fingerprint=data, key="model:WideResNet", optimizer_class="SGD", **more):
         parser = tu.build_parser("x")
         optimizer = getattr(torch.optim, optimizer_class)(model.parameters())
         checkpoints.check_resumable(checkpoint, vars(run_args), fingerprint, key, optimizer, _fits(model),
-                                    vars(parser.parse_args([])), flags.run_defining_flags(parser, recipe.RECIPE_GROUP))
+                                    vars(parser.parse_args([])), flags.run_defining_flags(parser, recipe.RECIPE_GROUP),
+                                    **more)
 
     check(_checkpoint_like(args, data, model))  # the same run: fine
     before = {k: v for k, v in data.items() if k != "dataset"}  # a checkpoint from before --dataset: CIFAR-100
@@ -291,6 +295,26 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     edited = {**_checkpoint_like(args, data, model), "optimizer_class": "RMSprop"}  # recipe.py's sgd edited
     with pytest.raises(UserError, match="trained with the optimizer RMSprop, this run builds SGD"):
         check(edited)
+    with pytest.raises(UserError, match=r"the LR scheduler MultiStepLR \(recipe.make_scheduler\), this run builds "
+                                        r"lr_factor's LambdaLR: its state would not fit"):  # make_scheduler -> None
+        check({**_checkpoint_like(args, data, model), "scheduler_class": "MultiStepLR"})
+    # recipe.py's code, beyond its flags: the loss class, a per-image transform added or removed.
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3)
+    jitter = replace(prep, per_image=v2.Compose([v2.ColorJitter(0.4)]))
+    code = tu.recipe_code(torch.nn.CrossEntropyLoss(label_smoothing=0.1), jitter)
+    saved = {**_checkpoint_like(args, data, model), "recipe_code": code}
+    check(saved, recipe_code=code)  # unedited
+    check(_checkpoint_like(args, data, model), recipe_code=code)  # a checkpoint from before the record: nothing to compare
+    with pytest.raises(UserError, match=r"^--resume needs the checkpoint's recipe, but recipe.py made another since: "
+                                        r"its loss CrossEntropyLoss \(label_smoothing 0.1\) \(now MSELoss\); restore "
+                                        r"recipe.py as it was, or start a new run"):
+        check(saved, recipe_code=tu.recipe_code(torch.nn.MSELoss(), jitter))
+    with pytest.raises(UserError, match=r"made another since: its per-image transforms Compose\( ColorJitter\("
+                                        r"brightness=\(0.6, 1.4\)\)\) \(now none\); restore"):
+        check(saved, recipe_code=tu.recipe_code(torch.nn.CrossEntropyLoss(label_smoothing=0.1), prep))
+    with pytest.raises(UserError, match=r"its augmentation flip-crop \(flip, pad_crop\) \(now flip-crop \(flip\)\)"):
+        check(saved, recipe_code=tu.recipe_code(torch.nn.CrossEntropyLoss(label_smoothing=0.1),
+                                                replace(jitter, ops=jitter.ops[:1])))  # AUGMENTATIONS edited
 
 
 def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):
@@ -450,6 +474,9 @@ class _TinyRun:
 
     def weights_metadata(self, record=None):
         return {"model": "test:linear"}
+
+    def recipe_code(self):
+        return {"loss": "MSELoss"}
 
 
 def test_model_best_is_replaced_only_by_better_weights_also_after_a_restart(tmp_path):
