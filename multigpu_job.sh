@@ -57,8 +57,16 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
-{ : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null ||
+# STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
+# path that holds anything but an empty file (a request left by an earlier run of the job) is
+# someone's data, refused.
+if [[ -e "$STOP_FILE" || -L "$STOP_FILE" ]]; then
+    [[ -f "$STOP_FILE" && ! -L "$STOP_FILE" && ! -s "$STOP_FILE" ]] ||
+        die "STOP_FILE=$STOP_FILE exists and is not an empty file, and the job removes its stop file; set" \
+            "STOP_FILE to a path of its own"
+elif ! { : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null; then
     die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
+fi
 for script in train_ddp.py tools/torchrun.py; do
     [[ -f "$PROJECT_DIR/$script" ]] ||
         die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"

@@ -127,8 +127,16 @@ read -r -a network_check_args <<<"$NETWORK_CHECK_ARGS"
 [[ -z "$NETWORK_MIN_BUSBW" ]] || network_check_args+=(--min-busbw "$NETWORK_MIN_BUSBW")
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
-{ : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null ||
+# STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
+# path that holds anything but an empty file (a request left by an earlier run of the job) is
+# someone's data, refused.
+if [[ -e "$STOP_FILE" || -L "$STOP_FILE" ]]; then
+    [[ -f "$STOP_FILE" && ! -L "$STOP_FILE" && ! -s "$STOP_FILE" ]] ||
+        die "STOP_FILE=$STOP_FILE exists and is not an empty file, and the job removes its stop file; set" \
+            "STOP_FILE to a path of its own"
+elif ! { : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null; then
     die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
+fi
 # The host's network libraries (Olivia's paths by default), checked here on the first node:
 # apptainer would refuse a missing one once per task, in its own words.
 binds=()
@@ -246,13 +254,13 @@ export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over what
 # report a crash). The job is then requeued, and training continues from the checkpoint
 # (--resume=auto).
 rm -f "$STOP_FILE"
-STATUS_DIR="$STOP_FILE.status"  # beside the stop file, where every node sees it: node_task's statuses
+# node_task's statuses: a new folder beside the stop file, where every node sees it.
+STATUS_DIR="$(mktemp -d "$(dirname "$STOP_FILE")/.multinode_${SLURM_JOB_ID}.statuses.XXXXXX")" ||
+    die "cannot create a folder beside STOP_FILE=$STOP_FILE (for the nodes' exit statuses)"
 export STATUS_DIR
-rm -f "$STATUS_DIR"/*
-mkdir -p "$STATUS_DIR" || die "cannot create $STATUS_DIR (beside STOP_FILE, for the nodes' exit statuses)"
 store_pid=""
 store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
-trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/*; rmdir "$STATUS_DIR" 2>/dev/null
+trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/check.* "$STATUS_DIR"/train.*; rmdir "$STATUS_DIR" 2>/dev/null
 [[ -z "$store_pid" ]] || kill -USR2 "$store_pid" 2>/dev/null || true' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1

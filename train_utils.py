@@ -53,7 +53,7 @@ from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
-from engine.stopping import StopRequests
+from engine.stopping import StopRequests, check_stop_file
 from engine.task import Task
 
 
@@ -482,6 +482,8 @@ def check_outputs(args, ctx):
     if any(output_files.values()) or any(output_folders.values()):  # the same on every rank
         from engine import files
         files.check_outputs(output_files, output_folders, ctx.control_group, json_lines={"--metrics-file"})
+    if args.stop_file:  # watched by global rank 0, which decides for all
+        from_rank0(partial(check_stop_file, args.stop_file), ctx.control_group)
 
 
 def build_task(args, ctx):

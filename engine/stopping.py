@@ -8,7 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
-from engine.errors import EXIT_STOPPED, TrainingStopped
+from engine.errors import EXIT_STOPPED, TrainingStopped, UserError
 from engine.processes import PendingMax, group_active, max_over_ranks
 
 
@@ -130,13 +130,28 @@ class StopRequests:
         stopped on it rather than finished, and a later run is not stopped by it."""
         if kind == STOP_FILE and self.stop_file is not None:
             try:
-                self.stop_file.unlink(missing_ok=True)
+                if is_empty_file(self.stop_file):  # a request (touch); a file with data in it is never removed
+                    self.stop_file.unlink()
             except OSError:  # a folder no longer writable: the file stays, and says nothing new
                 pass
         cause = {STOP_FILE: f"--stop-file {self.stop_file}" if self.stop_file else "--stop-file",
                  STOP_SIGNAL: self.received or "a stop request on another rank"}[kind]
         saved = f"checkpoint {path}: continue with --resume" if path else "nothing saved (no --checkpoint-dir)"
         return TrainingStopped(f"Stopped {where} ({cause}); {saved}", 0 if kind == STOP_FILE else EXIT_STOPPED)
+
+
+def is_empty_file(path):
+    """True for an empty regular file (not a link): what ``touch`` makes of a stop file."""
+    return os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) == 0
+
+
+def check_stop_file(path):
+    """--stop-file at start: a path that holds something other than an empty file (the user's
+    own file, named by mistake) is refused, as a stop would act on it at once and the file
+    would be taken for the request. An empty one stops the run after its first step."""
+    if os.path.lexists(path) and not is_empty_file(path):
+        raise UserError(f"--stop-file {path} exists and is not an empty file: the run would take it for a stop "
+                        "request after its first step; name a path of its own (a stop is requested with: touch PATH)")
 
 
 def newest_checkpoint(checkpoint_dir):

@@ -331,6 +331,20 @@ def test_a_stop_file_that_cannot_be_created_is_refused_at_start(tmp_path, script
         "limit needs it (set STOP_FILE)\n")
 
 
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, script):
+    """STOP_FILE naming a file with data in it: the start-up check created and removed it (rm
+    -f), deleting the user's file even when the job then failed. Refused, and kept."""
+    own = tmp_path / "notes.txt"
+    own.write_text("my notes\n")
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", STOP_FILE=own)
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: STOP_FILE={own} exists and is not an empty file, and the job removes its stop file; set STOP_FILE "
+        "to a path of its own\n")
+    assert own.read_text() == "my notes\n"
+
 def test_a_job_that_fails_is_not_requeued(tmp_path):
     result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path), "--batch-size", "0")
     assert result.returncode == 2  # train.py's status for a bad flag, passed on by tools/torchrun.py

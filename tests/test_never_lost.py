@@ -430,3 +430,41 @@ def test_a_stop_after_the_last_step_waits_for_the_final_weights(tmp_path, name):
     assert f"({name} came after the last step: the run is complete)" in result.stdout
     assert "Interrupted" not in result.stderr and "Traceback" not in result.stderr
     assert "layers.0.weight" in torch.load(weights, weights_only=True)  # written whole
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_stop_file_that_names_the_users_own_file_is_refused_and_kept(tmp_path, kind):
+    """--stop-file naming a file with data in it (or a folder): the run stopped after its first
+    step and deleted the file, as if it were its stop request. Refused at start, kept; an empty
+    file (touch, a request made before the start) stops the run after its first step, removed."""
+    own = tmp_path / "notes.txt"
+    if kind == "file":
+        own.write_text("my notes\n")
+    else:
+        own.mkdir()
+    result = run(python_cmd("train.py", *RUN, "--stop-file", own), cwd=tmp_path)
+    assert result.returncode == 2 and one_error(result.stderr) == (
+        f"error: --stop-file {own} exists and is not an empty file: the run would take it for a stop request after "
+        "its first step; name a path of its own (a stop is requested with: touch PATH)")
+    assert (own.read_text() == "my notes\n") if kind == "file" else own.is_dir()
+    request = tmp_path / "STOP"
+    request.touch()
+    stopped = run(python_cmd("train.py", *RUN, "--stop-file", request), cwd=tmp_path)
+    assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1 (--stop-file" in stopped.stdout
+    assert not request.exists()
+
+
+def test_a_stop_file_given_data_while_the_run_trains_is_not_removed(tmp_path):
+    """A stop requested by writing to the file (echo stop > PATH): the run stops on it and
+    leaves it, as it holds data; only an empty request is removed."""
+    class Ctx:
+        is_main = True
+
+    request = tmp_path / "STOP"
+    request.write_text("stop\n")
+    stop = stopping.StopRequests(Ctx(), request)
+    assert isinstance(stop.stopped(stopping.STOP_FILE, "after step 3 of epoch 1", None), TrainingStopped)
+    assert request.read_text() == "stop\n"
+    request.write_text("")
+    stop.stopped(stopping.STOP_FILE, "after step 3 of epoch 1", None)
+    assert not request.exists()
