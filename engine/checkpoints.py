@@ -25,6 +25,7 @@ from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 from engine.flags import KEEP_CHECKPOINTS
 from engine.log import count, flag_value
+from engine.plugins import plugin_key
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
 
@@ -241,14 +242,23 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
 FILLED_IN_BEFORE = {"model_ema_decay": 0.99, "model_ema_steps": 32}
 
 
-def recorded_accuracy(path):
-    """The validation accuracy a weights file of keep_best records, -1 when there is none."""
+def recorded_accuracy(path, run=None):
+    """The validation accuracy a weights file of keep_best records, -1 when there is none.
+    ``run``: this run's {"model": key, "dataset": key}; a file that records another model or
+    data set is another run's (--resume=auto in someone else's folder) and is refused: this
+    run's best epoch would replace it, or be taken for it."""
     if not path.exists():
         return -1.0
     try:
-        return float(read_weights(path, BEST_WEIGHTS, mmap=True).metadata.get("val_accuracy", -1.0))
+        metadata = read_weights(path, BEST_WEIGHTS, mmap=True).metadata
     except UserError:  # unreadable: replaced by the run's first epoch, as by a new file
         return -1.0
+    theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None}
+    if any(theirs[key] != run[key] for key in theirs):
+        raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of another run (--model "
+                        f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model {run['model']} "
+                        f"on --dataset {run['dataset']}): move it elsewhere, or give this run another --checkpoint-dir")
+    return float(metadata.get("val_accuracy", -1.0))
 
 
 def check_resume_flags(saved, flags, recipe_flags):
@@ -354,7 +364,9 @@ class Checkpointer:
         self.count, self.seconds = 0, 0.0
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
-        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS), ctx.control_group)
+        run = {key: plugin_key(flags[key]) if ":" in flags[key] else flags[key]
+               for key in ("model", "dataset") if flags.get(key)}
+        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, run), ctx.control_group)
 
     def loaded(self, step):
         """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""

@@ -500,6 +500,25 @@ def test_model_best_is_replaced_only_by_better_weights_also_after_a_restart(tmp_
     assert saved.metadata["epoch"] == 3 and torch.equal(saved.state["weight"], third.weight)
 
 
+
+def test_model_best_of_another_model_or_data_set_is_refused_and_kept(tmp_path):
+    """--resume=auto in a folder whose run left model_best.pt and no checkpoint: a requeued
+    job's new start takes its accuracy to beat (above); a run of another --model or --dataset
+    would replace that run's best weights, or leave them as its own: refused, the file kept."""
+    ctx = DistContext(device=torch.device("cpu"))
+    theirs = torch.nn.Linear(2, 2)
+    checkpoints.Checkpointer(tmp_path, 0, ctx, {}).keep_best(
+        0.5, theirs, {"val_accuracy": 0.5, "epoch": 1, "model": "slow_net:Net", "dataset": "mnist"})
+    before = (tmp_path / "model_best.pt").read_bytes()
+    same = checkpoints.Checkpointer(tmp_path, 0, ctx, {"model": "./slow_net.py:Net", "dataset": "mnist"})
+    assert same.best == 0.5  # the same job, started again
+    for model, dataset in (("my_net.py:Net", "mnist"), ("slow_net.py:Net", "cifar10")):
+        with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path} holds model_best.pt of another run "
+                                            f"\\(--model slow_net:Net on --dataset mnist; this run: --model "
+                                            f"{model.replace('.py', '')} on --dataset {dataset}\\): move it elsewhere"):
+            checkpoints.Checkpointer(tmp_path, 0, ctx, {"model": model, "dataset": dataset})
+    assert (tmp_path / "model_best.pt").read_bytes() == before
+
 def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_path):
     foreign = [tmp_path / "checkpoint_000000001.pt", tmp_path / "checkpoint_000000099.pt"]
     for path in foreign:
