@@ -482,6 +482,10 @@ def check_outputs(args, ctx):
     if any(output_files.values()) or any(output_folders.values()):  # the same on every rank
         from engine import files
         files.check_outputs(output_files, output_folders, ctx.control_group, json_lines={"--metrics-file"})
+    if args.checkpoint_dir and any(output_files.values()):  # not under a name the folder keeps for itself
+        from engine.checkpoints import check_not_the_folders_own
+        for flag, path in output_files.items():
+            check_not_the_folders_own(path, args.checkpoint_dir, flag)
     if args.stop_file:  # watched by global rank 0, which decides for all
         from_rank0(partial(check_stop_file, args.stop_file), ctx.control_group)
 

@@ -81,7 +81,6 @@ def claimed_folder(directory, resume, ctx, weights=None):
         def claim():
             if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
                 raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
-            check_not_the_folders_own(weights, directory)
             if directory:
                 from engine.folder_lock import FolderLock
                 held.enter_context(FolderLock(directory))
@@ -92,21 +91,22 @@ def claimed_folder(directory, resume, ctx, weights=None):
         yield from_rank0(claim, ctx.control_group)
 
 
-def check_not_the_folders_own(weights, directory):
-    """--save-weights may lie in --checkpoint-dir (the job scripts' DIR/weights.pt), but not
-    under a name the folder keeps for itself: the final weights would replace the best epoch's
-    (BEST_WEIGHTS), or a checkpoint, or be pruned as one."""
-    if not weights or not directory or Path(weights).resolve().parent != Path(directory).resolve():
+def check_not_the_folders_own(path, directory, flag="--save-weights"):
+    """An output file of ``flag`` (--save-weights, --metrics-file) may lie in --checkpoint-dir
+    (the job scripts' DIR/weights.pt), but not under a name the folder keeps for itself: it
+    would replace the best epoch's weights (BEST_WEIGHTS) or a checkpoint, be written into one,
+    or be pruned as one."""
+    if not path or not directory or Path(path).resolve().parent != Path(directory).resolve():
         return
-    name = Path(weights).name
+    name = Path(path).name
     if name == BEST_WEIGHTS:
         kept = "the best epoch's weights"
     elif name.startswith(CHECKPOINT_PREFIX) and name.endswith(".pt"):
         kept = "its checkpoints"
     else:
         return
-    raise UserError(f"--save-weights {weights}: --checkpoint-dir {directory} keeps {kept} under that name; save the "
-                    f"final weights under another (the job scripts write {Path(directory) / 'weights.pt'})")
+    raise UserError(f"{flag} {path}: --checkpoint-dir {directory} keeps {kept} under that name; give {flag} "
+                    f"another (the job scripts write their weights to {Path(directory) / 'weights.pt'})")
 
 
 def read_checkpoint(path, device, mmap=False):

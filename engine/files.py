@@ -57,6 +57,11 @@ def check_outputs(output_files, output_folders, group=None, json_lines=()):
     flags in ``json_lines`` are appended to: one that exists must be a file of JSON lines.
     Every rank gets rank 0's verdict (``group``: the gloo control group)."""
     def check():
+        named = {}  # each file's flag, by its absolute path: two flags on one file would overwrite each other
+        for flag, path in output_files.items():
+            if path and named.setdefault(os.path.abspath(path), flag) != flag:
+                raise UserError(f"{named[os.path.abspath(path)]} and {flag} name the same file, {path}: give each "
+                                "its own")
         for flag, directory in output_folders.items():  # first: a file in one (DIR/weights.pt) names the folder
             if directory:
                 check_writable_dir(directory, flag)

@@ -231,3 +231,19 @@ def test_weights_that_appear_during_a_run_are_kept(tmp_path):
     assert weights_file.save_trained_weights(model, ours, {}, ck / "checkpoint_000000008.pt") == \
         f"Model weights written to {ours}, in place of this run's earlier ones"  # said, as the file was there
     assert torch.equal(weights_file.read_weights(ours).state["bias"], model.bias.data)
+
+
+def test_two_outputs_on_one_file_or_a_metrics_file_under_the_folders_names_are_refused(tmp_path, capsys):
+    """--metrics-file and --save-weights on one path: the weights went beside the run's own
+    metrics file, said to be 'from another run'. --metrics-file DIR/model_best.pt appended JSON
+    into the best weights, DIR/checkpoint_N.pt was replaced by a checkpoint. Both refused at
+    start, the files as they were."""
+    ck, shared = tmp_path / "ck", tmp_path / "out.x"
+    assert run_main("train.py", *SMOKE, "--metrics-file", shared, "--save-weights", shared) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --metrics-file and --save-weights name the same file, {shared}: give each its own"]
+    for name in ("model_best.pt", "checkpoint_000000064.pt"):  # names the run would write there later
+        assert run_main("train.py", *SMOKE, "--checkpoint-dir", ck, "--metrics-file", ck / name) == 2
+        [line] = error_lines(capsys.readouterr().err)
+        assert line.startswith(f"error: --metrics-file {ck / name}: --checkpoint-dir {ck} keeps "), line
+    assert not shared.exists() and not ck.exists()
