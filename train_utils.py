@@ -697,7 +697,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     checkpointer = None
     if args.checkpoint_dir:
         from engine.checkpoints import Checkpointer
-        checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info)
+        checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info,
+                                    new_run=None if continuing else {"model": task.model_key, "dataset": task.data.key})
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:

@@ -25,7 +25,6 @@ from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
 from engine.flags import KEEP_CHECKPOINTS
 from engine.log import count, flag_value
-from engine.plugins import plugin_key
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
 
@@ -350,9 +349,11 @@ class Checkpointer:
     """Writes one run's checkpoints into its folder: global rank 0 writes, every rank waits
     for the file (so none exits while it is written). Records how often and how long, and
     warns once through ``warn`` when one takes so long that a stop signal could cut it.
-    ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks)."""
+    ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks);
+    ``new_run``: {"model": key, "dataset": key} of a run that starts in the folder (None: it
+    continues the run there, whose checkpoint says what it is): another's BEST_WEIGHTS is refused."""
 
-    def __init__(self, directory, interval_minutes, ctx, flags, warn=print):
+    def __init__(self, directory, interval_minutes, ctx, flags, warn=print, new_run=None):
         self.directory = Path(directory)
         self.flags = flags
         self.interval_s = interval_minutes * 60
@@ -364,9 +365,7 @@ class Checkpointer:
         self.count, self.seconds = 0, 0.0
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
-        run = {key: plugin_key(flags[key]) if ":" in flags[key] else flags[key]
-               for key in ("model", "dataset") if flags.get(key)}
-        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, run), ctx.control_group)
+        self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, new_run), ctx.control_group)
 
     def loaded(self, step):
         """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""

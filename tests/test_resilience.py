@@ -510,13 +510,14 @@ def test_model_best_of_another_model_or_data_set_is_refused_and_kept(tmp_path):
     checkpoints.Checkpointer(tmp_path, 0, ctx, {}).keep_best(
         0.5, theirs, {"val_accuracy": 0.5, "epoch": 1, "model": "slow_net:Net", "dataset": "mnist"})
     before = (tmp_path / "model_best.pt").read_bytes()
-    same = checkpoints.Checkpointer(tmp_path, 0, ctx, {"model": "./slow_net.py:Net", "dataset": "mnist"})
+    same = checkpoints.Checkpointer(tmp_path, 0, ctx, {}, new_run={"model": "slow_net:Net", "dataset": "mnist"})
     assert same.best == 0.5  # the same job, started again
-    for model, dataset in (("my_net.py:Net", "mnist"), ("slow_net.py:Net", "cifar10")):
+    for model, dataset in (("my_net:Net", "mnist"), ("slow_net:Net", "cifar10")):
         with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path} holds model_best.pt of another run "
                                             f"\\(--model slow_net:Net on --dataset mnist; this run: --model "
-                                            f"{model.replace('.py', '')} on --dataset {dataset}\\): move it elsewhere"):
-            checkpoints.Checkpointer(tmp_path, 0, ctx, {"model": model, "dataset": dataset})
+                                            f"{model} on --dataset {dataset}\\): move it elsewhere"):
+            checkpoints.Checkpointer(tmp_path, 0, ctx, {}, new_run={"model": model, "dataset": dataset})
+        assert checkpoints.Checkpointer(tmp_path, 0, ctx, {}).best == 0.5  # continuing: its checkpoint is checked
     assert (tmp_path / "model_best.pt").read_bytes() == before
 
 def test_pruning_keeps_this_runs_newest_two_and_never_touches_other_files(tmp_path):
