@@ -605,8 +605,9 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
                       f"{count(getattr(task.train_loader, 'threads', 0), 'CPU thread', 'CPU threads')} per process)",
               }.get(task.loader, f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per "
                                  "training process")
+    size = f"{parameters / 1e6:.1f} M" if parameters >= 100_000 else f"{parameters:,}"  # not "0.0 M" for a small net
     lines = [
-        f"{timestamp()} Training {task.model_name}, {parameters / 1e6:.1f} M parameters, on {data.title} with Batch "
+        f"{timestamp()} Training {task.model_name}, {size} parameters, on {data.title} with Batch "
         f"Size: {args.batch_size} ({per_process(task.train_loader.batch_size, args.accumulate)} x "
         f"{processes(ctx, ctx.world_size)}, {count(ctx.num_nodes, 'node', 'nodes')})",
         describe_device(ctx, name, precision, channels_last, compiled),
@@ -670,6 +671,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     ema_schedule = None if args.eval_only else recipe.ema_schedule(args, args.epochs * steps)  # --model-ema's
     module = unwrap(task.model)
     optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
+    described = describe_optimizer(optimizer)  # as recipe.py set it: a scheduler may rewrite lr, momentum (OneCycleLR)
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
@@ -683,7 +685,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
               else describe_run(args, ctx, name, precision, layout == torch.channels_last, task,
                                 sum(p.numel() for p in module.parameters()), steps, continuing,
-                                describe_optimizer(optimizer), describe_loss(loss_fn),
+                                described, describe_loss(loss_fn),
                                 recipe.describe_regularization(args, steps, ema_schedule),
                                 type(own).__name__ if own is not None else None, compiled and compiled.describe()))
     for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps)]:

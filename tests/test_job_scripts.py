@@ -162,7 +162,7 @@ def test_multi_node_job_rendezvous_of_two_nodes(tmp_path, other_jobs_monitor):
         rows = [line.split() for line in run_output.splitlines() if re.match(r"^ +\d+ +\d+ KiB ", line)]
         assert [row[0] for row in rows] == [str(1024 * 2**k) for k in range(7)] and {row[-1] for row in rows} == {"0"}
         verdict = run_output.index("Network check passed: 7 sizes x (1+2) all-reduces exact; busbw at 64 KiB: ")
-        assert verdict < re.search(r" Training .+ M parameters, on ", run_output).start()  # the start-up block
+        assert verdict < re.search(r" Training .+ parameters, on ", run_output).start()  # the start-up block
     assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in second
     assert all(r["world_size"] == 2 for r in records)
     log = (tmp_path / "stub.log").read_text()
