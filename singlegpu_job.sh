@@ -100,9 +100,12 @@ trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP
 # limit leaves so little past the margin that each requeued run would stop soon after starting.
 requeue() {
     if ((SECONDS < REQUEUE_MIN_S)); then
+        local again=""  # this job's own arguments, and its checkpoint folder
+        ((${#args[@]} == 0)) || again="$(printf ' %q' "${args[@]}")"
+        [[ " ${args[*]}" == *" --checkpoint-dir"* ]] || again+=" --checkpoint-dir $(printf '%q' "$CHECKPOINT_DIR")"
         echo "Not requeueing job $SLURM_JOB_ID: it ran $SECONDS s, less than REQUEUE_MIN_S=$REQUEUE_MIN_S, as" \
             "its time limit leaves little past the 300 s stop margin; continue it with a longer --time:" \
-            "sbatch --time=HH:MM:SS singlegpu_job.sh --checkpoint-dir $CHECKPOINT_DIR" >&2
+            "sbatch --time=HH:MM:SS singlegpu_job.sh$again" >&2
         return
     fi
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"

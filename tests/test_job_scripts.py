@@ -306,9 +306,12 @@ def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
     with a checkpoint and says how to go on, instead of requeueing itself over and over."""
     log = warned_job(tmp_path, job_env(tmp_path, REQUEUE_MIN_S=300))  # the default
     assert "Stopped after step 1 of epoch 2 (--stop-file " in log
+    # The job's own arguments (the model, the data, ...): without them the command would resume with the
+    # defaults, which the checkpoint refuses.
+    again = " ".join(map(str, TRAIN_ARGS))
     assert re.search(rf"Not requeueing job {JOB_ID}: it ran \d+ s, less than REQUEUE_MIN_S=300, .* continue it with "
-                     rf"a longer --time: sbatch --time=HH:MM:SS singlegpu_job.sh --checkpoint-dir checkpoints/"
-                     rf"singlegpu_{JOB_ID}$", log, re.M), log
+                     rf"a longer --time: sbatch --time=HH:MM:SS singlegpu_job.sh {re.escape(again)} --checkpoint-dir "
+                     rf"checkpoints/singlegpu_{JOB_ID}$", log, re.M), log
     assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
 
 
