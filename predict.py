@@ -21,8 +21,9 @@ An unreadable image is named on stderr and skipped; --output never replaces an e
 (one that is not a regular file, such as /dev/stdout, a FIFO or a terminal, is written to).
 --held-out DIR classifies the images training validated on: those --val-fraction held out of
 the image folder DIR (the fraction, seed and unreadable files are recorded in the weights),
-or its test/ folder; the CSV gets their true label and the accuracy is printed, which is
-training's validation accuracy of these weights, then each class's accuracy. The confusion
+or its test/ folder; the CSV gets their true label and the accuracy is printed (the validation
+accuracy training printed for weights saved at the end of an epoch, when it validated on all
+of them: not under --limit-batches, nor for a mid-epoch checkpoint), then each class's. The confusion
 matrix (rows: true class, columns: predicted class, image counts) goes to --confusion-matrix
 CSV, by default beside the --output file (val-confusion.csv for val.csv), and a PNG of it
 beside that (val-confusion.png) when matplotlib is installed.
@@ -159,8 +160,7 @@ def main(argv=None):
         matrix = confusion_matrix(truths, guesses, len(classes))
         correct, total = int(np.trace(matrix)), int(matrix.sum())
         left_out = f", {count(unreadable, 'unreadable one', 'unreadable ones')} left out" if unreadable else ""
-        print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}{left_out}: training's validation "
-              "accuracy of these weights", file=summary)
+        print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}{left_out}", file=summary)
         for line in per_class_lines(matrix, classes):
             print(line, file=summary)
         print(write_confusion(matrix, classes, confusion, picture, args.output), file=summary)
