@@ -7,11 +7,15 @@ import os
 import signal
 import sys
 import time
+import traceback
+from pathlib import Path
 
-from engine.errors import TrainingStopped, UserError
+from engine.errors import TrainingStopped, UserError, first_line
 from engine.processes import launcher_pid, rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
+PROJECT = Path(__file__).resolve().parents[1]  # the folder of the scripts
+RECIPE = PROJECT / "recipe.py"  # the file users edit most: a bug there is their mistake, named in one line
 
 
 def let_rank0_fail_first():
@@ -32,7 +36,13 @@ def run_cli(main):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     try:
-        main()
+        try:
+            main()
+        except Exception as err:
+            mistake = recipe_error(err)  # an edit of recipe.py with a bug in it: one line
+            if mistake is None:
+                raise
+            raise mistake from None
     except TrainingStopped as stop:
         if rank == 0:
             print(stop, flush=True)
@@ -53,6 +63,20 @@ def run_cli(main):
             say(f"Interrupted ({str(err) or 'Ctrl-C'})")
         leave(130)
     leave(0)
+
+
+def recipe_error(err):
+    """A UserError naming the line of recipe.py where ``err`` was raised, when recipe.py is
+    the innermost of the project's files it passed through (a NameError in make_loss, a v2
+    transform given a bad argument: libraries' frames below it are not ours); None for any
+    other exception, which keeps its traceback (a bug of the engine's)."""
+    if isinstance(err, (UserError, TrainingStopped)):
+        return None
+    ours = [frame for frame in traceback.extract_tb(err.__traceback__)
+            if Path(frame.filename).resolve().is_relative_to(PROJECT) and "site-packages" not in frame.filename]
+    if not ours or Path(ours[-1].filename).resolve() != RECIPE:
+        return None
+    return UserError(f"recipe.py, line {ours[-1].lineno}, in {ours[-1].name}: {type(err).__name__}: {first_line(err)}")
 
 
 def say(line):

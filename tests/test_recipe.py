@@ -401,3 +401,47 @@ def test_a_ddp_parameter_without_a_gradient_is_one_line(tmp_path):
     fixed = run(torchrun_cmd(2, "train_ddp.py", "--model", "unused.py:Net", "--synthetic", "--epochs", "1",
                              "--limit-batches", "2", "--batch-size", "8", "--num-workers", "0"), cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr
+
+
+
+@pytest.mark.parametrize("old, new, line", [
+    ("    return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)\n", "    return FocalLos(gamma=2)\n",
+     "in make_loss: NameError: name 'FocalLos' is not defined"),
+    ("        # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here\n", "        v2.ColorJitter(-0.4, 0.4, 0.4),\n",
+     "in image_transforms: ValueError: If brightness is a single number, it must be non negative."),
+], ids=["misspelt", "raised-in-torchvision"])
+def test_a_bug_in_an_edit_of_recipe_py_is_one_line_naming_its_line(project, tmp_path, old, new, line):
+    """recipe.py is the user's to edit: a mistake there (a misspelt name in make_loss, a v2
+    transform given a bad value) ended in Python's traceback through train_utils; now one line
+    with recipe.py's line, exit 2. An error raised in a library below it is named at the line
+    of recipe.py that called it."""
+    folder = tmp_path / "project"
+    shutil.copytree(project, folder)
+    source = (folder / "recipe.py").read_text()
+    assert old in source
+    source = source.replace(old, new, 1)
+    (folder / "recipe.py").write_text(source)
+    number = source[:source.index(new)].count("\n") + 1
+    result = run(single("--synthetic", "--epochs", "1", "--limit-batches", "1", "--batch-size", "8", *TINY_MODEL),
+                 cwd=folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert error_lines(result.stderr) == [f"error: recipe.py, line {number}, {line}"]
+
+
+
+def test_an_error_whose_innermost_project_file_is_not_recipe_py_keeps_its_traceback():
+    """Only recipe.py's own lines make a user's mistake: an exception raised in another of the
+    project's files (here this test's; the engine's would be a bug of ours) stays a traceback."""
+    from engine import cli
+
+    def ours():
+        raise KeyError("a bug of the engine's")
+
+    with pytest.raises(KeyError) as raised:
+        ours()
+    assert cli.recipe_error(raised.value) is None
+    with pytest.raises(AttributeError) as raised:
+        recipe.make_loss(None)  # raised in recipe.py, called from here
+    line = recipe.make_loss.__code__.co_firstlineno + 2
+    assert str(cli.recipe_error(raised.value)) == (
+        f"recipe.py, line {line}, in make_loss: AttributeError: 'NoneType' object has no attribute 'label_smoothing'")
