@@ -653,7 +653,8 @@ def builtin_data(args, ctx):
     classes = (tuple(str(label) for label in range(spec.num_classes)) if args.synthetic  # CIFAR's: read in its meta
                else class_names(builtin_root(args.data_dir, spec), spec))
     return train, test, DataInfo(spec.name, spec.title, source, classes, train.prep,
-                                 data_fingerprint(spec.name, args.synthetic, train.labels, len(test)),
+                                 data_fingerprint(spec.name, args.synthetic, train.labels, len(test),
+                                                  images=None if args.synthetic else train.source),
                                  spec.split_sizes, read_sizes={"train": len(train), "test": len(test)})
 
 
@@ -725,7 +726,8 @@ def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({count(len(folder.classes), 'class', 'classes')}: {shown}){how}"
     return DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
-                    data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape),
+                    data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape,
+                                     mean=folder.mean),
                     notes=notes, data_dir=str(Path(args.data_dir).expanduser().resolve()),
                     skipped=folder.skipped.get("train", ()))
 
@@ -788,7 +790,7 @@ def plugin_data(args):
     key = plugin_key(ref)
     return train, test, DataInfo(key, ref, f"{ref}({data_dir}), {len(data.classes)} classes", data.classes, prep,
                                  data_fingerprint(key, False, train.labels, len(test or ()), data.classes,
-                                                  prep.image_shape))
+                                                  prep.image_shape, images=train.source))
 
 
 def default_num_workers(local_world_size):

@@ -27,6 +27,7 @@ from engine.flags import KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
+from engine.task import fingerprints_differ
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT = "checkpoint_", 1
 
@@ -215,10 +216,12 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
                         f"builds {source(scheduler_class)}: its state would not fit; restore recipe.py's "
                         "make_scheduler as it was, or start a new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
-    differ = [key for key in old.keys() & new.keys() if old[key] != new[key]]
+    differ = fingerprints_differ(old, new)
     if differ:
         other = {"train_labels_sha256": "different labels", "classes": "other classes",
-                 "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now"}
+                 "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now",
+                 "train_sample_sha256": "other pixels in a sample of the training images",
+                 "train_mean": f"training images of mean {old.get('train_mean')} then, {new.get('train_mean')} now"}
 
         def images(of):  # a fingerprint's
             return f"{of['train_images']} {'--synthetic ' if of['synthetic'] else ''}training images"

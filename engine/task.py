@@ -81,14 +81,43 @@ class Task:
         return {"model": self.model_key, **own, **self.data.weights_metadata()}
 
 
-def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None):
-    """Identifies the data in a checkpoint, so that a resume on other data is refused."""
+SAMPLED_IMAGES = 256  # training images whose bytes a fingerprint hashes, evenly spread: milliseconds
+
+
+def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None, images=None,
+                     mean=None):
+    """Identifies the data in a checkpoint, so that a resume on other data is refused: the
+    counts, the labels, and what the pixels can say cheaply. ``images``: the training images
+    as stored (N, H, W, C), files' bytes read as they are (a built-in data set, yours): a
+    sample of them is hashed. ``mean``: per channel, of an image folder's decoded training
+    images, compared within MEAN_TOLERANCE (a decoder's version may move it a little)."""
     labels = np.asarray(train_labels, dtype=np.int64)
     fingerprint = {"dataset": key, "synthetic": synthetic, "train_images": len(labels), "test_images": test_size,
                    "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
     if classes is not None:
         fingerprint.update(classes=list(classes), image_shape=list(image_shape))
+    if images is not None and len(images):
+        rows = np.unique(np.linspace(0, len(images) - 1, min(len(images), SAMPLED_IMAGES)).round().astype(np.int64))
+        digest = hashlib.sha256()
+        for row in rows:  # one image at a time: a memory-mapped data set reads only these
+            digest.update(np.ascontiguousarray(images[row]).tobytes())
+        fingerprint["train_sample_sha256"] = digest.hexdigest()
+    if mean is not None:
+        fingerprint["train_mean"] = [round(float(m), 4) for m in mean]
     return fingerprint
+
+
+MEAN_TOLERANCE = 0.01  # of the 0..1 pixel scale: about 2.5 grey levels on average
+
+
+def fingerprints_differ(old, new):
+    """The keys of two fingerprints (data_fingerprint) that both hold and that differ; a
+    folder's mean only beyond MEAN_TOLERANCE."""
+    def differs(key):
+        if key == "train_mean":
+            return len(old[key]) != len(new[key]) or any(abs(a - b) > MEAN_TOLERANCE for a, b in zip(old[key], new[key]))
+        return old[key] != new[key]
+    return [key for key in old.keys() & new.keys() if differs(key)]
 
 
 # ---------------------------------------------------------------------------------------------

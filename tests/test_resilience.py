@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ import dataset_utils as du
 import device_utils
 import recipe
 import train_utils as tu
-from engine import all_reduce_timing, checkpoints, files, flags, lost_ranks, seeds, stopping
+from engine import all_reduce_timing, checkpoints, files, flags, lost_ranks, seeds, stopping, task
 from engine import log as run_log
 from engine import weights as weights_file
 from conftest import (FAST, PLAIN_MODEL, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd,
@@ -272,6 +273,20 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     with pytest.raises(UserError, match=r"now 50000 training images, images of shape \[32, 32, 3\] then, "
                                         r"\[64, 64, 3\] now\)"):
         check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
+    # The pixels: a sample of a built-in data set's images (here all black since), an image folder's mean.
+    images = np.random.default_rng(0).integers(0, 256, (1000, 8, 8, 3), dtype=np.uint8)
+    labels = np.arange(1000) % 10
+
+    def stored(pixels=images, mean=None):
+        return task.data_fingerprint("cifar10", False, labels, 100, images=pixels, mean=mean)
+
+    check(_checkpoint_like(args, stored(), model), fingerprint=stored(images.copy()))  # the same bytes
+    with pytest.raises(UserError, match=r"trained on other data \(1000 training images; now 1000 training images, "
+                                        r"other pixels in a sample of the training images\)"):
+        check(_checkpoint_like(args, stored(), model), fingerprint=stored(np.zeros_like(images)))
+    check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3)), model), fingerprint=stored(mean=(0.505, 0.4, 0.3)))
+    with pytest.raises(UserError, match=r"training images of mean \[0.5, 0.4, 0.3\] then, \[0.0, 0.0, 0.0\] now"):
+        check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3)), model), fingerprint=stored(mean=(0, 0, 0)))
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\); rerun with its "
                                         r"values or start a new --checkpoint-dir$"):  # larger steps: no hint
