@@ -625,6 +625,9 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
           if args.warmup_epochs > args.epochs and not own_schedule else []),
+        *([f"Note: {' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} lr_factor's schedule, which "
+           f"recipe.make_scheduler's {own_schedule} replaces: {'they have' if len(ignored) > 1 else 'it has'} no effect"]
+          if own_schedule and (ignored := unused_schedule_flags(args)) else []),
     ]
     if args.checkpoint_dir:
         lines.append(f"Checkpoints: {args.checkpoint_dir}, "
@@ -635,6 +638,16 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
         lines.append(f"Checkpoints: none: a stop before the end (Ctrl-C, scancel, a time limit) keeps nothing, not "
                      f"even {args.save_weights}; --checkpoint-dir DIR keeps the run")
     return lines
+
+
+def unused_schedule_flags(args):
+    """--warmup-epochs and --lr-schedule given other than their defaults: lr_factor's, which a
+    scheduler of recipe.make_scheduler's own replaces."""
+    def shown(flags):
+        return {"--warmup-epochs": f"{flags.warmup_epochs:g}", "--lr-schedule": flags.lr_schedule}
+
+    default = shown(parse_args("", []))  # as recipe.check_arguments completes them
+    return [f"{flag} {value}" for flag, value in shown(args).items() if value != default[flag]]
 
 
 def describe_evaluation(args, ctx, name, precision, channels_last, task):

@@ -21,6 +21,7 @@ from engine.errors import UserError
 from conftest import REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd, wait_held
 from test_resilience import _rank_pid
 from tools.demo_data import write_photo_folder
+import train_utils as tu
 from train_utils import parse_args
 
 BASE = (*TINY_MODEL, "--epochs", "3", "--limit-batches", "4", "--batch-size", "8", "--checkpoint-interval", "0",
@@ -136,6 +137,7 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
     whole = run(single(*RUN, *outputs[0]), cwd=tmp_path / "reference")
     assert whole.returncode == 0, whole.stderr
     assert re.search(r"^Recipe: SGD .*; LR schedule: MultiStepLR \(recipe\.make_scheduler\)$", whole.stdout, re.M)
+    assert "have no effect" not in whole.stdout  # no lr_factor flag given: nothing to say
     base = parse_args("t", []).base_lr
     # 3 epochs of 4 steps: milestones after steps 4 and 8; an epoch's record has its last step's LR.
     lrs = [r["lr"] for r in read_metrics(tmp_path / "reference" / "m.jsonl")]
@@ -445,3 +447,11 @@ def test_an_error_whose_innermost_project_file_is_not_recipe_py_keeps_its_traceb
     line = recipe.make_loss.__code__.co_firstlineno + 2
     assert str(cli.recipe_error(raised.value)) == (
         f"recipe.py, line {line}, in make_loss: AttributeError: 'NoneType' object has no attribute 'label_smoothing'")
+
+
+def test_lr_factor_flags_given_beside_an_own_scheduler_are_named():
+    """--warmup-epochs and --lr-schedule shape lr_factor's schedule; beside make_scheduler's
+    own they do nothing, and the start-up block's note names the ones given."""
+    assert tu.unused_schedule_flags(parse_args("t", [])) == []
+    assert tu.unused_schedule_flags(parse_args("t", ["--warmup-epochs", "1", "--lr-schedule", "constant"])) == [
+        "--warmup-epochs 1", "--lr-schedule constant"]
