@@ -56,6 +56,10 @@ import tempfile
 from collections import deque
 from typing import NamedTuple
 
+from engine.errors import quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+
 import torch
 import torch.distributed as dist
 

@@ -41,6 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from engine.errors import quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+
 import numpy as np
 import torch
 

@@ -18,6 +18,10 @@ The recipe and every flag are shared with train_ddp.py, so 1-GPU and N-GPU runs 
 like with like.
 """
 
+from engine.errors import quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+
 from device_utils import single_process_context
 from engine.cli import run_cli
 from engine.log import RunClock

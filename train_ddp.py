@@ -17,6 +17,10 @@ flag are shared with train.py.
 
 from dataclasses import replace
 
+from engine.errors import quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from device_utils import no_forward_buffer_sync, setup_distributed

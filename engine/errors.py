@@ -2,13 +2,24 @@
 that must stop without saving (RunAborted, exit 3), a stop request after its checkpoint
 (TrainingStopped); and the line of a write that failed because the disk or the quota is
 full, with the space it needed and the space free, so the user knows what to clear.
-engine/cli.py turns each into its line and exit status. No torch import (tools/report.py uses
-it on any machine).
+engine/cli.py turns each into its line and exit status; before that, quiet_interrupt keeps
+Ctrl-C during the entry point's imports from ending in a traceback. No torch import
+(tools/report.py uses it on any machine, and the entry points import it before torch).
 """
 
 import errno
 import shutil
+import signal
 from pathlib import Path
+
+
+def quiet_interrupt():
+    """Ctrl-C while an entry point imports torch (seconds; more on a busy shared file system)
+    ends the process at once, as SIGINT ends a program that does not catch it, where Python
+    would print the traceback of an import. engine.cli.run_cli takes Ctrl-C over. A process
+    that ignores SIGINT (started in the background by a shell) goes on ignoring it."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class UserError(Exception):

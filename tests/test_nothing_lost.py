@@ -5,7 +5,9 @@ and a non-zero exit, before any training, with nothing half-written left behind.
 import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 import urllib.request
 
 from pathlib import Path
@@ -15,7 +17,7 @@ import torch
 
 from engine import data_formats
 from engine import weights as weights_file
-from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, run, run_main, start, torchrun_cmd, clean_env,
+from conftest import (FAST, REPO, TINY_MODEL, error_lines, python_cmd, run, run_main, start, torchrun_cmd, clean_env,
                       unavailable, write_cifar100)
 
 # What is kept and refused does not depend on the model: the tiny one, seconds sooner than the Wide ResNet.
@@ -247,3 +249,21 @@ def test_two_outputs_on_one_file_or_a_metrics_file_under_the_folders_names_are_r
         [line] = error_lines(capsys.readouterr().err)
         assert line.startswith(f"error: --metrics-file {ck / name}: --checkpoint-dir {ck} keeps "), line
     assert not shared.exists() and not ck.exists()
+
+
+@pytest.mark.parametrize("script", ["train.py", "train_ddp.py", "predict.py", "check_network.py"])
+def test_ctrl_c_while_torch_imports_ends_quietly(tmp_path, script):
+    """Ctrl-C in the first seconds, while the entry point imports torch (seconds; more on a
+    shared file system), ended in the traceback of an import (two new users' walks hit it).
+    Now it ends the command as SIGINT ends one that does not catch it: no output at all."""
+    process = subprocess.Popen([sys.executable, REPO / script, "--help"], cwd=tmp_path, env=clean_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    maps = Path(f"/proc/{process.pid}/maps")
+    deadline = time.time() + 60
+    while "libtorch" not in maps.read_text():  # torch's library is mapped: its import has begun
+        assert process.poll() is None and time.time() < deadline, "torch was never imported"
+        time.sleep(0.002)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGINT and err == "" and out == "", err
