@@ -1,7 +1,7 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
-epochs, ``run_epoch`` trains and evaluates one, ``train_steps`` keeps the books around
-``train_step``, the step itself; ``evaluate`` is the test loop; then what they keep as they
-run (``Progress``, ``LossBooks``). Then how a run is built: the command line, the task
+epochs and ``finish`` ends the run (the summary, --save-weights), ``run_epoch`` trains and
+evaluates one, ``train_steps`` keeps the books around ``train_step``, the step itself;
+``evaluate`` is the test loop; then what they keep as they run (``Progress``, ``LossBooks``). Then how a run is built: the command line, the task
 (``build_task``), the start-up block and the run's objects (``prepare_run``, ``resume``).
 Between two steps the loop calls one piece of machinery, ``run.stop`` (engine/stopping.py);
 docs/architecture.md maps the rest.
