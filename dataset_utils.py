@@ -727,7 +727,7 @@ def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
     source = f"the image folder {args.data_dir} ({count(len(folder.classes), 'class', 'classes')}: {shown}){how}"
     return DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
                     data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape,
-                                     mean=folder.mean),
+                                     mean=folder.mean, mean_of="stored" if hasattr(folder, "cache") else "files"),
                     notes=notes, data_dir=str(Path(args.data_dir).expanduser().resolve()),
                     skipped=folder.skipped.get("train", ()))
 

@@ -85,12 +85,14 @@ SAMPLED_IMAGES = 256  # training images whose bytes a fingerprint hashes, evenly
 
 
 def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None, images=None,
-                     mean=None):
+                     mean=None, mean_of="stored"):
     """Identifies the data in a checkpoint, so that a resume on other data is refused: the
     counts, the labels, and what the pixels can say cheaply. ``images``: the training images
     as stored (N, H, W, C), files' bytes read as they are (a built-in data set, yours): a
     sample of them is hashed. ``mean``: per channel, of an image folder's decoded training
-    images, compared within MEAN_TOLERANCE (a decoder's version may move it a little)."""
+    images, compared within MEAN_TOLERANCE (a decoder's version may move it a little) with a
+    mean measured the same way (``mean_of``: "stored", the cache's crops; "files", DALI's whole
+    images), and not compared with the other (a resume with another --loader)."""
     labels = np.asarray(train_labels, dtype=np.int64)
     fingerprint = {"dataset": key, "synthetic": synthetic, "train_images": len(labels), "test_images": test_size,
                    "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
@@ -103,7 +105,7 @@ def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, imag
             digest.update(np.ascontiguousarray(images[row]).tobytes())
         fingerprint["train_sample_sha256"] = digest.hexdigest()
     if mean is not None:
-        fingerprint["train_mean"] = [round(float(m), 4) for m in mean]
+        fingerprint[f"train_mean_{mean_of}"] = [round(float(m), 4) for m in mean]
     return fingerprint
 
 
@@ -114,7 +116,7 @@ def fingerprints_differ(old, new):
     """The keys of two fingerprints (data_fingerprint) that both hold and that differ; a
     folder's mean only beyond MEAN_TOLERANCE."""
     def differs(key):
-        if key == "train_mean":
+        if key.startswith("train_mean"):
             return len(old[key]) != len(new[key]) or any(abs(a - b) > MEAN_TOLERANCE for a, b in zip(old[key], new[key]))
         return old[key] != new[key]
     return [key for key in old.keys() & new.keys() if differs(key)]

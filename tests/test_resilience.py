@@ -277,8 +277,8 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     images = np.random.default_rng(0).integers(0, 256, (1000, 8, 8, 3), dtype=np.uint8)
     labels = np.arange(1000) % 10
 
-    def stored(pixels=images, mean=None):
-        return task.data_fingerprint("cifar10", False, labels, 100, images=pixels, mean=mean)
+    def stored(pixels=images, mean=None, mean_of="stored"):
+        return task.data_fingerprint("cifar10", False, labels, 100, images=pixels, mean=mean, mean_of=mean_of)
 
     check(_checkpoint_like(args, stored(), model), fingerprint=stored(images.copy()))  # the same bytes
     with pytest.raises(UserError, match=r"trained on other data \(1000 training images; now 1000 training images, "
@@ -287,6 +287,9 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3)), model), fingerprint=stored(mean=(0.505, 0.4, 0.3)))
     with pytest.raises(UserError, match=r"training images of mean \[0.5, 0.4, 0.3\] then, \[0.0, 0.0, 0.0\] now"):
         check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3)), model), fingerprint=stored(mean=(0, 0, 0)))
+    # DALI's mean of the whole files and the cache's of its crops differ: a resume with another --loader.
+    check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3), mean_of="files"), model),
+          fingerprint=stored(mean=(0.3, 0.4, 0.3)))
     other = tu.parse_args("x", ["--batch-size", "512", "--base-lr", "0.02"])
     with pytest.raises(UserError, match=r"--batch-size 256 \(now 512\), --base-lr 0.01 \(now 0.02\); rerun with its "
                                         r"values or start a new --checkpoint-dir$"):  # larger steps: no hint
