@@ -1,8 +1,9 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
 epochs and ``finish`` ends the run (the summary, --save-weights), ``run_epoch`` trains and
 evaluates one, ``train_steps`` keeps the books around ``train_step``, the step itself;
-``evaluate`` is the test loop; then what they keep as they run (``Progress``, ``LossBooks``). Then how a run is built: the command line, the task
-(``build_task``), the start-up block and the run's objects (``prepare_run``, ``resume``).
+``evaluate`` is the test loop; then what they keep as they run (``Progress``, ``LossBooks``).
+Then how a run is built: the command line, the task (``build_task``), the start-up block and
+the run's objects (``prepare_run``, ``resume``).
 Between two steps the loop calls one piece of machinery, ``run.stop`` (engine/stopping.py);
 docs/architecture.md maps the rest.
 
@@ -626,7 +627,8 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
            f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
           if args.warmup_epochs > args.epochs and not own_schedule else []),
         *([f"Note: {' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} lr_factor's schedule, which "
-           f"recipe.make_scheduler's {own_schedule} replaces: {'they have' if len(ignored) > 1 else 'it has'} no effect"]
+           f"recipe.make_scheduler's {own_schedule} replaces: "
+           f"{'they have' if len(ignored) > 1 else 'it has'} no effect"]
           if own_schedule and (ignored := unused_schedule_flags(args)) else []),
     ]
     if args.checkpoint_dir:
@@ -643,8 +645,8 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
 def unused_schedule_flags(args):
     """--warmup-epochs and --lr-schedule given other than their defaults: lr_factor's, which a
     scheduler of recipe.make_scheduler's own replaces."""
-    def shown(flags):
-        return {"--warmup-epochs": f"{flags.warmup_epochs:g}", "--lr-schedule": flags.lr_schedule}
+    def shown(values):
+        return {"--warmup-epochs": f"{values.warmup_epochs:g}", "--lr-schedule": values.lr_schedule}
 
     default = shown(parse_args("", []))  # as recipe.check_arguments completes them
     return [f"{flag} {value}" for flag, value in shown(args).items() if value != default[flag]]
@@ -789,7 +791,8 @@ def recipe_code(loss_fn, prep):
     records it, and a resume after an edit that changes it is refused (check_resumable)."""
     per_image = "none" if prep.per_image is None else re.sub(r"\s+", " ", repr(prep.per_image))  # one line
     per_image = re.sub(r" at 0x[0-9a-fA-F]+", "", per_image)  # a plain object's repr, without its address
-    return {"loss": describe_loss(loss_fn), "augmentation": f"{prep.augment} ({', '.join(op.__name__ for op in prep.ops)})",
+    operations = ", ".join(op.__name__ for op in prep.ops)
+    return {"loss": describe_loss(loss_fn), "augmentation": f"{prep.augment} ({operations})",
             "per-image transforms": per_image}
 
 

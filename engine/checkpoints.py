@@ -259,8 +259,9 @@ def recorded_accuracy(path, run=None):
     theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None}
     if any(theirs[key] != run[key] for key in theirs):
         raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of another run (--model "
-                        f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model {run['model']} "
-                        f"on --dataset {run['dataset']}): move it elsewhere, or give this run another --checkpoint-dir")
+                        f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model "
+                        f"{run['model']} on --dataset {run['dataset']}): move it elsewhere, or give this run another "
+                        "--checkpoint-dir")
     return float(metadata.get("val_accuracy", -1.0))
 
 

@@ -31,8 +31,8 @@ def let_rank0_fail_first():
 def run_cli(main):
     """Run an entry point. A UserError becomes one line on stderr and its exit status (2, or 3
     for an aborted run); a stop request ends with one line on stdout after its checkpoint."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # errors.quiet_interrupt's: Ctrl-C is KeyboardInterrupt again
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # errors.quiet_interrupt's, for the imports
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C is KeyboardInterrupt again
     rank = rank_or_zero()
     for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is printed escaped, not a traceback
         if hasattr(stream, "reconfigure"):

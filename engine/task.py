@@ -117,7 +117,8 @@ def fingerprints_differ(old, new):
     folder's mean only beyond MEAN_TOLERANCE."""
     def differs(key):
         if key.startswith("train_mean"):
-            return len(old[key]) != len(new[key]) or any(abs(a - b) > MEAN_TOLERANCE for a, b in zip(old[key], new[key]))
+            return (len(old[key]) != len(new[key])
+                    or any(abs(a - b) > MEAN_TOLERANCE for a, b in zip(old[key], new[key])))
         return old[key] != new[key]
     return [key for key in old.keys() & new.keys() if differs(key)]
 
