@@ -260,8 +260,14 @@ STATUS_DIR="$(mktemp -d "$(dirname "$STOP_FILE")/.multinode_${SLURM_JOB_ID}.stat
 export STATUS_DIR
 store_pid=""
 store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
+stop_store() {  # the rendezvous store below, once no torchrun needs it; waits until it is gone
+    [[ -n "$store_pid" ]] || return 0
+    kill -USR2 "$store_pid" 2>/dev/null || true
+    wait "$store_pid" 2>/dev/null || true
+    store_pid=""
+}
 trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/check.* "$STATUS_DIR"/train.*; rmdir "$STATUS_DIR" 2>/dev/null
-[[ -z "$store_pid" ]] || kill -USR2 "$store_pid" 2>/dev/null || true' EXIT
+stop_store' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
@@ -340,6 +346,7 @@ requeue() {
         return
     fi
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
+    stop_store  # before: the requeued job's store takes the same port, and this one ignores the requeue's SIGTERM
     scontrol requeue "$SLURM_JOB_ID"
 }
 
