@@ -91,7 +91,7 @@ def claimed_folder(directory, resume, ctx, weights=None):
         yield from_rank0(claim, ctx.control_group)
 
 
-def check_not_the_folders_own(path, directory, flag="--save-weights"):
+def check_not_the_folders_own(path, directory, flag):
     """An output file of ``flag`` (--save-weights, --metrics-file) may lie in --checkpoint-dir
     (the job scripts' DIR/weights.pt), but not under a name the folder keeps for itself: it
     would replace the best epoch's weights (BEST_WEIGHTS) or a checkpoint, be written into one,
