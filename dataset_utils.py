@@ -750,10 +750,10 @@ def folder_list_data(args, ctx):
 
 def dali_choice(args, device, group=None, per_image=None):
     """("dali" or None, why) for --loader: dali (one line without DALI, for data that is not an
-    image folder, or with recipe.py's per-image transforms ``per_image``, a v2.Compose that runs
-    in the DataLoader's workers), or auto for an image folder on a GPU with DALI installed that
-    would not fit the device (choose_dali; global rank 0 reads the folder's headers, the others
-    wait)."""
+    image folder, with recipe.py's per-image transforms ``per_image``, a v2.Compose that runs
+    in the DataLoader's workers, or with an --augment operation DALI lacks), or auto for an
+    image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
+    rank 0 reads the folder's headers, the others wait)."""
     if args.loader == "dali":
         from engine.dali_loader import check_dali
         if args.dataset != FOLDER:
@@ -762,9 +762,11 @@ def dali_choice(args, device, group=None, per_image=None):
         if per_image:
             raise UserError(f"{transform_names(per_image)} transforms each image in the DataLoader's workers, which "
                             "DALI has no operator for: use --loader torchvision (or auto) with it, not dali")
+        recipe.check_dali_ops(recipe.AUGMENTATIONS.get(args.augment, ()))  # --augment auto: DALI has them
         check_dali()
         return "dali", "--loader dali"
-    if args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image:
+    own_ops = recipe.dali_lacks(recipe.AUGMENTATIONS.get(args.augment, ()))  # the DataLoader runs them
+    if args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image or own_ops:
         return None, None
     from engine.dali_loader import choose_dali, dali_installed
     from engine.image_list import decoded_bytes

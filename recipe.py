@@ -16,7 +16,7 @@ Your own augmentation: one function ``(images, rand, prep) -> images`` and a lin
 AUGMENTATIONS. The device loader applies it to whole batches on the GPU; the DataLoader's
 workers apply torchvision's transform that does the same where ``library_transform`` names
 one, else your function to one image at a time; --loader dali runs the DALI operators
-``dali_images`` lists for it (add yours there). Per-image torchvision v2 transforms of your own
+``dali_images`` lists for it (add yours there and in DALI_OPS). Per-image torchvision v2 transforms of your own
 go in ``image_transforms``.
 """
 
@@ -321,6 +321,22 @@ def loader_transforms(prep):
     return v2.Compose(steps)
 
 
+DALI_OPS = (resized_crop, pad_crop, flip)  # the operations dali_images runs: add yours to both
+
+
+def dali_lacks(ops):
+    """The names of the operations of ``ops`` (an AUGMENTATIONS entry) not in DALI_OPS."""
+    return [op.__name__ for op in ops if op not in DALI_OPS]
+
+
+def check_dali_ops(ops):
+    """One line for dali_lacks(ops): asked before any data is read, and where the pipeline is built."""
+    unknown = dali_lacks(ops)
+    if unknown:
+        raise UserError(f"--loader dali has no DALI operator for recipe.py's {', '.join(unknown)}: add one to "
+                        "recipe.dali_images and DALI_OPS, or use --loader torchvision")
+
+
 def dali_images(encoded, prep, training, gpu):
     """--loader dali's images from the encoded files (DALI DataNodes, nvidia.dali.fn operators):
     decoded on the GPU ("mixed") or the CPU; training as ``prep.ops`` say (a resized crop of the
@@ -331,10 +347,7 @@ def dali_images(encoded, prep, training, gpu):
     from nvidia.dali import fn, types  # imported by --loader dali alone
     ops, (height, width) = (prep.ops if training else ()), prep.image_shape[:2]
     decoder = dict(device="mixed" if gpu else "cpu", output_type=types.GRAY if prep.image_shape[2] == 1 else types.RGB)
-    unknown = [op.__name__ for op in ops if op not in (resized_crop, pad_crop, flip)]
-    if unknown:
-        raise UserError(f"--loader dali has no DALI operator for recipe.py's {', '.join(unknown)}: add one to "
-                        "recipe.dali_images, or use --loader torchvision")
+    check_dali_ops(ops)
     if resized_crop in ops:
         images = fn.decoders.image_random_crop(encoded, **decoder, random_area=RESIZED_CROP_SCALE,
                                                random_aspect_ratio=RESIZED_CROP_RATIO, num_attempts=10)

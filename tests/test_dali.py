@@ -281,7 +281,7 @@ def test_dali_is_chosen_and_refused_in_one_line(tmp_path):
                            "decodes the files on the GPU every epoch")
     assert not choose_dali(21e9, 86e9)[0]
     def flags(**given):
-        return Namespace(**{**dict(loader="dali", dataset="folder", auto_augment=None, eval_only=False), **given})
+        return Namespace(**{**dict(loader="dali", dataset="folder", augment="auto", auto_augment=None, eval_only=False), **given})
 
     with pytest.raises(UserError, match="^--loader dali reads image files: it takes --dataset folder, not cifar10"):
         du.dali_choice(flags(dataset="cifar10"), torch.device("cpu"))

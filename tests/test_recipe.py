@@ -372,6 +372,17 @@ def test_an_edited_recipe_trains_with_the_new_augmentation(project):
     assert read_metrics(project / "aug.jsonl")[-1]["augment"] == ["flip", "pad_crop", "cutout"]
 
 
+def test_an_added_augmentation_dali_lacks_is_one_line_before_the_data_is_read(project):
+    result = run(single(*BASE, *PHOTOS, "--augment", "flip-crop-cutout", "--loader", "dali"), cwd=project)
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [
+        "error: --loader dali has no DALI operator for recipe.py's cutout: add one to recipe.dali_images and "
+        "DALI_OPS, or use --loader torchvision"]
+    assert "Augmentation:" not in result.stdout and "Data:" not in result.stdout  # no start-up block, nothing read
+    assert not (project / "photos" / ".cache").exists()
+    assert recipe.dali_lacks(recipe.AUGMENTATIONS["resized-crop"]) == []  # what --augment auto picks runs on DALI
+
+
 UNUSED = '''import torch.nn as nn
 
 
