@@ -570,6 +570,7 @@ class Run:
                 "precision": self.precision.name, "synthetic": self.args.synthetic, "dataset": self.args.dataset,
                 "model": self.args.model, "epochs": self.args.epochs, "optimizer": type(self.optimizer).__name__,
                 "loss": type(self.loss_fn).__name__, "augment": [op.__name__ for op in self.task.data.prep.ops],
+                "per_image": [type(t).__name__ for t in getattr(self.task.data.prep.per_image, "transforms", ())],
                 "regularization": self.regularization, "device": self.device_name}
 
     def recipe_code(self):

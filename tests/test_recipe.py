@@ -114,6 +114,7 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     records = read_metrics(stopped / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2, 3] and {r["optimizer"] for r in records} == {names[optimizer]}
     assert records[-1]["augment"] == (["resized_crop", "flip"] if extra else ["flip", "pad_crop"])  # photos: auto
+    assert records[-1]["per_image"] == (["TrivialAugmentWide"] if extra else [])
     assert records[-1]["loss"] == "CrossEntropyLoss"
     assert records[-1]["regularization"] == (REFERENCES_RECORDED if extra else {})
     assert records[-1]["loader"] == ("torchvision" if extra else "device")  # auto: per-image transforms
