@@ -329,7 +329,8 @@ def build_parser(description, add_recipe_arguments):
     resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
                             help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
                                  "number of GPUs (same recipe and data; a larger --epochs extends the run with a warm "
-                                 "restart of the learning rate); error if there is none. --resume=auto: "
+                                 "restart of the learning rate); error if there is none (--resume=required says "
+                                 "the same). --resume=auto: "
                                  "continue it if there is a checkpoint, else start a new run there (the job scripts)")
     resilience.add_argument("--stop-file", metavar="PATH", default=None,
                             help="stop as on SIGTERM (checkpoint, then exit) when this file appears, but with exit "
