@@ -775,7 +775,7 @@ def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, 
     rng_state = restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema)
     state = replace(TrainState(**checkpoint["state"]), lr_cycles=[list(c) for c in cycles])
     fit_optimizer_to_params(optimizer, kernels)
-    checkpointer.loaded(scheduler.last_epoch)  # that checkpoint need not be written again
+    checkpointer.loaded(scheduler.last_epoch, state)  # that checkpoint need not be written again
     log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")

@@ -366,15 +366,16 @@ class Checkpointer:
         self.warn = warn
         self.warned = False
         self.last_time = time.monotonic()
-        self.last_step = None  # optimizer step of the newest checkpoint written or loaded
+        self.newest = None  # (optimizer step, epoch, step in it) of the newest checkpoint written or loaded
         self.count, self.seconds = 0, 0.0
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
         self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, new_run), ctx.control_group)
 
-    def loaded(self, step):
-        """The run was resumed from the checkpoint of optimizer step ``step``: not written again."""
-        self.last_step = step
+    def loaded(self, step, state):
+        """The run was resumed from the checkpoint of optimizer step ``step`` at ``state``
+        (train_utils.TrainState): not written again."""
+        self.newest = (step, state.epoch, state.step)
 
     def due(self):
         """At the end of an epoch: is a checkpoint due? Decided by rank 0's clock, so every
@@ -387,7 +388,9 @@ class Checkpointer:
         already) and prune this run's older ones, keeping KEEP_CHECKPOINTS. Returns its path."""
         step = run.scheduler.last_epoch  # optimizer steps so far: the name sorts by progress
         path = self.directory / f"{CHECKPOINT_PREFIX}{step:09d}.pt"
-        if step == self.last_step:
+        # The epoch too: a run stopped after an epoch's last step and resumed evaluates that epoch
+        # at the same optimizer step, and its checkpoint then replaces the stopped one.
+        if (step, state.epoch, state.step) == self.newest:
             return path
         start = time.perf_counter()
         last = state.records[-1] if state.records else None
@@ -418,7 +421,7 @@ class Checkpointer:
 
         from_rank0(write, self.ctx.control_group)  # every rank waits until the file is on disk
         seconds = time.perf_counter() - start
-        self.last_time, self.last_step = time.monotonic(), step
+        self.last_time, self.newest = time.monotonic(), (step, state.epoch, state.step)
         self.count, self.seconds = self.count + 1, self.seconds + seconds
         if seconds > SLOW_CHECKPOINT_S and not self.warned and self.ctx.is_main:
             self.warned = True

@@ -454,6 +454,26 @@ def test_a_stop_file_that_names_the_users_own_file_is_refused_and_kept(tmp_path,
     assert not request.exists()
 
 
+def test_a_run_stopped_after_an_epochs_last_step_checkpoints_that_epochs_end_when_resumed(tmp_path):
+    """The resumed run trains no step, evaluates the epoch and saves it: a checkpoint at the same
+    optimizer step as the stopped one, which it replaces. It was taken for the stopped one and not
+    written, so each later --resume evaluated the epoch again and logged it once more."""
+    request = tmp_path / "STOP"
+    request.touch()
+    one_step = (*RUN, "--epochs", "1", "--limit-batches", "1", "--checkpoint-dir", "ck", "--metrics-file", "m.jsonl")
+    stopped = run(python_cmd("train.py", *one_step, "--stop-file", request), cwd=tmp_path)
+    assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1 (--stop-file" in stopped.stdout
+    resumed = run(python_cmd("train.py", *one_step, "--resume"), cwd=tmp_path)
+    assert resumed.returncode == 0 and "Training complete" in resumed.stdout, resumed.stderr
+    [checkpoint] = (tmp_path / "ck").glob("checkpoint_*.pt")
+    state = torch.load(checkpoint, weights_only=False)["state"]
+    assert (state["epoch"], state["step"], len(state["records"])) == (2, 0, 1)
+    again = run(python_cmd("train.py", *one_step, "--resume"), cwd=tmp_path)
+    assert again.returncode == 0 and "is complete (epoch 1): nothing to train" in again.stdout
+    assert "Evaluation after epoch 1" not in again.stdout and "Epoch 1/1:" not in again.stdout
+    assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1]
+
+
 def test_a_stop_file_given_data_while_the_run_trains_is_not_removed(tmp_path):
     """A stop requested by writing to the file (echo stop > PATH): the run stops on it and
     leaves it, as it holds data; only an empty request is removed."""
