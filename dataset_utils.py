@@ -377,8 +377,8 @@ class InMemoryImages(Dataset):
         self.source, self.source_labels, self.prep, self.transform = images, labels, prep, transform
         self.rows = rows  # None, or the indices into ``images`` of a subset (a held-out split)
         self.labels = labels if rows is None else np.asarray(labels)[rows]
-        stored = torch.uint8 if images.dtype == np.uint8 else torch.float32
-        self.scale_shift = normalization(prep.mean, prep.std, stored)  # float32 (C,) each
+        self.dtype = torch.uint8 if images.dtype == np.uint8 else torch.float32  # as stored
+        self.scale_shift = normalization(prep.mean, prep.std, self.dtype)  # float32 (C,) each
 
     @property
     def images(self):

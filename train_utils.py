@@ -513,8 +513,7 @@ def build_task(args, ctx):
     if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
         measured = (measured_training(model, args.model, args.precision, args.accumulate, ctx, data.prep.image_shape,
                                       batch, layout) if args.loader == "auto" and not args.eval_only else None)
-        stored = torch.as_tensor(train_set.images[:0]).dtype  # uint8, or float for a data set of floats
-        temporaries = batch_temporaries(data.prep, batch, stored, ctx.device) if measured else 0
+        temporaries = batch_temporaries(data.prep, batch, train_set.dtype, ctx.device) if measured else 0
         train_set, per_image = with_image_transforms(train_set, per_image)
         data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too
         loader, reason = choose_loader(args.loader, train_set.nbytes + test_set.nbytes, device_memory(ctx.device),
