@@ -173,7 +173,7 @@ def group_options(device: torch.device, timeout: timedelta) -> dict:
 def no_forward_buffer_sync() -> dict:
     """DDP's keyword argument that turns off the broadcast of rank 0's buffers before every
     forward: ``forward_sync_buffers`` since PyTorch 2.13 (where ``broadcast_buffers`` prints a
-    FutureWarning on every rank), ``broadcast_buffers`` in 2.7 and 2.8."""
+    FutureWarning on every rank), ``broadcast_buffers`` before it (2.7 to 2.12)."""
     from torch.nn.parallel import DistributedDataParallel
 
     new = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -183,9 +183,9 @@ def no_forward_buffer_sync() -> dict:
 def broadcast_buffers(module: torch.nn.Module):
     """Copy rank 0's buffers (BatchNorm running statistics) to every rank.
 
-    DDP broadcasts buffers at the start of each training forward, but every rank then
-    updates its running statistics from its own batch, so after the last step they differ.
-    Evaluating after this call evaluates exactly the model that rank 0 saves.
+    train_ddp.py turns off DDP's broadcast of buffers before each forward (training normalizes
+    with batch statistics), so every rank updates its running statistics from its own batches
+    and they differ. Evaluating after this call evaluates exactly the model that rank 0 saves.
     """
     if group_active():
         for buffer in module.buffers():

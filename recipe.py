@@ -1,7 +1,8 @@
 """How the model is trained: the optimizer, the loss, the learning-rate schedule and the
 training augmentations. This is the file to edit for a recipe of your own; the loop
-(train_utils.py) calls the four ``make_*``/``lr_factor`` functions and the augmentations
-below, and nothing else of the recipe.
+(train_utils.py) calls its ``make_*`` functions (optimizer, loss, scheduler, batch transform,
+model EMA), ``lr_factor``, the augmentations and the ``describe_*``/``ema_*`` lines below: how
+the model is trained is decided here and nowhere else.
 
     python train.py --optimizer adamw --base-lr 0.001 --weight-decay 0.05
     python train.py --augment crop --label-smoothing 0 --lr-schedule constant
@@ -239,7 +240,8 @@ def lr_factor(step, total_steps, warmup_steps, schedule):
 
 def make_scheduler(optimizer, args, total_steps):
     """Your own learning-rate schedule, if you want one: any torch.optim.lr_scheduler scheduler
-    of ``optimizer``, stepped after each of the run's ``total_steps`` optimizer steps, e.g.
+    of ``optimizer`` but ReduceLROnPlateau (it steps on a metric; refused in one line), stepped
+    after each of the run's ``total_steps`` optimizer steps, e.g.
     ``OneCycleLR(optimizer, max_lr=args.base_lr, total_steps=total_steps)`` (docs/recipe.md).
     None, as here: lr_factor's shape (--warmup-epochs, then --lr-schedule), which a resume with
     a larger --epochs extends by a warm restart; a run of your own keeps its --epochs."""

@@ -219,7 +219,8 @@ def train_step(run, x, y):
     """One optimizer step on images x (B, C, H, W) and labels y (B,): forward, loss, backward
     for each of the --accumulate micro-batches (B / N images each, gradients summed), then
     optimizer step, schedule. Returns the loss of the B images, a 0-dim tensor still on the
-    device: nothing here waits for the GPU."""
+    device: nothing here waits for the GPU, but GradScaler.step under --precision fp16 with an
+    optimizer that has no fused kernel (it reads whether a gradient overflowed)."""
     if run.compiled and run.compiled.graphs:  # CUDA graphs: a new step, so PyTorch may reuse the last replay's outputs
         torch.compiler.cudagraph_mark_step_begin()
     run.optimizer.zero_grad(set_to_none=True)
@@ -690,6 +691,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
+    if isinstance(own, torch.optim.lr_scheduler.ReduceLROnPlateau):  # its step() needs a metric: a TypeError
+        raise UserError("recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation "
+                        "metric; the loop steps the scheduler after each optimizer step, with no argument: return "
+                        "a scheduler of steps (OneCycleLR, MultiStepLR, LambdaLR, ...)")
     compiled = None
     if args.compile and not args.eval_only:
         from engine.compiling import prepare_compile  # --compile only

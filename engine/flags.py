@@ -325,7 +325,8 @@ def build_parser(description, add_recipe_arguments):
     resilience.add_argument("--checkpoint-interval", metavar="MINUTES", type=non_negative_float, default=5.0,
                             help="checkpoint at the end of an epoch at most every this many minutes (0 = every "
                                  "epoch); always on a stop request and at the end of training. A crash (kill -9, "
-                                 "node failure) loses at most this much training")
+                                 "node failure) loses the training since the last one: up to this many minutes and "
+                                 "one epoch")
     resilience.add_argument("--resume", nargs="?", const="required", choices=("required", "auto"), default=None,
                             help="continue the run in --checkpoint-dir from its newest readable checkpoint, on any "
                                  "number of GPUs (same recipe and data; a larger --epochs extends the run with a warm "

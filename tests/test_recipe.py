@@ -168,6 +168,20 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
     assert [r["lr"] for r in read_metrics(stopped / "m.jsonl")] == lrs
 
 
+def test_reduce_lr_on_plateau_from_make_scheduler_is_one_line(project, tmp_path):
+    """Its step() takes the epoch's metric, which the per-step loop does not pass: it was a
+    TypeError traceback at the first step."""
+    shutil.copytree(project, tmp_path / "plateau")
+    with open(tmp_path / "plateau" / "recipe.py", "a") as f:
+        f.write("\n\ndef make_scheduler(optimizer, args, total_steps):\n"
+                "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)\n")
+    result = run(single(*RUN), cwd=tmp_path / "plateau")
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation metric; "
+        "the loop steps the scheduler after each optimizer step, with no argument: return a scheduler of steps "
+        "(OneCycleLR, MultiStepLR, LambdaLR, ...)"], result.stderr
+
+
 def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
     """A short run with an average too slow for it: one warning line naming the flags; every
     epoch records and prints the model's and the average's accuracy; --save-weights holds the
