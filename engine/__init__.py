@@ -44,4 +44,6 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     exact_sums.py    check_network.py's data: sums exact in any order, a wrong one in one line
     bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them
     all_reduce_timing.py  timed all-reduces that never hang or abort (check_network.py)
+    private_torch.py the private PyTorch read (no public API has it), with fallbacks: CUDA-graph skips,
+                     NCCL's flight recorder
 """

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine.errors import UserError
 from engine.folder_lock import NO_FLOCK
+from engine.private_torch import cudagraph_skips
 
 GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay CUDA graphs
 
@@ -149,15 +150,3 @@ def known_cause(model):
     if ddp and any(isinstance(m, batch_norms) for m in model.modules()):
         return ", a known PyTorch limit with DDP and BatchNorm (pytorch/pytorch#139207)"
     return ""
-
-
-def cudagraph_skips():
-    """How many compiled graphs PyTorch has run without CUDA graphs in this process so far,
-    counted as each is compiled: a process that compiles the same model again (tools/benchmark.py)
-    reuses the first compile and counts nothing new.
-    Private: inductor's counter, the same in every supported PyTorch (2.7 to 2.14; tests on the
-    CPU, where every graph is skipped); no public API reports a skip (PyTorch only logs it, and
-    only under TORCH_LOGS)."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["cudagraph_skips"]

@@ -17,12 +17,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from engine.errors import RunAborted, first_line
 from engine.interfaces import NetworkSetupError
 from engine.nccl_log import refused_network
+from engine.private_torch import nccl_trace_dumper
 from engine.processes import DistContext, cleanup_distributed, group_active
 from engine.stopping import ignore_stop_signals, newest_checkpoint
 
@@ -188,8 +188,8 @@ class RanksLost(RunAborted):
 def dump_flight_recorder(directory, rank):
     """This rank's NCCL flight recorder (its last collectives) as DIR/nccl_trace_rank_N, the
     file NCCL's watchdog writes on its own timeout, which the gloo group's timeout comes
-    before. Best effort (a private API, in PyTorch 2.7 to 2.15): the path, or None."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    before. Best effort (engine/private_torch.py): the path, or None."""
+    dump = nccl_trace_dumper()
     if dump is None or directory is None:
         return None
     try:

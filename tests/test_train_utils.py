@@ -20,7 +20,7 @@ import train_utils as tu
 from device_utils import single_process_context
 from engine import checkpoints, flags, optimization, precision, processes
 from engine import weights as weights_file
-from engine import compiling
+from engine import compiling, private_torch
 from engine.compiling import use_compile_cache
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -695,15 +695,26 @@ def test_cuda_graphs_skipped_under_ddp_with_batchnorm_name_the_known_cause(tmp_p
 
 
 @pytest.mark.oldest_torch
+def test_the_private_pytorch_read_exists():
+    """engine/private_torch.py's two reads fall back to 'unknown' where PyTorch removed them:
+    this says they are still there, on the oldest PyTorch and the newest (that the counter
+    counts: the test below)."""
+    from torch._dynamo.utils import counters  # an ImportError here: cudagraph_skips is always 0
+    assert isinstance(counters["inductor"]["cudagraph_skips"], int)
+    if torch.distributed.is_nccl_available():  # a CUDA build of PyTorch, as pip installs on Linux
+        assert callable(private_torch.nccl_trace_dumper())
+
+
+@pytest.mark.oldest_torch
 def test_a_graph_run_without_cuda_graphs_is_counted_and_said(tmp_path):
     """PyTorch's count of compiled graphs run without CUDA graphs (a private counter: this test
     is what says it still exists and counts): on the CPU, reduce-overhead skips every graph,
     and the line after the first step says how many, from the count before the compile."""
     compilation = compiling.prepare_compile("reduce-overhead", "cuda", False, 1, None, {})  # as on CUDA
-    assert compilation.graphs and compilation.skips_before == compiling.cudagraph_skips()
+    assert compilation.graphs and compilation.skips_before == private_torch.cudagraph_skips()
     model = _conv_model()
     torch.compile(model, mode=compilation.mode)(torch.randn(2, 3, 8, 8)).sum().backward()  # on the CPU: no graphs
-    skipped = compiling.cudagraph_skips() - compilation.skips_before
+    skipped = private_torch.cudagraph_skips() - compilation.skips_before
     assert skipped >= 1
     timing, skip = compilation.after_first_step(12.34, model)
     assert timing.startswith("torch.compile: the first step took 12.3s, compiling included; compile cache in ")
