@@ -36,6 +36,7 @@ rank). They draw the same distribution of crops, not the same crops.
 import math
 import sys
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -344,6 +345,21 @@ def set_loader_epoch(loader, epoch):
         sampler.set_epoch(epoch)
 
 
+def skip_batches(loader, batches):
+    """Begin ``loader``'s next iteration (the epoch set_loader_epoch set) after its first
+    ``batches`` batches, without reading, decoding or augmenting them: a mid-epoch resume.
+    Each image's augmentation is drawn from (seed, epoch, index) alone, so the batches that
+    follow are the uninterrupted epoch's. True, or False for a loader that cannot (the caller
+    draws them and drops them)."""
+    if isinstance(loader, DeviceLoader):
+        loader.skip = batches
+    elif isinstance(getattr(loader, "sampler", None), AugmentSampler):  # the DataLoader's: images, not batches
+        loader.sampler.skip = batches * loader.batch_size
+    else:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # What the loaders serve: the data sets, the DataLoader's samplers, and the device loader, which
 # make stored images the model's input as Preprocessing above says (the same for predict.py).
@@ -449,6 +465,7 @@ class AugmentSampler(Sampler):
 
     def __init__(self, sampler, size, seed):
         self.sampler, self.size, self.seed, self.epoch = sampler, size, seed, 0
+        self.skip = 0  # indices the next iteration leaves out (skip_batches), then 0 again
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -457,7 +474,8 @@ class AugmentSampler(Sampler):
 
     def __iter__(self):
         seeds = augmentation_seeds(self.size, self.seed, self.epoch).tolist()
-        return ((index, seeds[index]) for index in self.sampler)
+        skip, self.skip = self.skip, 0
+        return ((index, seeds[index]) for index in islice(self.sampler, skip, None))
 
     def __len__(self):
         return len(self.sampler)
@@ -537,19 +555,25 @@ class DeviceLoader:
         self.images = torch.as_tensor(dataset.images).to(device)  # uint8 (N, H, W, C); a view on the CPU
         self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
         self.normalize = normalizer(self.prep, self.images.dtype, device)
+        self.skip = 0  # batches the next iteration leaves out (skip_batches), then 0 again
 
     def __len__(self):
         full, rest = divmod(len(self.sampler), self.batch_size)
         return full + (rest > 0 and not self.drop_last)
 
     def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return self.batches(skip)
+
+    def batches(self, skip):
+        """The epoch's batches after its first ``skip``."""
         # One small host-to-device copy per epoch: this rank's indices (N / world_size int64).
         indices = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.device)
         if self.augmented:
             # The whole data set's numbers, copied once per epoch (8 bytes each, 32 per operation
             # and image): each image's, whatever rank serves it.
             rand = self.prep.randoms(len(self.labels), self.seed, getattr(self.sampler, "epoch", 0)).to(self.device)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
+        for start in range(skip * self.batch_size, len(self) * self.batch_size, self.batch_size):
             batch = indices[start:start + self.batch_size]
             images = model_view(self.images[batch], rand[batch] if self.augmented else None, self.prep)
             yield self.normalize(images), self.labels[batch]  # (B, C, H, W) float32, (B,) int64

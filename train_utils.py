@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import recipe
 from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
-                           default_num_workers, set_loader_epoch, with_image_transforms)
+                           default_num_workers, set_loader_epoch, skip_batches, with_image_transforms)
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
@@ -158,11 +158,15 @@ def run_epoch(run, state, rng_state=None):
     set_loader_epoch(train_loader, state.epoch - 1)
     torch.manual_seed(epoch_seed(run.args.seed, state.epoch, run.ctx.rank))
     skipped = min(state.step, run.steps)
-    ahead = resumed_steps(train_loader, rng_state, skipped)  # a loader that checkpointed its place (DALI) skips them
+    # Resuming mid-epoch: DALI goes on from the place its checkpoint recorded, the device loader and
+    # the DataLoader leave the batches out; any other loader draws them and they are dropped.
+    ahead = resumed_steps(train_loader, rng_state, skipped)
+    if ahead < skipped and skip_batches(train_loader, skipped):
+        ahead = skipped
     # Held to the epoch's end: a loader that keeps its place (DALI) lets go of it when this is dropped,
     # and a stop mid-epoch checkpoints that place (rng_snapshot) below.
     batches = islice(train_loader, run.steps - ahead)
-    for _ in range(skipped - ahead):  # resuming mid-epoch: the same batches, drawn and skipped
+    for _ in range(skipped - ahead):
         next(batches)
     if rng_state is not None:
         restore_rng(rng_state)  # where the interrupted run was after those steps

@@ -85,6 +85,25 @@ def test_both_loaders_serve_the_same_images_in_the_same_order(cifar_dir):
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)  # evaluation: bit for bit
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_epoch_leaves_the_trained_batches_out_and_serves_the_rest_alike(workers):
+    """skip_batches (a mid-epoch resume): the loader's next iteration begins at batch k without
+    serving the k before it, and serves what the whole epoch served from there, augmentation
+    and per-image seeds included; the iteration after it is a whole epoch again."""
+    train_set, _ = indexed_sets(56)
+    for kind in ("device", "torchvision"):
+        loader = du.build_loaders(train_set, train_set, 8, loader=kind, device=CPU, rank=1, world_size=2, seed=3,
+                                  num_workers=workers if kind == "torchvision" else 0)[0]
+        du.set_loader_epoch(loader, 2)
+        whole = list(loader)
+        assert len(whole) == 3  # 28 images of this rank, batches of 8, the last one dropped
+        assert du.skip_batches(loader, 2)
+        rest = list(loader)
+        assert len(rest) == 1 and torch.equal(rest[0][0], whole[2][0]) and torch.equal(rest[0][1], whole[2][1]), kind
+        assert [y.tolist() for _, y in loader] == [y.tolist() for _, y in whole]
+    assert not du.skip_batches([(torch.zeros(1), torch.zeros(1))], 1)  # any other loader: drawn by the caller
+
+
 @pytest.mark.parametrize("augment", sorted(recipe.AUGMENTATIONS))
 def test_each_loader_augments_as_asked_and_repeats_itself(augment):
     """Each loader changes the images unless --augment none, and a fresh loader (a restarted run,
