@@ -185,7 +185,7 @@ def preprocessing(image_shape, mean, std, augment="auto", own_augment="flip-crop
     if padding is None:
         padding = max(1, round(min(image_shape[:2]) / 8))
     augment = own_augment if augment == "auto" else augment
-    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), augment, recipe.AUGMENTATIONS[augment], padding,
+    return Preprocessing(tuple(image_shape), tuple(mean), tuple(std), augment, recipe.augmentation_ops(augment), padding,
                          stored_size and tuple(stored_size), recipe.RANDOM_PER_OP)
 
 
@@ -278,6 +278,7 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                      seed=seed, drop_last=True)
     test_sampler = ShardSampler(len(test_set), rank, world_size)
+    check_augmentation(train_set)
     if loader == "device":
         device = torch.device(device or "cpu")
         return (DeviceLoader(train_set, batch_size, sampler, device, augmented=True, drop_last=True, seed=seed),
@@ -330,6 +331,28 @@ def check_image_transforms(train_set, transform):
                         f"(C, H, W) images of at least the model's input ({channels}, {height}, {width}), then "
                         "crops and normalizes them itself: leave out v2.ToDtype, v2.Normalize and crops smaller than "
                         "the input (--image-size sets it for an image folder)")
+
+
+def check_augmentation(train_set):
+    """--augment's batched operations (recipe.AUGMENTATIONS) tried on two stored training images
+    at start, as the device loader runs them (the DataLoader runs a user's on one image at a
+    time): they must keep the images' dtype, as normalization scales them as stored (a uint8
+    image made float would be scaled 255 times too much), and leave the model's input size.
+    Else one line naming them, where the run would train silently on other images."""
+    prep = train_set.prep
+    if not prep.ops:
+        return
+    images = torch.from_numpy(np.array(train_set.source[:2]))  # (2, H, W, C), as stored
+    out = augment(images, prep.randoms(len(images), 0, 0), prep.ops, prep)  # then centre-cropped to the input
+    height, width, channels = prep.image_shape
+    if not (out.dtype == images.dtype and out.ndim == 4 and out.shape[0] == len(images) and out.shape[3] == channels
+            and out.shape[1] >= height and out.shape[2] >= width):
+        names = ", ".join(op.__name__ for op in prep.ops)
+        raise UserError(f"--augment {prep.augment} ({names}) returned {str(out.dtype).removeprefix('torch.')} "
+                        f"{tuple(out.shape)} for stored {str(images.dtype).removeprefix('torch.')} "
+                        f"{tuple(images.shape)} images (B, H, W, C): each operation of recipe.py must return images "
+                        f"of the dtype it is given (they are normalized as stored) and of at least the model's input "
+                        f"size {height}x{width}")
 
 
 def transform_names(transforms):
@@ -778,6 +801,7 @@ def dali_choice(args, device, group=None, per_image=None):
     in the DataLoader's workers, or with an --augment operation DALI lacks), or auto for an
     image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
     rank 0 reads the folder's headers, the others wait)."""
+    named = () if args.augment == "auto" else recipe.augmentation_ops(args.augment)  # auto's: DALI has them
     if args.loader == "dali":
         from engine.dali_loader import check_dali
         if args.dataset != FOLDER:
@@ -786,10 +810,10 @@ def dali_choice(args, device, group=None, per_image=None):
         if per_image:
             raise UserError(f"{transform_names(per_image)} transforms each image in the DataLoader's workers, which "
                             "DALI has no operator for: use --loader torchvision (or auto) with it, not dali")
-        recipe.check_dali_ops(recipe.AUGMENTATIONS.get(args.augment, ()))  # --augment auto: DALI has them
+        recipe.check_dali_ops(named)
         check_dali()
         return "dali", "--loader dali"
-    own_ops = recipe.dali_lacks(recipe.AUGMENTATIONS.get(args.augment, ()))  # the DataLoader runs them
+    own_ops = recipe.dali_lacks(named)  # the DataLoader runs them
     if args.loader != "auto" or args.dataset != FOLDER or device.type != "cuda" or per_image or own_ops:
         return None, None
     from engine.dali_loader import choose_dali, dali_installed

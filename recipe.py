@@ -389,6 +389,15 @@ STORED_RATIO = 8 / 7
 PHOTO_PIXELS = 64  # --augment auto: images whose median shorter side is larger are photos (resized-crop)
 
 
+def augmentation_ops(name):
+    """AUGMENTATIONS[name], checked: one line for an entry that is not a tuple of operations."""
+    ops = AUGMENTATIONS[name]
+    if not isinstance(ops, (tuple, list)) or not all(callable(op) for op in ops):
+        raise UserError(f"recipe.AUGMENTATIONS[{name!r}] is {type(ops).__name__}: it takes a tuple of operations, "
+                        "applied in order, e.g. (flip, cutout) or (cutout,)")
+    return tuple(ops)
+
+
 def auto_augment(short_side):
     """--augment auto for your own images whose (median) shorter side is ``short_side`` pixels:
     resized-crop for photos, flip-crop for small CIFAR-like images. The images' own size

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -377,6 +378,42 @@ def test_an_augmentation_added_to_recipe_py_is_applied_by_both_loaders(project, 
         pixels = torch.cat([x for x, _ in batches]) * 0.25 + 0.5  # back to 0..1
         holes = (pixels == 0).all(dim=1).flatten(1).sum(dim=1)  # (16,) zeroed pixels
         assert (holes >= 8 * 8).all(), kind  # each image has its hole, cut at the border or whole (17 x 17)
+
+
+def test_an_augmentation_that_changes_the_dtype_or_the_size_is_one_line_at_start():
+    """An operation that returned float images was normalized as 8-bit ones (255 times too
+    bright), one that halved them trained on 16x16 and tested on 32x32: both trained silently."""
+    def asfloat(images, rand, prep):
+        return images.float()
+
+    def halve(images, rand, prep):
+        return images[:, ::2, ::2]
+
+    def brighter(images, rand, prep):  # as docs/recipe.md says: computed in float, returned as given
+        return (images.float() * 1.1).clamp(0, 255).to(images.dtype)
+
+    plain = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "flip")
+    images = np.random.default_rng(0).integers(0, 256, (16, 32, 32, 3), dtype=np.uint8)
+    for op, got in ((asfloat, "float32 (2, 32, 32, 3)"), (halve, "uint8 (2, 16, 16, 3)")):
+        data = du.InMemoryImages(images, np.arange(16), replace(plain, augment="mine", ops=(recipe.flip, op)))
+        for kind in ("device", "torchvision"):
+            with pytest.raises(UserError, match=re.escape(
+                    f"--augment mine (flip, {op.__name__}) returned {got} for stored uint8 (2, 32, 32, 3) images "
+                    "(B, H, W, C): each operation of recipe.py must return images of the dtype it is given (they are "
+                    "normalized as stored) and of at least the model's input size 32x32")):
+                du.build_loaders(data, data, 8, loader=kind)
+    kept = du.InMemoryImages(images, np.arange(16), replace(plain, augment="mine", ops=(recipe.flip, brighter)))
+    assert len(list(du.build_loaders(kept, kept, 8, loader="device")[0])) == 2
+
+
+def test_an_augmentations_entry_that_is_not_a_tuple_is_one_line(project, tmp_path):
+    shutil.copytree(project, tmp_path / "entry")
+    with open(tmp_path / "entry" / "recipe.py", "a") as f:
+        f.write('\n\nAUGMENTATIONS["co"] = cutout\n')
+    result = run(single(*RUN, "--augment", "co"), cwd=tmp_path / "entry")
+    assert result.returncode == 2 and error_lines(result.stderr) == [
+        "error: recipe.AUGMENTATIONS['co'] is function: it takes a tuple of operations, applied in order, e.g. "
+        "(flip, cutout) or (cutout,)"], result.stderr
 
 
 def test_an_edited_recipe_trains_with_the_new_augmentation(project):
