@@ -335,7 +335,8 @@ def load_trained(path, model_ref, device):
                         f"path/to/{ref.replace(':', '.py:', 1)}") from None
     model, name = make_model(factory, ref, num_classes=len(meta["classes"]), in_channels=meta["in_channels"],
                              image_size=tuple(meta["image_size"]))
-    check_output(model, ref, (meta["in_channels"], *meta["image_size"]), len(meta["classes"]))  # lazy modules
+    check_output(model, ref, (meta["in_channels"], *meta["image_size"]), len(meta["classes"]),
+                 trains=False)  # gives lazy modules their shapes
     check_state_fits(model, saved.state, f"--weights {shown(path)}", name)
     model.load_state_dict(saved.state)
     layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format

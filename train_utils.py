@@ -48,8 +48,9 @@ from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_dat
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.models import build_model
 from engine.monitor import Monitors
-from engine.optimization import (Cycle, describe_extension, describe_loss, describe_optimizer, extend, first_cycle,
-                                 fit_optimizer_to_params, kernel_choices, make_scheduler, prefill_momentum)
+from engine.optimization import (Cycle, check_loss, check_scheduler, describe_extension, describe_loss,
+                                 describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
+                                 make_scheduler, prefill_momentum)
 from engine.plugins import own_file, plugin_key
 from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
@@ -185,7 +186,7 @@ def run_epoch(run, state, rng_state=None):
         kept = Path(run.args.checkpoint_dir) / state.checkpoints[-1] if state.checkpoints else None
         raise RunAborted(f"non-finite training loss in epoch {state.epoch} at step {done.first_bad}; stopping "
                          + (f"(last good checkpoint: {kept})" if kept else "without saving the model")
-                         + "; try a lower --base-lr or --precision fp32")
+                         + "; try a lower --base-lr" + (" or --precision fp32" if run.precision.name != "fp32" else ""))
     if done.stop:
         state.partial = (loss_sum, images, seconds)
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
@@ -695,10 +696,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
-    if isinstance(own, torch.optim.lr_scheduler.ReduceLROnPlateau):  # its step() needs a metric: a TypeError
-        raise UserError("recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation "
-                        "metric; the loop steps the scheduler after each optimizer step, with no argument: return "
-                        "a scheduler of steps (OneCycleLR, MultiStepLR, LambdaLR, ...)")
+    if not args.eval_only:  # what the first step would otherwise find, in a traceback
+        check_scheduler(own, args.epochs * steps)
+        check_loss(loss_fn, len(task.data.classes), bool(args.mixup_alpha or args.cutmix_alpha), ctx.device)
     compiled = None
     if args.compile and not args.eval_only:
         from engine.compiling import prepare_compile  # --compile only

@@ -6,6 +6,7 @@ sure rank 0's line is the one the user sees.
 import os
 import signal
 import sys
+import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -15,7 +16,10 @@ from engine.processes import launcher_pid, rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 PROJECT = Path(__file__).resolve().parents[1]  # the folder of the scripts
-RECIPE = PROJECT / "recipe.py"  # the file users edit most: a bug there is their mistake, named in one line
+# The collection's own code: a bug there is ours and keeps its traceback. Any other Python file,
+# in the folder or not, is the user's (recipe.py, model.py, their --model and --dataset files).
+OURS = ("engine", "tools", "tests", "train.py", "train_ddp.py", "train_utils.py", "dataset_utils.py",
+        "device_utils.py", "predict.py", "check_network.py")
 
 
 def let_rank0_fail_first():
@@ -41,7 +45,7 @@ def run_cli(main):
         try:
             main()
         except Exception as err:
-            mistake = recipe_error(err)  # an edit of recipe.py with a bug in it: one line
+            mistake = user_code_error(err)  # an edit of recipe.py, or the user's model, with a bug in it: one line
             if mistake is None:
                 raise
             raise mistake from None
@@ -67,18 +71,30 @@ def run_cli(main):
     leave(0)
 
 
-def recipe_error(err):
-    """A UserError naming the line of recipe.py where ``err`` was raised, when recipe.py is
-    the innermost of the project's files it passed through (a NameError in make_loss, a v2
-    transform given a bad argument: libraries' frames below it are not ours); None for any
+def user_code_error(err):
+    """A UserError naming the line where ``err`` was raised, when the innermost file it passed
+    through that is not a library's is one the user edits (a NameError in recipe.make_loss, a
+    v2 transform given a bad argument, a --model whose forward fails on the training batch:
+    the frames of torch, torchvision and Python below it are not the user's); None for any
     other exception, which keeps its traceback (a bug of the engine's)."""
     if isinstance(err, (UserError, TrainingStopped)):
         return None
-    ours = [frame for frame in traceback.extract_tb(err.__traceback__)
-            if Path(frame.filename).resolve().is_relative_to(PROJECT) and "site-packages" not in frame.filename]
-    if not ours or Path(ours[-1].filename).resolve() != RECIPE:
+    code = [frame for frame in traceback.extract_tb(err.__traceback__) if not is_library(frame.filename)]
+    if not code:
         return None
-    return UserError(f"recipe.py, line {ours[-1].lineno}, in {ours[-1].name}: {type(err).__name__}: {first_line(err)}")
+    path = Path(code[-1].filename).resolve()
+    if path.is_relative_to(PROJECT) and path.relative_to(PROJECT).parts[0] in OURS:
+        return None
+    shown = path.relative_to(PROJECT) if path.is_relative_to(PROJECT) else path
+    return UserError(f"{shown}, line {code[-1].lineno}, in {code[-1].name}: {type(err).__name__}: {first_line(err)}")
+
+
+def is_library(filename):
+    """Is ``filename`` (of a traceback's frame) Python's own or an installed package's?"""
+    if filename.startswith("<") or "site-packages" in filename or "dist-packages" in filename:
+        return True  # <frozen importlib._bootstrap>, pip's and Debian's packages
+    stdlib = {sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib")}
+    return any(Path(filename).resolve().is_relative_to(Path(folder).resolve()) for folder in stdlib)
 
 
 def say(line):

@@ -97,9 +97,11 @@ def make_model(factory, ref, num_classes, in_channels, image_size):
 
 
 def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torch.contiguous_format,
-                 resizable=None):
+                 resizable=None, trains=True):
     """A forward pass of two zero images in eval mode (no statistics updated, nothing
-    random): the output must be logits (2, num_classes). Lazy modules get their shapes.
+    random): the output must be logits (2, num_classes), and, for a model that ``trains``,
+    depend on its trainable parameters (else the first backward fails in a traceback). Lazy
+    modules get their shapes.
 
     ``resizable``: None where the size is not the user's choice (predict.py: the size the
     weights were trained at); else whether --image-size sets it, and then an error about the
@@ -108,13 +110,16 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
     what = f"--model {ref} on images (2, {', '.join(map(str, image_shape))})" + (
         "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
     model.eval()
-    with torch.no_grad():
+    with torch.set_grad_enabled(trains):
         out = call_user_code(lambda: first_forward(model, images, ref, resizable), what, ref)
     model.train()
     shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
     if shape != (2, num_classes):
         raise UserError(f"--model {ref} maps images (2, {', '.join(map(str, image_shape))}) to {shape}, not to logits "
                         f"(2, {num_classes}) for the data's {num_classes} classes")
+    if trains and not out.requires_grad and any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"--model {ref}'s output does not depend on its trainable parameters (torch.no_grad(), "
+                        ".detach() or .item() in its forward?): nothing would train")
 
 
 def first_forward(model, images, ref, resizable=None):

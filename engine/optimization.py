@@ -12,11 +12,13 @@ of --base-lr); nothing here knows its formula.
 """
 
 import operator
+import warnings
 from functools import partial
 from typing import NamedTuple
 
 import torch
 
+from engine.errors import UserError, first_line
 from engine.log import count
 
 KERNEL_OPTIONS = ("fused", "foreach")  # param_group keys that choose an implementation, not a recipe
@@ -96,6 +98,50 @@ class Cycle(NamedTuple):
     warmup: int
     end: int
     start_factor: float = 0.0
+
+
+def check_loss(loss_fn, num_classes, soft_labels, device):
+    """recipe.make_loss's loss tried at start on logits (2, num_classes) and labels (2,), or soft
+    labels (2, num_classes) under MixUp or CutMix, on ``device``: it must return a scalar that
+    backpropagates to the logits. Else one line, where the first step would end in a
+    traceback from backward() ("grad can be implicitly created only for scalar outputs")."""
+    logits = torch.zeros(2, num_classes, device=device, requires_grad=True)
+    labels = (torch.full((2, num_classes), 1 / num_classes, device=device) if soft_labels
+              else torch.zeros(2, dtype=torch.int64, device=device))
+    given = f"logits (2, {num_classes}) and {'soft ' if soft_labels else ''}labels {tuple(labels.shape)}"
+    name = type(loss_fn).__name__
+    try:
+        with warnings.catch_warnings():  # said by the step again, if they are the loss's own
+            warnings.simplefilter("ignore")  # MSELoss: "a target size that is different to the input size"
+            loss = loss_fn(logits, labels)
+    except Exception as err:
+        raise UserError(f"recipe.make_loss's {name} fails on {given}: {type(err).__name__}: {first_line(err)}") from None
+    if not (torch.is_tensor(loss) and loss.ndim == 0 and loss.requires_grad):
+        got = (f"{'a constant' if not loss.requires_grad else 'a tensor'} of shape {tuple(loss.shape)}"
+               if torch.is_tensor(loss) else type(loss).__name__)
+        raise UserError(f"recipe.make_loss's {name} returns {got} for {given}: the loop needs a scalar that "
+                        "backpropagates to the logits (reduction='mean' or 'sum')")
+
+
+def check_scheduler(scheduler, total_steps):
+    """recipe.make_scheduler's return value (None: lr_factor's schedule), checked at start: a
+    scheduler the loop can step with no argument after each of the run's ``total_steps``
+    optimizer steps. Else one line, where the run would end in a traceback at its first step
+    (or, for a OneCycleLR made too short, at its last)."""
+    schedulers = torch.optim.lr_scheduler
+    if scheduler is None:
+        return
+    if isinstance(scheduler, schedulers.ReduceLROnPlateau):  # its step() takes the metric
+        raise UserError("recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation "
+                        "metric; the loop steps the scheduler after each optimizer step, with no argument: return "
+                        "a scheduler of steps (OneCycleLR, MultiStepLR, LambdaLR, ...)")
+    if not isinstance(scheduler, schedulers.LRScheduler):
+        raise UserError(f"recipe.make_scheduler returned {type(scheduler).__name__}, not a torch.optim.lr_scheduler "
+                        "scheduler (or None for lr_factor's schedule)")
+    if isinstance(scheduler, schedulers.OneCycleLR) and scheduler.total_steps < total_steps:
+        raise UserError(f"recipe.make_scheduler's OneCycleLR has total_steps {scheduler.total_steps}, and the run takes "
+                        f"{total_steps} optimizer steps: it would stop the run at step {scheduler.total_steps + 1}; "
+                        "give it total_steps=total_steps")
 
 
 def first_cycle(epochs, warmup_epochs, steps_per_epoch):

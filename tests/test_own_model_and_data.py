@@ -391,6 +391,16 @@ BAD_MODELS = {
                      "error: --model my_net.py:Net maps images (2, 3, 32, 32) to (2, 7), not to logits (2, 100) for "
                      "the data's 100 classes"),
     "syntax": ("def Net(:\n", "my_net.py:Net", "error: --model my_net.py:Net: importing my_net.py raised SyntaxError"),
+    "detached": ("import torch.nn as nn\nclass Net(nn.Sequential):\n    def __init__(self, num_classes, in_channels):\n"
+                 "        super().__init__(nn.Flatten(), nn.LazyLinear(num_classes))\n\n    def forward(self, x):\n"
+                 "        return super().forward(x).detach()\n", "my_net.py:Net",
+                 "error: --model my_net.py:Net's output does not depend on its trainable parameters (torch.no_grad(), "
+                 ".detach() or .item() in its forward?): nothing would train"),
+    # Right for the start-up check's batch of 2 only: the training batch fails in forward, named by its line.
+    "fails in training": ("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self, num_classes, in_channels):\n"
+                          "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"
+                          "    def forward(self, x):\n        return self.head(x.reshape(2, -1))\n", "my_net.py:Net",
+                          "error: {tmp}/my_net.py, line 8, in forward: RuntimeError: "),
     "fixed size": (FIXED_SIZE_NET, "my_net.py:Net",
                    "error: --model my_net.py:Net does not take images of 3 x 32 x 32 pixels (AssertionError: Wrong "
                    "image height! Expected 224 but got 32!): it takes 224 x 224 pixels; use a model that takes these "

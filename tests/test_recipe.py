@@ -169,18 +169,46 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
     assert [r["lr"] for r in read_metrics(stopped / "m.jsonl")] == lrs
 
 
-def test_reduce_lr_on_plateau_from_make_scheduler_is_one_line(project, tmp_path):
-    """Its step() takes the epoch's metric, which the per-step loop does not pass: it was a
-    TypeError traceback at the first step."""
-    shutil.copytree(project, tmp_path / "plateau")
-    with open(tmp_path / "plateau" / "recipe.py", "a") as f:
-        f.write("\n\ndef make_scheduler(optimizer, args, total_steps):\n"
-                "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)\n")
-    result = run(single(*RUN), cwd=tmp_path / "plateau")
-    assert result.returncode == 2 and error_lines(result.stderr) == [
-        "error: recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation metric; "
-        "the loop steps the scheduler after each optimizer step, with no argument: return a scheduler of steps "
-        "(OneCycleLR, MultiStepLR, LambdaLR, ...)"], result.stderr
+@pytest.mark.parametrize("code, expected", [
+    ("def make_scheduler(optimizer, args, total_steps):\n"
+     "    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)\n",
+     "recipe.make_scheduler returned ReduceLROnPlateau, which steps once per epoch on a validation metric; the loop "
+     "steps the scheduler after each optimizer step, with no argument: return a scheduler of steps (OneCycleLR, "
+     "MultiStepLR, LambdaLR, ...)"),
+    ("def make_loss(args):\n    return nn.CrossEntropyLoss(reduction='none')\n",
+     "recipe.make_loss's CrossEntropyLoss returns a tensor of shape (2,) for logits (2, 100) and labels (2,): the "
+     "loop needs a scalar that backpropagates to the logits (reduction='mean' or 'sum')"),
+], ids=["plateau", "loss-per-image"])
+def test_a_scheduler_or_loss_the_step_cannot_use_is_one_line_at_start(project, tmp_path, code, expected):
+    """Each was a traceback at the first step: ReduceLROnPlateau.step() wants a metric, a loss per
+    image cannot start backward() (docs/recipe.md's own scheduler and loss, gone wrong)."""
+    shutil.copytree(project, tmp_path / "edited")
+    with open(tmp_path / "edited" / "recipe.py", "a") as f:
+        f.write("\n\n" + code)
+    result = run(single(*RUN), cwd=tmp_path / "edited")
+    assert result.returncode == 2 and error_lines(result.stderr) == [f"error: {expected}"], result.stderr
+
+
+def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
+    from engine.optimization import check_loss, check_scheduler
+    sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    check_scheduler(None, 8)  # lr_factor's
+    check_scheduler(torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=8), 8)
+    with pytest.raises(UserError, match=r"^recipe.make_scheduler's OneCycleLR has total_steps 7, and the run takes 8 "
+                                        r"optimizer steps: it would stop the run at step 8; give it total_steps="):
+        check_scheduler(torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=7), 8)
+    with pytest.raises(UserError, match=r"^recipe.make_scheduler returned float, not a torch.optim.lr_scheduler "):
+        check_scheduler(0.5, 8)
+    cpu = torch.device("cpu")
+    for soft in (False, True):  # CrossEntropyLoss takes class indices and MixUp's soft labels
+        check_loss(torch.nn.CrossEntropyLoss(label_smoothing=0.1), 10, soft, cpu)
+    with pytest.raises(UserError, match=r"^recipe.make_loss's MSELoss fails on logits \(2, 10\) and labels \(2,\): "):
+        check_loss(torch.nn.MSELoss(), 10, False, cpu)
+    with pytest.raises(UserError, match=r"^recipe.make_loss's NLLLoss fails on logits \(2, 10\) and soft labels "
+                                        r"\(2, 10\): RuntimeError"):  # a loss of class indices under MixUp
+        check_loss(torch.nn.NLLLoss(), 10, True, cpu)
+    with pytest.raises(UserError, match=r"^recipe.make_loss's function returns a constant of shape \(\) for "):
+        check_loss(lambda logits, labels: torch.tensor(0.0), 10, False, cpu)
 
 
 def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
@@ -494,9 +522,10 @@ def test_a_bug_in_an_edit_of_recipe_py_is_one_line_naming_its_line(project, tmp_
 
 
 
-def test_an_error_whose_innermost_project_file_is_not_recipe_py_keeps_its_traceback():
-    """Only recipe.py's own lines make a user's mistake: an exception raised in another of the
-    project's files (here this test's; the engine's would be a bug of ours) stays a traceback."""
+def test_an_error_whose_innermost_file_is_the_engines_keeps_its_traceback():
+    """Only the lines of the files a user edits make a user's mistake (recipe.py, model.py,
+    their own): an exception raised in the collection's own files (here this test's; the
+    engine's would be a bug of ours) stays a traceback."""
     from engine import cli
 
     def ours():
@@ -504,11 +533,11 @@ def test_an_error_whose_innermost_project_file_is_not_recipe_py_keeps_its_traceb
 
     with pytest.raises(KeyError) as raised:
         ours()
-    assert cli.recipe_error(raised.value) is None
+    assert cli.user_code_error(raised.value) is None
     with pytest.raises(AttributeError) as raised:
         recipe.make_loss(None)  # raised in recipe.py, called from here
     line = recipe.make_loss.__code__.co_firstlineno + 2
-    assert str(cli.recipe_error(raised.value)) == (
+    assert str(cli.user_code_error(raised.value)) == (
         f"recipe.py, line {line}, in make_loss: AttributeError: 'NoneType' object has no attribute 'label_smoothing'")
 
 

@@ -214,6 +214,7 @@ def test_non_finite_loss_stops_with_epoch_and_step_and_saves_nothing(tmp_path, c
                     "--checkpoint-dir", tmp_path / "ckpt") == 3
     [line] = error_lines(capsys.readouterr().err)
     assert "non-finite training loss in epoch 1 at step" in line and "without saving the model" in line
+    assert line.endswith("; try a lower --base-lr")  # a CPU run is fp32 already: no --precision fp32 advice
     assert not list((tmp_path / "ckpt").glob("checkpoint_*.pt"))
 
 
