@@ -509,7 +509,7 @@ def build_task(args, ctx):
     loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI
     train_set, test_set, data = build_data(args, ctx, listed=loader == "dali", normalization=normalization)
     layout = memory_format(args.channels_last, ctx.device)
-    model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights)
+    model, name = build_model(args.model, data, args.seed, ctx.device, layout, args.weights, args.eval_only)
     # Before DDP wraps the model: DDP syncs only the parameters that train.
     note = ""
     if args.finetune:
@@ -607,7 +607,8 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
     ``compiled``: --compile's mode and why, None without it)."""
     data = task.data
     workers = task.train_loader.num_workers
-    loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes)",
+    unused = f": --num-workers {args.num_workers} has no effect" if args.num_workers else ""
+    loader = {"device": f"device (data set and augmentation on {ctx.device}, no worker processes{unused})",
               "dali": f"NVIDIA DALI (decoding and augmentation on the {'GPU' if ctx.device.type == 'cuda' else 'CPU'}, "
                       f"{count(getattr(task.train_loader, 'threads', 0), 'CPU thread', 'CPU threads')} per process)",
               }.get(task.loader, f"torchvision DataLoader, {count(workers, 'worker process', 'worker processes')} per "
@@ -691,6 +692,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                         f"{task.train_loader.batch_size} per process; lower --batch-size")
     ema_schedule = None if args.eval_only else recipe.ema_schedule(args, args.epochs * steps)  # --model-ema's
     module = unwrap(task.model)
+    if not args.eval_only and not any(p.requires_grad for p in module.parameters()):  # else the optimizer's error
+        raise UserError(f"--model {args.model} has no trainable parameters: nothing to train")
     optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
     described = describe_optimizer(optimizer)  # as recipe.py set it: a scheduler may rewrite lr, momentum (OneCycleLR)
     prefill_momentum(optimizer)

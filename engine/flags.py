@@ -186,7 +186,8 @@ def add_data_arguments(group):
     group.add_argument("--image-size", metavar="PIXELS", type=image_size, default=None,
                        help=f"--dataset {FOLDER}: the model's input size, N or HxW in pixels (images scaled to "
                             "cover, then centre-cropped; stored at 8/7 of it for --augment resized-crop); default: "
-                            "the training images' most common size (7/8 of it for resized-crop)")
+                            "the training images' most common size if half of them have it, else the median "
+                            "image's by area (7/8 of it for resized-crop)")
     group.add_argument("--cache-dir", metavar="DIR", default=None,
                        help=f"--dataset {FOLDER}: where the images are kept decoded (uint8 .npy files, rebuilt when "
                             "the images change; default: datasets/cache/ beside the scripts)")
@@ -361,6 +362,8 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         parser.error("--compile-mode applies with --compile")
     if args.compile and args.eval_only:
         parser.error("--compile applies to training; --eval-only evaluates the model uncompiled")
+    if args.save_weights and args.eval_only:
+        parser.error("--save-weights applies to training; --eval-only evaluates --weights and writes no weights")
     if args.eval_only and args.weights:
         from engine.weights import read_weights  # --weights only
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),

@@ -89,7 +89,8 @@ class SizeRequest:
 
 
 MOST_COMMON = SizeRequest("auto", lambda stats: stats.common_size, lambda stats: "the training images' " + (
-    "only size" if stats.sizes == 1 else f"most common of {stats.sizes} sizes"))
+    "only size" if stats.sizes == 1 else f"most common of {stats.sizes} sizes" if stats.most_common
+    else f"median by area: {stats.sizes} sizes, none shared by half of them"))
 
 
 def fixed_size(size, why="as requested"):

@@ -228,21 +228,29 @@ def header(path):
 
 
 def choose_size(sizes):
-    """The most common (height, width); among equally common ones the smallest."""
+    """(the (height, width) to store images of ``sizes`` at, whether it is the most common):
+    the most common one, among equally common ones the smallest, when at least half the images
+    have it; else, photos of many sizes, the median image's by area, so that a thumbnail among
+    them cannot set it."""
     counts = Counter(sizes)
-    return max(counts, key=lambda size: (counts[size], -size[0] * size[1]))
+    common = max(counts, key=lambda size: (counts[size], -size[0] * size[1]))
+    if 2 * counts[common] >= len(sizes):
+        return common, True
+    return sorted(sizes, key=lambda size: (size[0] * size[1], size))[(len(sizes) - 1) // 2], False
 
 
 class FolderStats(NamedTuple):
     """The training images' sizes, from their headers: what choosing a size looks at."""
-    common_size: tuple      # (H, W), the most common (choose_size)
+    common_size: tuple      # (H, W) to store them at (choose_size)
     sizes: int              # how many distinct sizes
     median_short_side: int  # pixels: whether they are photos (recipe.auto_augment)
+    most_common: bool = True  # common_size is that of half the images or more; else the median's by area
 
 
 def folder_stats(sizes):
     """FolderStats of the (height, width) of each training image."""
-    return FolderStats(choose_size(sizes), len(set(sizes)), int(statistics.median_low(min(s) for s in sizes)))
+    size, most_common = choose_size(sizes)
+    return FolderStats(size, len(set(sizes)), int(statistics.median_low(min(s) for s in sizes)), most_common)
 
 
 def cover_size(height, width, size):

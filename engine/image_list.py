@@ -175,8 +175,7 @@ def read_list(target, root):
     # DALI reads the absolute paths, but people look for the files where they said they are.
     errors = {split: [Unreadable(given / name, ValueError(reason)) for name, reason in errs]
               for split, errs in listed["skipped"].items()}
-    stats = FolderStats(tuple(listed["stats"]["common_size"]), listed["stats"]["sizes"],
-                        listed["stats"]["median_short_side"])
+    stats = FolderStats(**{**listed["stats"], "common_size": tuple(listed["stats"]["common_size"])})
     images = sum(len(labels) for _, labels in splits.values())
     notes = (f"Images: {images} files decoded by DALI every epoch (none kept decoded: training crops the whole "
              "image, validation resizes it to cover the stored size below and takes the centre), "

@@ -31,10 +31,11 @@ SIZE_ERROR = re.compile(r"^(?!.*channel).*?(size|shape|height|width|resolution|d
 EXPECTED_SIZE = re.compile(r"expected:?\s*\(?(\d+)(?:\s*[x,]\s*(\d+))?\b(?!\)?\s*channel)", re.IGNORECASE)
 
 
-def build_model(ref, data, seed, device, layout, weights=None):
+def build_model(ref, data, seed, device, layout, weights=None, evaluating=False):
     """(model, name): --model ``ref`` for the data's classes, channels and size (``data``: a
     task.DataInfo), on ``device`` in memory ``layout``, the same initial weights on every rank
-    (seeded), with the --weights file ``weights`` loaded if given."""
+    (seeded), with the --weights file ``weights`` loaded if given (``evaluating``: for
+    --eval-only, whose refusals do not suggest --finetune)."""
     factory = load_plugin(ref, "--model")
     height, width, channels = data.prep.image_shape
     torch.manual_seed(seed)  # each epoch then reseeds per rank (seeds.epoch_seed)
@@ -52,7 +53,7 @@ def build_model(ref, data, seed, device, layout, weights=None):
         check_output(model, ref, shape, len(data.classes), device, layout)
     if weights:
         from engine.weights import load_weights  # --weights only
-        load_weights(model, weights, name, expected=data.weights_metadata())
+        load_weights(model, weights, name, expected=data.weights_metadata(), evaluating=evaluating)
     return model, name
 
 

@@ -156,11 +156,12 @@ def with_model_file(metadata, path):
     return {**metadata, MODEL_FILE_NEAR: near}
 
 
-def load_weights(model, path, model_name=None, expected=None):
+def load_weights(model, path, model_name=None, expected=None, evaluating=False):
     """Load a state_dict file (or the model of a checkpoint) into ``model``. One line when it
-    is not one, does not fit ``model``, or was trained on other classes than ``expected``'s."""
+    is not one, does not fit ``model``, or was trained on other classes than ``expected``'s
+    (naming --finetune, which starts from them with a new head, unless ``evaluating``)."""
     saved = read_weights(path)
-    check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=path)
+    check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=None if evaluating else path)
     classes, wanted = saved.metadata.get("classes"), (expected or {}).get("classes")
     # Numbers name the classes of --synthetic, and of the built-in data sets in weights saved before their names were
     # read: only the count can differ then.
@@ -173,8 +174,8 @@ def load_weights(model, path, model_name=None, expected=None):
         else:
             detail = f"{len(classes)} classes there, {len(wanted)} here"
         raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
-                        "read as the wrong labels; use the data set they were trained on, or --finetune to start "
-                        "from them with a new head")
+                        "read as the wrong labels; use the data set they were trained on"
+                        + ("" if evaluating else ", or --finetune to start from them with a new head"))
     model.load_state_dict(saved.state)
 
 

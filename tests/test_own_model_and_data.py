@@ -139,8 +139,11 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
                                              "--weights", "w.pt")) == 2
     assert error_lines(capsys.readouterr().err) == [
         "error: --weights w.pt were trained on other classes (label 0 is 'cat' there and 'class_0' here): their "
-        "outputs would be read as the wrong labels; use the data set they were trained on, or --finetune to start "
-        "from them with a new head"]
+        "outputs would be read as the wrong labels; use the data set they were trained on"]  # no --finetune to evaluate
+    assert run_main("train.py", *folder_args(project, "--model", "model:WideResNet", "--weights", "w.pt",
+                                             "--epochs", "1")) == 2  # training from them: a new head is a way out
+    assert error_lines(capsys.readouterr().err)[0].endswith(
+        "use the data set they were trained on, or --finetune to start from them with a new head")
 
 
 def test_a_data_dir_that_is_missing_or_a_file_is_one_line_saying_which(tmp_path):
@@ -194,7 +197,11 @@ def test_gray_folders_stay_gray_and_image_size_resizes(tmp_path):
     resized = image_cache.read_folder_cache(image_cache.prepare_folder(root, tmp_path / "c", (24, 20),
                                                                          log=lambda _: None))
     assert resized.train[0].shape == (8, 24, 20, 1) and "Images: 24x20 (as requested;" in resized.notes[0]
-    assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == (32, 32)  # a tie: the smaller
+    assert image_folder.choose_size([(40, 48), (32, 32), (40, 48), (32, 32)]) == ((32, 32), True)  # a tie: the smaller
+    # Photos of many sizes, none common: the median by area, not the one thumbnail among them.
+    photos = [(150 + k, 200 + 3 * k) for k in range(30)] + [(20, 24)]
+    assert image_folder.choose_size(photos) == ((164, 242), False)
+    assert image_folder.choose_size([(8, 8), (16, 16), (16, 16), (32, 32), (64, 64)]) == ((16, 16), False)
 
 
 def test_unreadable_images_are_left_out_and_named_and_a_class_of_none_is_one_line(tmp_path, capsys):
@@ -396,6 +403,9 @@ BAD_MODELS = {
                  "        return super().forward(x).detach()\n", "my_net.py:Net",
                  "error: --model my_net.py:Net's output does not depend on its trainable parameters (torch.no_grad(), "
                  ".detach() or .item() in its forward?): nothing would train"),
+    "no parameters": ("import torch.nn as nn\ndef Net(num_classes, in_channels):\n"
+                      "    return nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(num_classes))\n", "my_net.py:Net",
+                      "error: --model my_net.py:Net has no trainable parameters: nothing to train"),
     # Right for the start-up check's batch of 2 only: the training batch fails in forward, named by its line.
     "fails in training": ("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self, num_classes, in_channels):\n"
                           "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"

@@ -188,6 +188,14 @@ def test_the_start_up_block_confirms_the_weights(tmp_path, cifar_dir, capsys):
     assert code == 0 and f"\nWeights: loaded from {weights}\n" in out
 
 
+def test_num_workers_beside_the_device_loader_is_said_to_have_no_effect(capsys):
+    code = run_main("train.py", "--synthetic", *TINY_MODEL, "--epochs", "1", "--limit-batches", "1",
+                    "--batch-size", "4", "--num-workers", "3")
+    out = capsys.readouterr().out
+    assert code == 0 and "\nLoader: device (data set and augmentation on cpu, no worker processes: --num-workers 3 " \
+                         "has no effect); auto: " in out
+
+
 def test_the_cpu_suite_hides_cuda(tmp_path):
     """On a GPU machine too (conftest.cpu_only): no CUDA here, none in the processes tests start."""
     assert not torch.cuda.is_available()
