@@ -362,7 +362,7 @@ def transform_names(transforms):
 
 def set_loader_epoch(loader, epoch):
     """Reshuffle for ``epoch`` (0-based): the same order on every run with the same seed. The
-    DataLoader's and the device loader's samplers take the epoch, a DaliLoader itself."""
+    DataLoader's sampler takes the epoch, the device loader and a DaliLoader themselves."""
     sampler = loader if hasattr(loader, "set_epoch") else getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
@@ -491,7 +491,7 @@ class AugmentSampler(Sampler):
         self.skip = 0  # indices the next iteration leaves out (skip_batches), then 0 again
 
     def set_epoch(self, epoch):
-        self.epoch = epoch
+        self.epoch, self.skip = epoch, 0  # a skip is for the epoch it was asked in
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
@@ -579,6 +579,12 @@ class DeviceLoader:
         self.labels = torch.as_tensor(dataset.labels, dtype=torch.int64).to(device)  # (N,)
         self.normalize = normalizer(self.prep, self.images.dtype, device)
         self.skip = 0  # batches the next iteration leaves out (skip_batches), then 0 again
+
+    def set_epoch(self, epoch):
+        """Reshuffle for ``epoch`` (the sampler's order); a skip is for the epoch it was asked in."""
+        self.skip = 0
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
 
     def __len__(self):
         full, rest = divmod(len(self.sampler), self.batch_size)
@@ -801,7 +807,9 @@ def dali_choice(args, device, group=None, per_image=None):
     in the DataLoader's workers, or with an --augment operation DALI lacks), or auto for an
     image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
     rank 0 reads the folder's headers, the others wait)."""
-    named = () if args.augment == "auto" else recipe.augmentation_ops(args.augment)  # auto's: DALI has them
+    # The training operations DALI must run: --augment auto's are one of two entries (photos or not).
+    candidates = ("resized-crop", "flip-crop") if args.augment == "auto" else (args.augment,)
+    named = () if args.eval_only else sum((recipe.augmentation_ops(name) for name in candidates), ())
     if args.loader == "dali":
         from engine.dali_loader import check_dali
         if args.dataset != FOLDER:

@@ -41,6 +41,7 @@ from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_
 from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
                           memory_format, network_report, peak_memory_gib, reset_peak_memory)
 from engine import flags
+from engine.cli import user_code_error
 from engine.errors import RunAborted, UserError
 from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
                         describe_resume, duration, epoch_line, epoch_record, eta_seconds, per_process, processes,
@@ -162,8 +163,8 @@ def run_epoch(run, state, rng_state=None):
     # Resuming mid-epoch: DALI goes on from the place its checkpoint recorded, the device loader and
     # the DataLoader leave the batches out; any other loader draws them and they are dropped.
     ahead = resumed_steps(train_loader, rng_state, skipped)
-    if ahead < skipped and skip_batches(train_loader, skipped):
-        ahead = skipped
+    if ahead < skipped and (skipped == run.steps or skip_batches(train_loader, skipped)):
+        ahead = skipped  # none left to draw (a stop after the epoch's last step), or left out
     # Held to the epoch's end: a loader that keeps its place (DALI) lets go of it when this is dropped,
     # and a stop mid-epoch checkpoints that place (rng_snapshot) below.
     batches = islice(train_loader, run.steps - ahead)
@@ -271,10 +272,10 @@ def train_steps(run, batches, state):
         try:
             loss = train_step(run, x, y)
         except Exception as err:
-            if not is_out_of_memory(err):
-                raise
-            raise run_out_of_memory(run, state, f"step {step} of epoch {state.epoch} (training)",
-                                    step > start + 1 or state.epoch > 1) from None
+            if mistake := step_mistake(run, err, state, f"step {step} of epoch {state.epoch} (training)",
+                                       step > start + 1 or state.epoch > 1):
+                raise mistake from None
+            raise
         if step == start + 1:  # DDP: a parameter without a gradient is one line, not DDP's error next step
             check_every_parameter_learns(run.task.model, run.module, f"--model {run.args.model}")  # not compiled
             if run.compiled and run.clock.first_step_s is None:  # the step that compiled the model
@@ -325,9 +326,9 @@ def evaluate(run, model, loader, label="Evaluation"):
             with run.autocast():
                 logits = model(x)  # (B, classes)
         except Exception as err:
-            if not is_out_of_memory(err):
-                raise
-            raise run_out_of_memory(run, None, f"batch {batch} of {label.lower()}", True) from None
+            if mistake := step_mistake(run, err, None, f"batch {batch} of {label.lower()}", True):
+                raise mistake from None
+            raise
         loss = F.cross_entropy(logits.float(), y, reduction="sum")
         sums[:2] += torch.stack([(logits.argmax(dim=1) == y).sum().double(), loss.double()])
         sums[2] += y.size(0)  # no host-to-device copy, no sync
@@ -806,6 +807,15 @@ def recipe_code(loss_fn, prep):
     operations = ", ".join(op.__name__ for op in prep.ops)
     return {"loss": describe_loss(loss_fn), "augmentation": f"{prep.augment} ({operations})",
             "per-image transforms": per_image}
+
+
+def step_mistake(run, err, state, where, steps_done):
+    """What a forward or backward that raised ``err`` at ``where`` is, when it is not a bug of
+    ours: out of memory (run_out_of_memory), or an exception in the user's --model file on
+    this batch (its line: engine.cli.user_code_error); None otherwise (the traceback)."""
+    if is_out_of_memory(err):
+        return run_out_of_memory(run, state, where, steps_done)
+    return user_code_error(err, [run.task.model_file] if run.task.model_file else [])
 
 
 def run_out_of_memory(run, state, where, steps_done):

@@ -411,7 +411,7 @@ class Checkpointer:
                              **({MODEL_EMA: run.ema.module.state_dict(), "model_ema_updates": int(run.ema.n_averaged)}
                                 if run.ema else {})}, path, "checkpoint")
             except ResourceProblem as err:
-                state.checkpoints = [name for name in kept[:-1] if (self.directory / name).exists()]
+                state.checkpoints = [name for name in kept if (self.directory / name).exists()]  # one it replaced too
                 newest = state.checkpoints[-1] if state.checkpoints else None
                 raise ResourceProblem(f"{err}; " + (f"the previous checkpoint {self.directory / newest} is kept: "
                                                     "continue from it with --resume once there is space"

@@ -16,10 +16,7 @@ from engine.processes import launcher_pid, rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 PROJECT = Path(__file__).resolve().parents[1]  # the folder of the scripts
-# The collection's own code: a bug there is ours and keeps its traceback. Any other Python file,
-# in the folder or not, is the user's (recipe.py, model.py, their --model and --dataset files).
-OURS = ("engine", "tools", "tests", "train.py", "train_ddp.py", "train_utils.py", "dataset_utils.py",
-        "device_utils.py", "predict.py", "check_network.py")
+RECIPE = PROJECT / "recipe.py"  # the file users edit most: a bug there is their mistake, named in one line
 
 
 def let_rank0_fail_first():
@@ -45,7 +42,7 @@ def run_cli(main):
         try:
             main()
         except Exception as err:
-            mistake = user_code_error(err)  # an edit of recipe.py, or the user's model, with a bug in it: one line
+            mistake = user_code_error(err, [RECIPE])  # an edit of recipe.py with a bug in it: one line
             if mistake is None:
                 raise
             raise mistake from None
@@ -71,22 +68,24 @@ def run_cli(main):
     leave(0)
 
 
-def user_code_error(err):
+def user_code_error(err, files):
     """A UserError naming the line where ``err`` was raised, when the innermost file it passed
-    through that is not a library's is one the user edits (a NameError in recipe.make_loss, a
-    v2 transform given a bad argument, a --model whose forward fails on the training batch:
-    the frames of torch, torchvision and Python below it are not the user's); None for any
-    other exception, which keeps its traceback (a bug of the engine's)."""
-    if isinstance(err, (UserError, TrainingStopped)):
+    through below the libraries is one of the user's ``files`` (recipe.py: a NameError in
+    make_loss, a v2 transform given a bad argument; the --model file during training: a forward
+    that fails on the training batch); None for any other exception, which keeps its traceback
+    (a bug of ours, torch.compile's generated code, a CUDA fault that surfaced there). Printed
+    by each rank that hits it, rank 0's first when all do."""
+    if isinstance(err, (UserError, TrainingStopped)) or "CUDA error" in str(err):
         return None
     code = [frame for frame in traceback.extract_tb(err.__traceback__) if not is_library(frame.filename)]
-    if not code:
+    if not code or Path(code[-1].filename).resolve() not in {Path(file).resolve() for file in files}:
         return None
     path = Path(code[-1].filename).resolve()
-    if path.is_relative_to(PROJECT) and path.relative_to(PROJECT).parts[0] in OURS:
-        return None
     shown = path.relative_to(PROJECT) if path.is_relative_to(PROJECT) else path
-    return UserError(f"{shown}, line {code[-1].lineno}, in {code[-1].name}: {type(err).__name__}: {first_line(err)}")
+    mistake = UserError(f"{shown}, line {code[-1].lineno}, in {code[-1].name}: {type(err).__name__}: "
+                        f"{first_line(err)}", same_on_every_rank=False)
+    mistake.rank0_first = True
+    return mistake
 
 
 def is_library(filename):

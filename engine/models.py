@@ -35,7 +35,7 @@ def build_model(ref, data, seed, device, layout, weights=None, evaluating=False)
     """(model, name): --model ``ref`` for the data's classes, channels and size (``data``: a
     task.DataInfo), on ``device`` in memory ``layout``, the same initial weights on every rank
     (seeded), with the --weights file ``weights`` loaded if given (``evaluating``: for
-    --eval-only, whose refusals do not suggest --finetune)."""
+    --eval-only, which needs no gradients and whose refusals do not suggest --finetune)."""
     factory = load_plugin(ref, "--model")
     height, width, channels = data.prep.image_shape
     torch.manual_seed(seed)  # each epoch then reseeds per rank (seeds.epoch_seed)
@@ -47,10 +47,11 @@ def build_model(ref, data, seed, device, layout, weights=None, evaluating=False)
     # channels_last).
     model = model.to(device)
     # --image-size sets the size of an image folder's images only (the only data with a data_dir).
-    check_output(model, ref, shape, len(data.classes), device, resizable=data.data_dir is not None)
+    check_output(model, ref, shape, len(data.classes), device, resizable=data.data_dir is not None,
+                 trains=not evaluating)
     model = model.to(memory_format=layout)
     if layout != torch.contiguous_format:
-        check_output(model, ref, shape, len(data.classes), device, layout)
+        check_output(model, ref, shape, len(data.classes), device, layout, trains=not evaluating)
     if weights:
         from engine.weights import load_weights  # --weights only
         load_weights(model, weights, name, expected=data.weights_metadata(), evaluating=evaluating)

@@ -116,7 +116,7 @@ def check_loss(loss_fn, num_classes, soft_labels, device):
             loss = loss_fn(logits, labels)
     except Exception as err:
         raise UserError(f"recipe.make_loss's {name} fails on {given}: {type(err).__name__}: {first_line(err)}") from None
-    if not (torch.is_tensor(loss) and loss.ndim == 0 and loss.requires_grad):
+    if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
         got = (f"{'a constant' if not loss.requires_grad else 'a tensor'} of shape {tuple(loss.shape)}"
                if torch.is_tensor(loss) else type(loss).__name__)
         raise UserError(f"recipe.make_loss's {name} returns {got} for {given}: the loop needs a scalar that "
@@ -138,6 +138,9 @@ def check_scheduler(scheduler, total_steps):
     if not isinstance(scheduler, schedulers.LRScheduler):
         raise UserError(f"recipe.make_scheduler returned {type(scheduler).__name__}, not a torch.optim.lr_scheduler "
                         "scheduler (or None for lr_factor's schedule)")
+    if not hasattr(scheduler, "last_epoch"):  # ChainedScheduler: the loop counts the run's steps by it
+        raise UserError(f"recipe.make_scheduler returned {type(scheduler).__name__}, which keeps no step count "
+                        "(last_epoch); chain schedulers with SequentialLR, or write the shape in lr_factor")
     if isinstance(scheduler, schedulers.OneCycleLR) and scheduler.total_steps < total_steps:
         raise UserError(f"recipe.make_scheduler's OneCycleLR has total_steps {scheduler.total_steps}, and the run takes "
                         f"{total_steps} optimizer steps: it would stop the run at step {scheduler.total_steps + 1}; "

@@ -101,6 +101,9 @@ def test_a_resumed_epoch_leaves_the_trained_batches_out_and_serves_the_rest_alik
         rest = list(loader)
         assert len(rest) == 1 and torch.equal(rest[0][0], whole[2][0]) and torch.equal(rest[0][1], whole[2][1]), kind
         assert [y.tolist() for _, y in loader] == [y.tolist() for _, y in whole]
+        du.skip_batches(loader, 3)  # asked, never drawn (islice(loader, 0): 0 workers start nothing) ...
+        du.set_loader_epoch(loader, 2)  # ... so the next epoch is whole
+        assert [y.tolist() for _, y in loader] == [y.tolist() for _, y in whole], kind
     assert not du.skip_batches([(torch.zeros(1), torch.zeros(1))], 1)  # any other loader: drawn by the caller
 
 

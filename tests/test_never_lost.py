@@ -474,6 +474,25 @@ def test_a_run_stopped_after_an_epochs_last_step_checkpoints_that_epochs_end_whe
     assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1]
 
 
+@pytest.mark.parametrize("loader", ["device", "torchvision"])
+def test_a_resume_after_an_epochs_last_step_trains_the_next_epoch_whole(tmp_path, loader):
+    """Nothing of the stopped epoch is left to draw, so nothing is skipped: a skip asked of the
+    DataLoader (0 workers start nothing) once carried over and cut the next epoch's batches."""
+    common = (*RUN, "--limit-batches", "1", "--loader", loader, "--checkpoint-dir")
+    whole = run(python_cmd("train.py", *common, "whole", "--metrics-file", "whole.jsonl"), cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    request = tmp_path / "STOP"
+    request.touch()
+    stopped = run(python_cmd("train.py", *common, "ck", "--metrics-file", "m.jsonl", "--stop-file", request),
+                  cwd=tmp_path)
+    assert "Stopped after step 1 of epoch 1 (--stop-file" in stopped.stdout
+    resumed = run(python_cmd("train.py", *common, "ck", "--metrics-file", "m.jsonl", "--resume"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    compared = ("epoch", "train_loss", "val_loss", "val_accuracy", "train_images")
+    assert [[r[k] for k in compared] for r in read_metrics(tmp_path / "m.jsonl")] == [
+        [r[k] for k in compared] for r in read_metrics(tmp_path / "whole.jsonl")]
+
+
 def test_a_stop_file_given_data_while_the_run_trains_is_not_removed(tmp_path):
     """A stop requested by writing to the file (echo stop > PATH): the run stops on it and
     leaves it, as it holds data; only an empty request is removed."""

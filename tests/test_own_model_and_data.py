@@ -431,6 +431,21 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     assert "Traceback" not in err
 
 
+def test_a_model_without_gradients_is_refused_for_training_only():
+    """--eval-only and predict.py evaluate it: nothing trains, so its output needs no gradient."""
+    class Detached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3 * 8 * 8, 4)
+
+        def forward(self, x):
+            return self.head(x.flatten(1)).detach()
+
+    models.check_output(Detached(), "n.py:Net", (3, 8, 8), 4, trains=False)
+    with pytest.raises(UserError, match=r"^--model n.py:Net's output does not depend on its trainable parameters"):
+        models.check_output(Detached(), "n.py:Net", (3, 8, 8), 4)
+
+
 def test_a_model_of_one_input_size_on_other_images_names_the_image_size_to_give(tmp_path, capsys):
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
     assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--image-size", "64", "--model",

@@ -199,6 +199,12 @@ def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
         check_scheduler(torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=7), 8)
     with pytest.raises(UserError, match=r"^recipe.make_scheduler returned float, not a torch.optim.lr_scheduler "):
         check_scheduler(0.5, 8)
+    chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.ConstantLR(sgd)])
+    if not hasattr(chained, "last_epoch"):  # the loop counts steps by it: every checkpoint would fail
+        with pytest.raises(UserError, match=r"^recipe.make_scheduler returned ChainedScheduler, which keeps no step "):
+            check_scheduler(chained, 8)
+    check_scheduler(torch.optim.lr_scheduler.SequentialLR(sgd, [torch.optim.lr_scheduler.ConstantLR(sgd),
+                                                                 torch.optim.lr_scheduler.LinearLR(sgd)], [4]), 8)
     cpu = torch.device("cpu")
     for soft in (False, True):  # CrossEntropyLoss takes class indices and MixUp's soft labels
         check_loss(torch.nn.CrossEntropyLoss(label_smoothing=0.1), 10, soft, cpu)
@@ -207,6 +213,7 @@ def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
     with pytest.raises(UserError, match=r"^recipe.make_loss's NLLLoss fails on logits \(2, 10\) and soft labels "
                                         r"\(2, 10\): RuntimeError"):  # a loss of class indices under MixUp
         check_loss(torch.nn.NLLLoss(), 10, True, cpu)
+    check_loss(lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels)[None], 10, False, cpu)  # (1,)
     with pytest.raises(UserError, match=r"^recipe.make_loss's function returns a constant of shape \(\) for "):
         check_loss(lambda logits, labels: torch.tensor(0.0), 10, False, cpu)
 
@@ -533,11 +540,11 @@ def test_an_error_whose_innermost_file_is_the_engines_keeps_its_traceback():
 
     with pytest.raises(KeyError) as raised:
         ours()
-    assert cli.user_code_error(raised.value) is None
+    assert cli.user_code_error(raised.value, [cli.RECIPE]) is None
     with pytest.raises(AttributeError) as raised:
         recipe.make_loss(None)  # raised in recipe.py, called from here
     line = recipe.make_loss.__code__.co_firstlineno + 2
-    assert str(cli.user_code_error(raised.value)) == (
+    assert str(cli.user_code_error(raised.value, [cli.RECIPE])) == (
         f"recipe.py, line {line}, in make_loss: AttributeError: 'NoneType' object has no attribute 'label_smoothing'")
 
 

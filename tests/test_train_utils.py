@@ -699,8 +699,8 @@ def test_the_private_pytorch_read_exists():
     """engine/private_torch.py's two reads fall back to 'unknown' where PyTorch removed them:
     this says they are still there, on the oldest PyTorch and the newest (that the counter
     counts: the test below)."""
-    from torch._dynamo.utils import counters  # an ImportError here: cudagraph_skips is always 0
-    assert isinstance(counters["inductor"]["cudagraph_skips"], int)
+    import torch._dynamo.utils as dynamo_utils  # gone: cudagraph_skips is always 0 (its key: the test below)
+    assert isinstance(dynamo_utils.counters, dict)
     if torch.distributed.is_nccl_available():  # a CUDA build of PyTorch, as pip installs on Linux
         assert callable(private_torch.nccl_trace_dumper())
 
