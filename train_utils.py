@@ -668,7 +668,10 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
             describe_device(ctx, name, precision, channels_last),
             f"Data: {describe_data(task.data, None, task.test_loader)}",
             *task.data.notes,
-            *size_warning(task.data)]
+            *size_warning(task.data),
+            # The job scripts pass --save-weights to every run: said, not refused.
+            *([f"Note: --save-weights {args.save_weights} is not written: --eval-only trains nothing"]
+              if args.save_weights else [])]
 
 
 def describe_weights(args, continuing=False, note=""):

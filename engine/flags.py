@@ -362,8 +362,6 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         parser.error("--compile-mode applies with --compile")
     if args.compile and args.eval_only:
         parser.error("--compile applies to training; --eval-only evaluates the model uncompiled")
-    if args.save_weights and args.eval_only:
-        parser.error("--save-weights applies to training; --eval-only evaluates --weights and writes no weights")
     if args.eval_only and args.weights:
         from engine.weights import read_weights  # --weights only
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),

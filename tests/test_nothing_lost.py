@@ -197,8 +197,10 @@ def test_save_weights_never_replaces_another_runs_file(tmp_path, capsys):
                     "--save-weights", inside) == 0
     assert inside.read_bytes() != first
     evaluated = inside.read_bytes()  # the job scripts add --save-weights to an evaluation too: it writes none
+    capsys.readouterr()
     assert run_main("train.py", *SMOKE, "--eval-only", "--weights", inside, "--save-weights", inside) == 0
     assert inside.read_bytes() == evaluated
+    assert f"\nNote: --save-weights {inside} is not written: --eval-only trains nothing\n" in capsys.readouterr().out
 
     best = ck / "model_best.pt"  # the folder's own names: refused at start, the best epoch's weights kept
     kept = best.read_bytes()

@@ -671,11 +671,6 @@ def test_eval_only_needs_weights(capsys):
     assert run_main("train.py", "--synthetic", "--eval-only") == 2
     [line] = error_lines(capsys.readouterr().err)
     assert "--eval-only needs --weights PATH" in line
-    # --save-weights beside it wrote nothing, without a word.
-    assert run_main("train.py", "--synthetic", "--eval-only", "--weights", "w.pt", "--save-weights", "x.pt") == 2
-    [line] = error_lines(capsys.readouterr().err)
-    assert line.endswith("error: --save-weights applies to training; --eval-only evaluates --weights and writes no "
-                         "weights (see --help)")
 
 
 def _resume_worker(rank, store, folder, results, unreadable_rank):
