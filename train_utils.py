@@ -502,7 +502,9 @@ def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device, the
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
     normalization = {}  # a resumed run's own, as its checkpoints record it
-    if args.resume:  # flags the run in --checkpoint-dir did not have: one line before any data is read
+    # Flags the run in --checkpoint-dir did not have: one line before any data is read. Not for an
+    # evaluation, which the job scripts give --resume=auto too: it reads --weights, no checkpoint.
+    if args.resume and not args.eval_only:
         from engine.checkpoints import check_newest_flags
         normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args), *resume_rules()),
                                    ctx.control_group)

@@ -667,6 +667,17 @@ def test_a_slow_step_on_one_rank_does_not_hold_the_others_in_that_step(tmp_path)
     assert len(waits) == 10 and waits[2] < 0.5 and waits[3] > 1.0, waits
 
 
+def test_an_evaluation_given_the_job_scripts_resume_auto_reads_no_checkpoint(tmp_path, capsys):
+    """The job scripts add --checkpoint-dir DIR --resume=auto to every run: an evaluation in a
+    folder of a training run with other flags was refused as a resume with other flags."""
+    weights = tmp_path / "ck" / "weights.pt"
+    assert run_main("train.py", *RUN, "--checkpoint-dir", tmp_path / "ck", "--save-weights", weights) == 0
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--batch-size", "16", "--eval-only", "--weights", weights,
+                    "--checkpoint-dir", tmp_path / "ck", "--resume=auto") == 0
+    assert "Evaluation: Loss=" in capsys.readouterr().out
+
+
 def test_eval_only_needs_weights(capsys):
     assert run_main("train.py", "--synthetic", "--eval-only") == 2
     [line] = error_lines(capsys.readouterr().err)
