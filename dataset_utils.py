@@ -56,7 +56,8 @@ from engine.plugins import plugin_key
 from engine.processes import available_cores, from_rank0
 from engine.seeds import derived_seed
 from engine.stopping import ignore_ctrl_c
-from engine.task import DataInfo, check_labels, data_fingerprint, describe_split, held_out_record, stratified_split
+from engine.task import (DataInfo, check_labels, data_fingerprint, describe_split, held_out_again, held_out_record,
+                         stratified_split)
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
@@ -674,6 +675,8 @@ def build_data(args, ctx, listed=False, normalization=None):
         info = replace(info, notes=(*info.notes, f"Normalization: from the training images, mean {info.prep.mean}, "
                                                  f"std {info.prep.std}"))
     if args.val_fraction:
+        if args.eval_only:  # the images the weights' training held out, or one line
+            check_trained_split(train.labels, info, args.weights)
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
         record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped)
@@ -695,6 +698,17 @@ def as_trained(train, test, info, weights):
         return train, test, info
     return (train.with_prep(prep), test.with_prep(prep) if test is not None else None,
             replace(info, prep=prep, notes=(*info.notes, note)))
+
+
+def check_trained_split(labels, info, weights):
+    """--eval-only on the image folder the --weights were trained on, with the split they record
+    (engine/flags.py took its --val-fraction and --seed): one line when the folder has changed
+    since (images added, removed, relabelled), where another split would be evaluated silently,
+    holding out images the weights trained on. ``labels``: the training images', before the split."""
+    from engine.weights import read_weights  # --weights only
+    trained = read_weights(weights, mmap=True).metadata
+    if trained.get("split") and info.data_dir is not None and trained.get("data_dir") == info.data_dir:
+        held_out_again(labels, trained["split"], f"--data-dir {info.data_dir}")
 
 
 def builtin_data(args, ctx):

@@ -416,6 +416,24 @@ def test_eval_only_takes_everything_from_the_weights(photos, trained, tmp_path, 
         "32x32: leave it out, the weights say how their images were prepared (see --help)"]
 
 
+def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, trained, capsys, monkeypatch):
+    """Images added after training: the split drawn again holds out other images, some of them
+    trained on, and the accuracy was that of another split, without a word (predict.py --held-out
+    refused it already)."""
+    added = photos / "photos" / "cat" / "added_later.png"
+    Image.new("RGB", (80, 60), (200, 30, 30)).save(added)
+    try:
+        monkeypatch.chdir(photos)
+        assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache") == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"error: --data-dir {photos / 'photos'} is not the folder the weights were trained on, or it has changed "
+            "since (62 training images now, 61 then, or other labels): the images validation held out cannot be found "
+            "again"]
+    finally:
+        added.unlink()
+    assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache") == 0  # as trained: taken
+
+
 def test_two_processes_evaluate_the_same_held_out_photos(photos, trained):
     _, records = trained
     two = run(torchrun_cmd(2, "train_ddp.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache",
