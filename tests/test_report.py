@@ -126,6 +126,18 @@ def test_picture_and_gpu_log(metrics, tmp_path, capsys):
     assert [(row["GPU"], row["Samples"], row["Mean"]) for row in gpus] == [("0", "3", "95%"), ("1", "1", "80%")]
     assert gpus[0]["Minutes"] == "1.0"
     assert f"Picture written to {png}" in out and not list(tmp_path.glob(".runs.png.tmp*"))
+    # Run again: its own picture is replaced; any other file, a metrics file among them, is kept.
+    assert report.main([str(metrics[1]), "--plot", str(png)]) == 0 and _png_size(png) == (1200, 800)
+    theirs = tmp_path / "theirs.png"
+    theirs.write_bytes(png.read_bytes().replace(b"tools/report.py", b"somebody elses"))
+    for kept in (metrics[1], theirs):
+        before = kept.read_bytes()
+        capsys.readouterr()
+        assert report.main([str(metrics[1]), "--plot", str(kept)]) == 2
+        assert capsys.readouterr().err == (f"report.py: error: --plot {kept} exists and is not a picture report.py "
+                                           "wrote: choose a new file name, or move that file away first; nothing is "
+                                           "overwritten\n")
+        assert kept.read_bytes() == before
 
 
 def test_without_matplotlib_the_tables_and_a_one_line_hint(metrics, tmp_path, capsys, monkeypatch):

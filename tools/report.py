@@ -282,6 +282,30 @@ def gpu_table(logs):
 # ---------------------------------------------------------------------------------------------
 # The picture.
 
+PLOT_SOFTWARE = "tools/report.py"  # in the PNG's Software field: a picture --plot may replace
+
+
+def check_plot_path(path):
+    """--plot PATH: a new file, or a picture report.py wrote (updated by running it again);
+    anything else there (a metrics file, a picture of the user's) is one line, and kept."""
+    path = Path(path)
+    if path.is_dir():
+        raise ReportError(f"--plot {path} is a folder; give a file name such as runs.png")
+    if path.exists() and not written_by_report(path):
+        raise ReportError(f"--plot {path} exists and is not a picture report.py wrote: choose a new file name, or "
+                          "move that file away first; nothing is overwritten")
+
+
+def written_by_report(path):
+    """Is ``path`` a PNG whose Software field (a tEXt chunk before the pixels) names report.py?"""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Software\x00" + PLOT_SOFTWARE.encode() in head
+
+
 def plot(runs, logs, path):
     """A 2 x 2 PNG of FIGURE_INCHES at FIGURE_DPI, written atomically. Raises ImportError
     without matplotlib."""
@@ -325,7 +349,7 @@ def plot(runs, logs, path):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=FIGURE_DPI)
+        fig.savefig(tmp, dpi=FIGURE_DPI, metadata={"Software": PLOT_SOFTWARE})  # ours: may be replaced
         os.replace(tmp, path)
     except OSError as err:  # a full disk: one line, and the tables above are printed already
         raise space_problem("--plot", path, err) from None
@@ -355,8 +379,8 @@ def main(argv=None):
     try:
         runs = [run for path in args.metrics for run in read_runs(path)]
         logs = [read_gpu_log(path) for path in args.gpu_log]
-        if args.plot and Path(args.plot).is_dir():
-            raise ReportError(f"--plot {args.plot} is a folder; give a file name such as runs.png")
+        if args.plot:
+            check_plot_path(args.plot)
     except ReportError as err:
         print(f"report.py: error: {err}", file=sys.stderr)
         return 2
