@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import sys
+from pathlib import Path
 
 from engine.cli import let_rank0_fail_first
 from engine.data_formats import DATASETS
@@ -203,6 +204,10 @@ def check_data_arguments(args, error):
         error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
     if args.cache_dir and args.dataset != FOLDER:
         error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
+    if args.cache_dir and args.data_dir and Path(args.cache_dir).expanduser().resolve().is_relative_to(
+            Path(args.data_dir).expanduser().resolve()):
+        error(f"--cache-dir {args.cache_dir} is inside --data-dir {args.data_dir}: the next run would read the cache "
+              "as one more class folder; put it beside the images, not among them")
 
 
 def build_parser(description, add_recipe_arguments):

@@ -146,6 +146,17 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
         "use the data set they were trained on, or --finetune to start from them with a new head")
 
 
+def test_a_cache_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
+    """It trained, and the next run read the cache's folder as one more class (or two layouts)."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
+    for inside in (root, root / "cache"):
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", inside) == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"train.py: error: --cache-dir {inside} is inside --data-dir {root}: the next run would read the cache as "
+            "one more class folder; put it beside the images, not among them (see --help)"]
+    assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
+
+
 def test_a_data_dir_that_is_missing_or_a_file_is_one_line_saying_which(tmp_path):
     with pytest.raises(UserError, match=rf"^--data-dir {re.escape(str(tmp_path / 'photos'))}: no such folder$"):
         image_folder.scan(tmp_path / "photos")
@@ -539,6 +550,12 @@ def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
     images, labels = data_formats.read_split(tmp_path / "data", "train", data_formats.DATASETS["mnist"])
     assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
     assert demo_data.main(["--dataset", "photos", str(tmp_path / "data")]) == 2
+    (tmp_path / "afile").write_text("mine\n")  # was a NotADirectoryError traceback
+    for kind in ("folder", "photos", "mnist"):
+        capsys.readouterr()
+        assert demo_data.main(["--dataset", kind, str(tmp_path / "afile")]) == 2
+        assert capsys.readouterr().err == f"error: {tmp_path / 'afile'} is a file, not a folder; give a new folder\n"
+    assert (tmp_path / "afile").read_text() == "mine\n"
 
 
 def test_a_job_script_takes_your_model_and_folder_relative_to_the_submit_directory(project):

@@ -257,6 +257,9 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     root, dataset = args.directory, args.dataset
+    if root.exists() and not root.is_dir():
+        print(f"error: {root} is a file, not a folder; give a new folder", file=sys.stderr)
+        return 2
     first = {"folder": "train", "photos": PHOTO_CLASSES[0], "real-photos": next(iter(REAL_PHOTOS))}  # a copy's
     target = root / (first[dataset] if dataset in first else DATASETS[dataset].folder)
     if target.exists():
