@@ -161,7 +161,6 @@ def load_weights(model, path, model_name=None, expected=None, evaluating=False):
     is not one, does not fit ``model``, or was trained on other classes than ``expected``'s
     (naming --finetune, which starts from them with a new head, unless ``evaluating``)."""
     saved = read_weights(path)
-    check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=None if evaluating else path)
     classes, wanted = saved.metadata.get("classes"), (expected or {}).get("classes")
     # Numbers name the classes of --synthetic, and of the built-in data sets in weights saved before their names were
     # read: only the count can differ then.
@@ -176,6 +175,8 @@ def load_weights(model, path, model_name=None, expected=None, evaluating=False):
         raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
                         "read as the wrong labels; use the data set they were trained on"
                         + ("" if evaluating else ", or --finetune to start from them with a new head"))
+    # After the classes: weights for other classes do not fit the head either, and their names say more.
+    check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=None if evaluating else path)
     model.load_state_dict(saved.state)
 
 

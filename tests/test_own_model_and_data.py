@@ -144,6 +144,13 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
                                              "--epochs", "1")) == 2  # training from them: a new head is a way out
     assert error_lines(capsys.readouterr().err)[0].endswith(
         "use the data set they were trained on, or --finetune to start from them with a new head")
+    # Another number of classes: named as such, not as tensors of other shapes.
+    weights_file.save_weights(WideResNet(num_classes=3), project / "w3.pt", {"classes": ["cat", "dog", "eel"]})
+    assert run_main("train.py", *folder_args(project, "--model", "model:WideResNet", "--eval-only",
+                                             "--weights", "w3.pt")) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: --weights w3.pt were trained on other classes (3 classes there, 4 here): their outputs would be read "
+        "as the wrong labels; use the data set they were trained on"]
 
 
 def test_a_cache_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
