@@ -304,7 +304,10 @@ def find_images(paths):
     if not images:
         raise UserError(f"no image files in {', '.join(map(shown, paths))} (image files end in "
                         f"{', '.join(sorted(extensions)[:6])}, ...; {ignored} other file(s) ignored)")
-    return images, ignored
+    unique = {}  # a file named twice (a folder and a file in it, ./a.png and a.png) is classified once
+    for image in images:
+        unique.setdefault(os.path.realpath(image), image)
+    return list(unique.values()), ignored
 
 
 def load_trained(path, model_ref, device):

@@ -257,6 +257,17 @@ def test_a_reader_that_closes_stdout_ends_it_quietly(trained, tmp_path):
     assert len(read_csv(tmp_path / "h.csv")) == CLASSES * 8 and confusion_csv(tmp_path / "h-confusion.csv")[1]
 
 
+def test_a_file_named_twice_is_classified_once(tmp_path):
+    """A folder and a file in it, or one file by two names: one row each, the first name kept."""
+    from predict import find_images
+    folder = tmp_path / "new"
+    folder.mkdir()
+    for name in ("a.png", "img 2.png"):
+        Image.new("RGB", (8, 8)).save(folder / name)
+    images, ignored = find_images([folder, folder / "img 2.png", tmp_path / "new" / ".." / "new" / "a.png"])
+    assert images == [folder / "a.png", folder / "img 2.png"] and ignored == 0
+
+
 def test_the_summary_counts_in_words():
     """One image is "1 image", not "1 images"; the classes most predicted come first."""
     out = io.StringIO()
