@@ -153,7 +153,9 @@ def test_without_matplotlib_the_tables_and_a_one_line_hint(metrics, tmp_path, ca
 @pytest.mark.parametrize("make, expected", [
     (lambda d: d / "missing.jsonl", "missing.jsonl: No such file or directory"),
     (lambda d: (d / "w.jsonl").write_text('{"epoch": 0, "val_accuracy": 0.5}\n') and d / "w.jsonl",
-     "w.jsonl holds no epoch records (is it a --metrics-file"),
+     "w.jsonl holds --eval-only results only (1 evaluation(s), epoch 0), no training epochs to tabulate"),
+    (lambda d: (d / "n.jsonl").write_text('{"loss": 0.5}\n') and d / "n.jsonl",
+     "n.jsonl holds no epoch records (is it a --metrics-file"),
     (lambda d: (d / "w.pt").write_bytes(b"PK\x03\x04\x80\xff binary") and d / "w.pt",  # weights, not metrics
      "w.pt holds no epoch records"),
 ])

@@ -104,7 +104,7 @@ def read_runs(path):
         lines = path.read_text(errors="replace").splitlines()  # a binary file: no line parses
     except OSError as err:
         raise ReportError(f"{path}: {err.strerror or err}") from None
-    runs, skipped = {}, 0
+    runs, skipped, evaluations = {}, 0, 0
     for line in lines:
         try:
             record = json.loads(line)
@@ -112,11 +112,15 @@ def read_runs(path):
             skipped += 1
             continue
         if isinstance(record, dict) and record.get("epoch") == 0:
-            continue  # an --eval-only result
+            evaluations += 1  # an --eval-only result
+            continue
         if not isinstance(record, dict) or not {"epoch", "epoch_time_s", "train_images"} <= record.keys():
             skipped += 1
             continue
         runs.setdefault(record.get("run_id", "?"), {})[record["epoch"]] = record  # a repeated epoch: the last
+    if not runs and evaluations:
+        raise ReportError(f"{path} holds --eval-only results only ({evaluations} evaluation(s), epoch 0), no "
+                          "training epochs to tabulate")
     if not runs:
         raise ReportError(f"{path} holds no epoch records (is it a --metrics-file of train.py or train_ddp.py?)")
     if skipped:
