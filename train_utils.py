@@ -672,8 +672,9 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
             *task.data.notes,
             *size_warning(task.data),
             # The job scripts pass --save-weights to every run: said, not refused.
-            *([f"Note: --save-weights {args.save_weights} is not written: --eval-only trains nothing"]
-              if args.save_weights else [])]
+            *[f"Note: {flag} {path} is not written: --eval-only trains nothing"
+              for flag, path in (("--save-weights", args.save_weights), ("--tensorboard", args.tensorboard),
+                                 ("--profile-dir", args.profile_dir)) if path]]
 
 
 def describe_weights(args, continuing=False, note=""):

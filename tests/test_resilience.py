@@ -674,8 +674,10 @@ def test_an_evaluation_given_the_job_scripts_resume_auto_reads_no_checkpoint(tmp
     assert run_main("train.py", *RUN, "--checkpoint-dir", tmp_path / "ck", "--save-weights", weights) == 0
     capsys.readouterr()
     assert run_main("train.py", *RUN, "--batch-size", "16", "--eval-only", "--weights", weights,
-                    "--checkpoint-dir", tmp_path / "ck", "--resume=auto") == 0
-    assert "Evaluation: Loss=" in capsys.readouterr().out
+                    "--checkpoint-dir", tmp_path / "ck", "--resume=auto", "--profile-dir", tmp_path / "prof") == 0
+    out = capsys.readouterr().out
+    assert "Evaluation: Loss=" in out and not (tmp_path / "prof").exists()
+    assert f"\nNote: --profile-dir {tmp_path / 'prof'} is not written: --eval-only trains nothing\n" in out
 
 
 def test_eval_only_needs_weights(capsys):
