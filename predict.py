@@ -8,6 +8,7 @@ training prepared its test images: the predictions agree with the accuracy it re
     python predict.py --weights ckpt/checkpoint_000012500.pt photos/ --output preds.csv   # a checkpoint
     python predict.py --weights weights.pt --held-out my_photos --output val.csv  # validation's images, labelled
     python predict.py --weights weights.pt --held-out my_photos --confusion-matrix confusion.csv   # CSV to stdout
+    python predict.py --weights weights.pt --labelled new_photos --output new.csv   # new_photos/CLASS/IMAGE
     python predict.py --weights weights.pt --model moved/my_net.py:Net photos/   # its model file moved
     srun --account=nnXXXXk --gpus=1 --time=00:10:00 python predict.py --weights weights.pt photos/ --output preds.csv
 
@@ -26,7 +27,9 @@ accuracy training printed for weights saved at the end of an epoch, when it vali
 of them: not under --limit-batches, nor for a mid-epoch checkpoint), then each class's. The confusion
 matrix (rows: true class, columns: predicted class, image counts) goes to --confusion-matrix
 CSV, by default beside the --output file (val-confusion.csv for val.csv), and a PNG of it
-beside that (val-confusion.png) when matplotlib is installed.
+beside that (val-confusion.png) when matplotlib is installed. --labelled DIR does the same for
+every image of a folder of class folders (DIR/CLASS/IMAGE) that training never saw: a new test
+set, labelled by the folder each image is in, holding all of the weights' classes or some.
 """
 
 import argparse
@@ -86,6 +89,10 @@ def build_parser():
                         help="instead of IMAGE_OR_FOLDER: the images of the image folder DIR that training validated "
                              "on (held out by --val-fraction, or its test/), with their true label in the CSV, the "
                              "accuracy and each class's printed, and a confusion matrix (--confusion-matrix)")
+    parser.add_argument("--labelled", metavar="DIR", type=Path,
+                        help="instead of IMAGE_OR_FOLDER: every image of DIR/CLASS/IMAGE, a folder of class folders "
+                             "named as the weights' classes (all or some), labelled by its folder; the CSV, accuracy "
+                             "and confusion matrix as with --held-out")
     parser.add_argument("--weights", required=True, metavar="FILE",
                         help="a file of train.py --save-weights, or a checkpoint (CHECKPOINT_DIR/checkpoint_*.pt)")
     parser.add_argument("--model", metavar="FILE.py:NAME|module:NAME",
@@ -94,7 +101,7 @@ def build_parser():
                         help="write the CSV to this new file (refused if it exists, unless it is not a regular file: "
                              "/dev/stdout, a FIFO; default, or -: stdout)")
     parser.add_argument("--confusion-matrix", metavar="CSV", type=Path,
-                        help="with --held-out: write the confusion matrix (a row per true class, a column per "
+                        help="with --held-out or --labelled: write the confusion matrix (a row per true class, a column per "
                              "predicted class, image counts) to this new file, and a PNG of it beside with "
                              "matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
                              "when the predictions go to stdout)")
@@ -109,11 +116,13 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if bool(args.paths) == bool(args.held_out):
-        parser.error("give the images to classify (IMAGE_OR_FOLDER ...) or --held-out DIR, one of them")
-    if args.confusion_matrix is not None and not args.held_out:
-        parser.error("--confusion-matrix needs --held-out DIR: only held-out images have a true class to compare")
-    confusion = confusion_destination(args.output, args.held_out, args.confusion_matrix)
+    if sum(map(bool, (args.paths, args.held_out, args.labelled))) != 1:
+        parser.error("give the images to classify (IMAGE_OR_FOLDER ...), --held-out DIR or --labelled DIR, one of them")
+    labelled = bool(args.held_out or args.labelled)
+    if args.confusion_matrix is not None and not labelled:
+        parser.error("--confusion-matrix needs --held-out DIR or --labelled DIR: only their images have a true class "
+                     "to compare")
+    confusion = confusion_destination(args.output, labelled, args.confusion_matrix)
     picture = confusion.with_suffix(".png") if confusion is not None and has_matplotlib() else None
     check_outputs(args.output, confusion, picture, defaulted=args.confusion_matrix is None)  # before any work
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,6 +130,9 @@ def main(argv=None):
         model, name, meta = load_trained(args.weights, args.model, device)
         images, labels, what = held_out_images(args.held_out, meta, args.weights)
         ignored = None  # the images are named, not searched for
+    elif args.labelled:
+        model, name, meta = load_trained(args.weights, args.model, device)
+        images, labels, what, ignored = labelled_images(args.labelled, meta["classes"])
     else:
         images, ignored = find_images(args.paths)  # a wrong path before the model is loaded
         model, name, meta = load_trained(args.weights, args.model, device)
@@ -200,6 +212,43 @@ def held_out_images(root, meta, weights):
             f"(--seed {record['seed']}) held out of {shown(root)}")
 
 
+def labelled_images(root, classes):
+    """(files, labels, what they are, files that are not images) of every image in the class
+    folders of ``root`` (ROOT/CLASS/IMAGE, searched recursively), each labelled by its folder's
+    index among ``classes`` (the weights'); folders of some of those classes are enough."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(f"--labelled {shown(root)}: {'a file, not a folder' if root.exists() else 'no such folder'}")
+    try:
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+        folders, strays = [p for p in entries if p.is_dir()], [p for p in entries if not p.is_dir()]
+        index = {name: i for i, name in enumerate(classes)}
+        unknown = [p.name for p in folders if p.name not in index]
+        if unknown:
+            splits = [n for n in ("test", "val", "train") if n in unknown]  # a data set's splits: its test images
+            hint = (f"; did you mean --labelled {shown(root / splits[0])}?" if splits else
+                    f" ({', '.join(map(shown, classes[:10]))}{', ...' if len(classes) > 10 else ''})")
+            raise UserError(f"--labelled {shown(root)}: {', '.join(map(shown, unknown[:5]))}"
+                            f"{', ...' if len(unknown) > 5 else ''} {'is' if len(unknown) == 1 else 'are'} not among "
+                            f"the {len(classes)} classes the weights were trained on{hint}")
+        if strays:
+            raise UserError(f"--labelled {shown(root)} holds {shown(strays[0].name)} beside its class folders: an "
+                            "image's label is the class folder it is in (ROOT/CLASS/IMAGE); move it into one")
+        files, labels, ignored, extensions = [], [], 0, image_extensions()
+        for folder in folders:
+            found, others = class_files(folder, extensions)
+            files += found
+            labels += [index[folder.name]] * len(found)
+            ignored += len(others)
+    except OSError as err:
+        raise UserError(f"--labelled: cannot read {shown(err.filename or root)} ({err.strerror or err})") from None
+    if not files:
+        raise UserError(f"--labelled {shown(root)} holds no image files in class folders (ROOT/CLASS/IMAGE)")
+    what = (f"the {count(len(files), 'labelled image', 'labelled images')} of {shown(root)} "
+            f"({len(folders)} of the {len(classes)} classes)")
+    return files, np.asarray(labels, dtype=np.int64), what, ignored
+
+
 def where_of(device):
     return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
 
@@ -236,11 +285,11 @@ def summary_stream(output):
     return sys.stderr if output is None or is_stdout(output) else LeavingReader(sys.stdout)
 
 
-def confusion_destination(output, held_out, given):
+def confusion_destination(output, labelled, given):
     """Where the confusion matrix's CSV goes: --confusion-matrix, else beside an --output file
-    (OUTPUT_STEM-confusion.csv), else nowhere (only --held-out has true classes; stdout and
-    streams have no folder to put it in)."""
-    if given is not None or not held_out or output is None or is_stream(output):
+    (OUTPUT_STEM-confusion.csv), else nowhere (only --held-out and --labelled images have true
+    classes; stdout and streams have no folder to put it in)."""
+    if given is not None or not labelled or output is None or is_stream(output):
         return given
     return output.with_name(f"{output.stem}-confusion.csv")
 

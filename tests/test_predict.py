@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,6 +419,66 @@ def test_held_out_prints_each_class_and_writes_the_confusion_matrix_beside(train
     else:
         assert "matplotlib is not installed" in out[at + 1 + CLASSES]
         assert sorted(os.listdir(tmp_path)) == ["held-confusion.csv", "held.csv"]
+
+
+def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(trained, tmp_path):
+    """--labelled imgs/test is the test set --held-out imgs finds: the same rows, accuracy and
+    matrix; a folder of some of the classes (a file that is not an image among them) is
+    labelled by the weights' class indices, the class without images said so."""
+    held = predict(trained, "--weights", "w.pt", "--held-out", "imgs", "--output", tmp_path / "held.csv")
+    labelled = predict(trained, "--weights", "w.pt", "--labelled", "imgs/test", "--output", tmp_path / "new.csv")
+    assert held.returncode == labelled.returncode == 0, held.stderr + labelled.stderr
+    assert read_csv(tmp_path / "new.csv") == read_csv(tmp_path / "held.csv")
+    assert confusion_csv(tmp_path / "new-confusion.csv") == confusion_csv(tmp_path / "held-confusion.csv")
+    [accuracy] = [line for line in labelled.stdout.splitlines() if line.startswith("Accuracy: ")]
+    [held_accuracy] = [line for line in held.stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert accuracy == held_accuracy.replace("the 24 test images of imgs",
+                                             "the 24 labelled images of imgs/test (3 of the 3 classes)")
+
+    some = tmp_path / "some"
+    for name in TEST_CLASSES[1:]:  # the first class left out
+        shutil.copytree(trained / "imgs" / "test" / name, some / name / "nested")
+    (some / TEST_CLASSES[2] / "notes.txt").write_text("not an image\n")
+    result = predict(trained, "--weights", "w.pt", "--labelled", some, "--output", tmp_path / "some.csv")
+    assert result.returncode == 0, result.stderr
+    rows = read_csv(tmp_path / "some.csv")
+    assert len(rows) == 16 and all(row["label"] == row["path"].split("/")[-3] for row in rows)
+    def predictions(csv_rows):  # (class, file name) -> prediction
+        return {(row["label"], Path(row["path"]).name): row["prediction"] for row in csv_rows}
+
+    held_rows = [row for row in read_csv(tmp_path / "held.csv") if row["label"] != TEST_CLASSES[0]]
+    assert predictions(rows) == predictions(held_rows) and len(predictions(rows)) == 16  # the same images' classes
+    out = result.stdout.splitlines()
+    assert "ignored 1 file that is not an image" in out[1]
+    at = next(i for i, line in enumerate(out) if line.startswith("Accuracy: "))
+    assert out[at].endswith(f" on the 16 labelled images of {some} (2 of the 3 classes)")
+    assert out[at + 1] == f"  {TEST_CLASSES[0]}: no images"
+    header, true_classes, counts = confusion_csv(tmp_path / "some-confusion.csv")
+    assert header[1:] == true_classes == TEST_CLASSES and sum(counts[0]) == 0 and sum(map(sum, counts)) == 16
+
+
+def test_labelled_mistakes_are_one_line(here, tmp_path, capsys):
+    (tmp_path / "split" / "train" / "class_0").mkdir(parents=True)
+    (tmp_path / "split" / "test" / "class_0").mkdir(parents=True)
+    (tmp_path / "other" / "class_0").mkdir(parents=True)
+    (tmp_path / "other" / "zebra").mkdir()
+    shutil.copytree(here / "imgs" / "test" / "class_1", tmp_path / "flat")
+    (tmp_path / "empty" / "class_0").mkdir(parents=True)
+    weights = ("--weights", "w.pt")
+    assert one_line_error(capsys, *weights, "--labelled", tmp_path / "split") == (
+        2, f"error: --labelled {tmp_path / 'split'}: test, train are not among the 3 classes the weights were "
+           f"trained on; did you mean --labelled {tmp_path / 'split' / 'test'}?")
+    assert one_line_error(capsys, *weights, "--labelled", tmp_path / "other") == (
+        2, f"error: --labelled {tmp_path / 'other'}: zebra is not among the 3 classes the weights were trained on "
+           "(class_0, class_1, class_2)")
+    code, line = one_line_error(capsys, *weights, "--labelled", tmp_path / "flat")
+    assert code == 2 and line.startswith(f"error: --labelled {tmp_path / 'flat'} holds ") and "beside its class" in line
+    assert one_line_error(capsys, *weights, "--labelled", tmp_path / "empty") == (
+        2, f"error: --labelled {tmp_path / 'empty'} holds no image files in class folders (ROOT/CLASS/IMAGE)")
+    assert one_line_error(capsys, *weights, "--labelled", tmp_path / "none") == (
+        2, f"error: --labelled {tmp_path / 'none'}: no such folder")
+    code, line = one_line_error(capsys, *weights, "--labelled", "imgs/test", "imgs/test")
+    assert code == 2 and "--held-out DIR or --labelled DIR, one of them" in line
 
 
 def test_an_unreadable_held_out_image_is_counted_as_left_out(trained, tmp_path):
