@@ -821,8 +821,8 @@ def dali_choice(args, device, group=None, per_image=None):
     in the DataLoader's workers, or with an --augment operation DALI lacks), or auto for an
     image folder on a GPU with DALI installed that would not fit the device (choose_dali; global
     rank 0 reads the folder's headers, the others wait)."""
-    # The training operations DALI must run: --augment auto's are one of two entries (photos or not).
-    candidates = ("resized-crop", "flip-crop") if args.augment == "auto" else (args.augment,)
+    # The training operations DALI must run: --augment auto's are those of either of its choices.
+    candidates = recipe.AUGMENT_AUTO if args.augment == "auto" else (args.augment,)
     named = () if args.eval_only else sum((recipe.augmentation_ops(name) for name in candidates), ())
     if args.loader == "dali":
         from engine.dali_loader import check_dali

@@ -387,6 +387,7 @@ RESIZED_CROP_RATIO = (3 / 4, 4 / 3)  # its aspect ratio, width / height
 # centre: the usual resize to 256, centre crop 224 of torchvision's and timm's references.
 STORED_RATIO = 8 / 7
 PHOTO_PIXELS = 64  # --augment auto: images whose median shorter side is larger are photos (resized-crop)
+AUGMENT_AUTO = ("resized-crop", "flip-crop")  # --augment auto's choice for photos, and for small images
 
 
 def augmentation_ops(name):
@@ -402,7 +403,8 @@ def auto_augment(short_side):
     """--augment auto for your own images whose (median) shorter side is ``short_side`` pixels:
     resized-crop for photos, flip-crop for small CIFAR-like images. The images' own size
     decides, not --image-size: photos trained small are still photos."""
-    return "resized-crop" if short_side > PHOTO_PIXELS else "flip-crop"
+    photos, small = AUGMENT_AUTO
+    return photos if short_side > PHOTO_PIXELS else small
 
 
 def stored_size(augment, size):

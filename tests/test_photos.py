@@ -294,6 +294,8 @@ def test_both_loaders_draw_resized_crops_alike_and_test_on_the_same_centre_crop(
 
 def test_augment_auto_picks_resized_crop_for_photos_only():
     assert recipe.auto_augment(65) == "resized-crop" and recipe.auto_augment(64) == "flip-crop"
+    # --loader dali checks the operations of both before the images are measured (dataset_utils.dali_choice)
+    assert {recipe.auto_augment(65), recipe.auto_augment(64)} == set(recipe.AUGMENT_AUTO) <= set(recipe.AUGMENTATIONS)
     assert recipe.stored_size("resized-crop", (224, 224)) == (256, 256)
     assert recipe.training_size("resized-crop", (256, 256)) == (224, 224)
     assert recipe.stored_size("flip-crop", (32, 48)) == (32, 48)
