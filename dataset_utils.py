@@ -650,6 +650,8 @@ def build_data(args, ctx, listed=False, normalization=None):
     if args.dataset in DATASETS:
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
+        if args.eval_only and not args.val_fraction:  # a folder the weights were not validated on
+            check_evaluable(args.data_dir, args.weights)
         train, test, info = (folder_list_data if listed else folder_data)(args, ctx)
     else:  # global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others
         loaded = {}
@@ -679,7 +681,7 @@ def build_data(args, ctx, listed=False, normalization=None):
             check_trained_split(train.labels, info, args.weights)
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
-        record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped)
+        record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped, info.names_sha256)
         train, test = train.subset(split.train), train.subset(split.val)
         info = replace(info, notes=(*info.notes, describe_split(split, args.val_fraction, args.seed,
                                                                  len(info.classes)) + unused), split=record)
@@ -687,6 +689,17 @@ def build_data(args, ctx, listed=False, normalization=None):
         raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
                         "validation with --val-fraction 0.2 (20% of each class)")
     return train, test, info
+
+
+def check_evaluable(data_dir, weights):
+    """--eval-only evaluates an image folder's test/: one that holds its class folders directly
+    has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
+    calling the rest training images. predict.py --labelled evaluates all of it."""
+    from engine.image_folder import FLAT, image_folder_layout
+    if image_folder_layout(Path(data_dir).expanduser()) == FLAT:
+        raise UserError(f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds "
+                        f"its class folders directly: python predict.py --weights {weights} --labelled {data_dir} "
+                        "gives the accuracy over all of its images")
 
 
 def as_trained(train, test, info, weights):
@@ -708,7 +721,7 @@ def check_trained_split(labels, info, weights):
     from engine.weights import read_weights  # --weights only
     trained = read_weights(weights, mmap=True).metadata
     if trained.get("split") and info.data_dir is not None and trained.get("data_dir") == info.data_dir:
-        held_out_again(labels, trained["split"], f"--data-dir {info.data_dir}")
+        held_out_again(labels, trained["split"], f"--data-dir {info.data_dir}", info.names_sha256)
 
 
 def builtin_data(args, ctx):
@@ -792,11 +805,13 @@ def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
     """The DataInfo of image folder --data-dir (FolderData or FolderList ``folder``)."""
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({count(len(folder.classes), 'class', 'classes')}: {shown}){how}"
+    names = folder.names_sha256.get("train")  # None for a cache built before they were recorded
     return DataInfo(FOLDER, f"image folder {args.data_dir}", source, folder.classes, prep,
                     data_fingerprint(FOLDER, False, train_labels, test_size, folder.classes, prep.image_shape,
-                                     mean=folder.mean, mean_of="stored" if hasattr(folder, "cache") else "files"),
+                                     mean=folder.mean, mean_of="stored" if hasattr(folder, "cache") else "files",
+                                     names=names if args.val_fraction else None),  # the split goes by their order
                     notes=notes, data_dir=str(Path(args.data_dir).expanduser().resolve()),
-                    skipped=folder.skipped.get("train", ()))
+                    skipped=folder.skipped.get("train", ()), names_sha256=names)
 
 
 def folder_list_data(args, ctx):

@@ -62,12 +62,13 @@ from engine.memory import OutOfMemory, is_out_of_memory
 from engine.models import check_output, make_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores
-from engine.task import held_out_again
+from engine.task import held_out_again, names_sha256
 from engine.weights import check_state_fits, read_weights, recorded_model
 
 REQUIRED = ("classes", "image_size", "in_channels", "mean", "std")  # metadata a prediction cannot do without
 MAX_THREADS = 8  # decoding threads (Pillow releases the GIL)
 SHOWN_CLASSES = 5  # the most common predictions in the summary
+SHOWN_EMPTY = 10  # classes without images named in the per-class lines
 ANNOTATED_CLASSES = 30  # the confusion matrix's picture writes its counts up to this many classes (then unreadable)
 MAX_FIGURE_INCHES, FIGURE_DPI = 40, 100  # the picture's side, at most 4000 pixels
 
@@ -207,7 +208,8 @@ def held_out_images(root, meta, weights):
     base, skipped = Path(root).expanduser(), set(record["skipped"])  # unreadable: left out before the split
     readable = np.asarray([str(path.relative_to(base)) not in skipped for path in files], dtype=bool)
     files, labels = [path for path, ok in zip(files, readable) if ok], labels[readable]
-    held = held_out_again(labels, record, f"--held-out {shown(root)}")
+    names = names_sha256(path.relative_to(base) for path in files)
+    held = held_out_again(labels, record, f"--held-out {shown(root)}", names)
     return ([files[i] for i in held], labels[held], f"the {len(held)} images --val-fraction {record['fraction']:g} "
             f"(--seed {record['seed']}) held out of {shown(root)}")
 
@@ -231,10 +233,12 @@ def labelled_images(root, classes):
             raise UserError(f"--labelled {shown(root)}: {', '.join(map(shown, unknown[:5]))}"
                             f"{', ...' if len(unknown) > 5 else ''} {'is' if len(unknown) == 1 else 'are'} not among "
                             f"the {len(classes)} classes the weights were trained on{hint}")
-        if strays:
-            raise UserError(f"--labelled {shown(root)} holds {shown(strays[0].name)} beside its class folders: an "
+        extensions = image_extensions()
+        images = [p for p in strays if p.suffix.lower() in extensions]  # a README or Thumbs.db beside: ignored
+        if images:
+            raise UserError(f"--labelled {shown(root)} holds {shown(images[0].name)} beside its class folders: an "
                             "image's label is the class folder it is in (ROOT/CLASS/IMAGE); move it into one")
-        files, labels, ignored, extensions = [], [], 0, image_extensions()
+        files, labels, ignored = [], [], len(strays)
         for folder in folders:
             found, others = class_files(folder, extensions)
             files += found
@@ -245,7 +249,7 @@ def labelled_images(root, classes):
     if not files:
         raise UserError(f"--labelled {shown(root)} holds no image files in class folders (ROOT/CLASS/IMAGE)")
     what = (f"the {count(len(files), 'labelled image', 'labelled images')} of {shown(root)} "
-            f"({len(folders)} of the {len(classes)} classes)")
+            f"({len(set(labels))} of the {len(classes)} classes)")
     return files, np.asarray(labels, dtype=np.int64), what, ignored
 
 
@@ -516,11 +520,16 @@ def per_class_accuracy(matrix):
 
 
 def per_class_lines(matrix, classes):
-    """'  cat: 0.9500 (19 of 20)' per class, in the classes' order; a class without images
-    says so (the folder had none of it, or none readable) instead of dividing by zero."""
+    """'  cat: 0.9500 (19 of 20)' per class with images, in the classes' order, then one line
+    naming those without (a --labelled folder of some of the classes, or none readable):
+    the first SHOWN_EMPTY of them, not a line each of 1,000."""
     right, total = per_class_accuracy(matrix)
-    return [f"  {name}: {r / t:.4f} ({r} of {t})" if t else f"  {name}: no images"
-            for name, r, t in zip(classes, right.tolist(), total.tolist())]
+    lines = [f"  {name}: {r / t:.4f} ({r} of {t})" for name, r, t in zip(classes, right.tolist(), total.tolist()) if t]
+    empty = [name for name, t in zip(classes, total.tolist()) if not t]
+    if empty:
+        more = f", ... ({len(empty)} classes)" if len(empty) > SHOWN_EMPTY else ""
+        lines.append(f"  no images: {', '.join(empty[:SHOWN_EMPTY])}{more}")
+    return lines
 
 
 def confusion_rows(matrix, classes):

@@ -56,6 +56,7 @@ from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, FolderStats, Unreada
 from engine.log import count
 from engine.memory import cache_out_of_memory
 from engine.processes import available_cores
+from engine.task import names_sha256
 
 CACHE_FORMAT = 3  # 2: meta.json has the checks (split_checks); 3: torchvision's resize, skipped files, stats
 SAMPLED_IMAGES = 64  # images hashed per split, evenly spaced, the first and the last among them
@@ -76,6 +77,7 @@ class FolderData:
     stats: FolderStats      # the training images' sizes as found, before resizing
     layout: str             # image_folder.FLAT or SPLIT
     skipped: dict           # split -> paths (within the folder) of the unreadable images left out
+    names_sha256: dict      # split -> task.names_sha256 of its images' paths ({} in a cache built before)
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def build_cache(target, root, scanned, request, log, workers):
     classes, total = scanned.classes, sum(len(files) for files, _ in scanned.splits.values())
     log(f"Decoding {total} images of {len(classes)} classes into {target} ...")
     start = time.perf_counter()
-    splits, headers, skipped = {}, {}, {}  # skipped: split -> [Unreadable]
+    splits, headers, skipped, names = {}, {}, {}, {}  # skipped: split -> [Unreadable]
     for split, (files, labels) in scanned.splits.items():
         found = list(map_threads(_probe, files, workers))  # every file's header, or why it has none
         readable = np.asarray([not isinstance(h, Unreadable) for h in found], dtype=bool)
@@ -170,12 +172,13 @@ def build_cache(target, root, scanned, request, log, workers):
             if failed:
                 decoded = np.ones(len(files), dtype=bool)
                 decoded[[i for i, _ in failed]] = False
-                labels = labels[decoded]
+                files, labels = [path for path, ok in zip(files, decoded) if ok], labels[decoded]
                 headers[split] = [h for h, ok in zip(headers[split], decoded) if ok]
                 skipped[split] += [err for _, err in failed]
                 check_left(labels, classes, split, skipped[split])
                 keep_first_rows(tmp / f"{split}_images.npy", len(labels))
             np.save(tmp / f"{split}_labels.npy", labels)
+            names[split] = names_sha256(path.relative_to(root) for path in files)
         mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
         notes = [*image_notes(headers, size, mode, request.why(stats), scanned.ignored, splits),
                  *unreadable_notes(skipped, target / "unreadable.txt")]
@@ -186,7 +189,7 @@ def build_cache(target, root, scanned, request, log, workers):
                 "stats": stats._asdict(), "layout": scanned.layout,
                 "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
                             for split, errs in skipped.items()},
-                "checks": {split: split_checks(tmp, split) for split in splits}}
+                "checks": {split: split_checks(tmp, split) for split in splits}, "names_sha256": names}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, target)  # atomic: the cache appears complete or not at all
@@ -361,7 +364,8 @@ def read_folder_cache(target):
     notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
     skipped = {split: tuple(path for path, _ in errors) for split, errors in meta["skipped"].items()}
     return FolderData(splits["train"], splits.get("test"), tuple(meta["classes"]), tuple(meta["mean"]),
-                      tuple(meta["std"]), Path(target), notes, recorded_stats(meta), meta["layout"], skipped)
+                      tuple(meta["std"]), Path(target), notes, recorded_stats(meta), meta["layout"], skipped,
+                      meta.get("names_sha256", {}))
 
 
 def recorded_stats(meta):

@@ -27,6 +27,7 @@ from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable
                                  map_threads, scan)
 from engine.log import count
 from engine.processes import available_cores
+from engine.task import names_sha256
 
 LIST_FORMAT = 1
 LISTED = SizeRequest("list", None, None)  # names the list's version (folder_version): no size is chosen
@@ -49,6 +50,7 @@ class FolderList:
     stats: object           # image_folder.FolderStats of the training images' sizes
     layout: str             # image_folder.FLAT or SPLIT
     skipped: dict           # split -> paths (within the folder) of the images left out
+    names_sha256: dict      # split -> task.names_sha256 of its images' paths
 
 
 def checked(path):
@@ -183,4 +185,5 @@ def read_list(target, root):
              *unreadable_notes(errors, target))
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}
     return FolderList(splits["train"], splits.get("test"), tuple(listed["classes"]), tuple(listed["mean"]),
-                      tuple(listed["std"]), listed["gray"], notes, stats, listed["layout"], skipped)
+                      tuple(listed["std"]), listed["gray"], notes, stats, listed["layout"], skipped,
+                      {split: names_sha256(part["files"]) for split, part in listed["splits"].items()})

@@ -12,6 +12,7 @@ refused).
 """
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ class DataInfo:
     split: dict = None     # --val-fraction: which training images the test loader serves (held_out_record)
     data_dir: str = None   # an image folder's absolute path
     skipped: tuple = ()    # training images left out as unreadable, paths within data_dir
+    names_sha256: str = None  # an image folder's training images by name, in order (names_sha256)
 
     @property
     def held_out(self):
@@ -85,14 +87,16 @@ SAMPLED_IMAGES = 256  # training images whose bytes a fingerprint hashes, evenly
 
 
 def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, image_shape=None, images=None,
-                     mean=None, mean_of="stored"):
+                     mean=None, mean_of="stored", names=None):
     """Identifies the data in a checkpoint, so that a resume on other data is refused: the
     counts, the labels, and what the pixels can say cheaply. ``images``: the training images
     as stored (N, H, W, C), files' bytes read as they are (a built-in data set, yours): a
     sample of them is hashed. ``mean``: per channel, of an image folder's decoded training
     images, compared within MEAN_TOLERANCE (a decoder's version may move it a little) with a
     mean measured the same way (``mean_of``: "stored", the cache's crops; "files", DALI's whole
-    images), and not compared with the other (a resume with another --loader)."""
+    images), and not compared with the other (a resume with another --loader). ``names``: the
+    training images' names_sha256, where --val-fraction holds images out by their place in
+    that order (a photo renamed would move others between training and validation)."""
     labels = np.asarray(train_labels, dtype=np.int64)
     fingerprint = {"dataset": key, "synthetic": synthetic, "train_images": len(labels), "test_images": test_size,
                    "train_labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest()}
@@ -106,6 +110,8 @@ def data_fingerprint(key, synthetic, train_labels, test_size, classes=None, imag
         fingerprint["train_sample_sha256"] = digest.hexdigest()
     if mean is not None:
         fingerprint[f"train_mean_{mean_of}"] = [round(float(m), 4) for m in mean]
+    if names is not None:
+        fingerprint["train_names_sha256"] = names
     return fingerprint
 
 
@@ -167,23 +173,35 @@ def describe_split(split, fraction, seed, classes):
             f"split is the other {len(split.train)}")
 
 
-def held_out_record(fraction, seed, labels, skipped=()):
+def names_sha256(names):
+    """sha256 (hex) of image files' paths within their folder (str or Path), in order: which
+    images a split holds, by name, where the labels' hash sees only how many of each class."""
+    return hashlib.sha256(b"".join(os.fsencode(name) + b"\n" for name in names)).hexdigest()
+
+
+def held_out_record(fraction, seed, labels, skipped=(), names=None):
     """What weights files and checkpoints record of --val-fraction ``fraction`` with --seed
     ``seed`` over training images with ``labels`` (all of them, before the split; ``skipped``:
-    the paths of unreadable ones left out before that): enough to find the same held-out
-    images again (held_out_again), and to tell when the folder has changed since."""
+    the paths of unreadable ones left out before that; ``names``: their names_sha256, None
+    where unknown): enough to find the same held-out images again (held_out_again), and to
+    tell when the folder has changed since."""
     labels = np.asarray(labels, dtype=np.int64)
     return {"fraction": fraction, "seed": seed, "images": len(labels),
-            "labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest(), "skipped": list(skipped)}
+            "labels_sha256": hashlib.sha256(labels.tobytes()).hexdigest(), "skipped": list(skipped),
+            **({"names_sha256": names} if names is not None else {})}
 
 
-def held_out_again(labels, record, what):
+def held_out_again(labels, record, what, names=None):
     """The indices (ascending) of the images ``record`` (held_out_record) held out, among
-    training images with ``labels``, read again: one line when they are not the images it
-    was made of (``what``: the folder, for the line)."""
+    training images with ``labels`` (and ``names``, their names_sha256), read again: one line
+    when they are not the images it was made of (``what``: the folder, for the line). The
+    names are compared where both are known (weights saved before they were recorded: not)."""
     labels = np.asarray(labels, dtype=np.int64)
     if len(labels) != record["images"] or hashlib.sha256(labels.tobytes()).hexdigest() != record["labels_sha256"]:
-        raise UserError(f"{what} is not the folder the weights were trained on, or it has changed since ("
-                        f"{len(labels)} training images now, {record['images']} then, or other labels): the images "
-                        "validation held out cannot be found again")
-    return stratified_split(labels, record["fraction"], record["seed"]).val
+        changed = f"{len(labels)} training images now, {record['images']} then, or other labels"
+    elif names is not None and record.get("names_sha256", names) != names:
+        changed = "the same number of images of each class, but other file names: renamed, moved or replaced"
+    else:
+        return stratified_split(labels, record["fraction"], record["seed"]).val
+    raise UserError(f"{what} is not the folder the weights were trained on, or it has changed since ({changed}): the "
+                    "images validation held out cannot be found again")

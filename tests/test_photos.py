@@ -26,7 +26,7 @@ from engine.image_cache import read_folder_cache
 from engine.image_folder import cover_size, decode, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
-from engine.task import held_out_again, held_out_record, stratified_split
+from engine.task import held_out_again, held_out_record, names_sha256, stratified_split
 from engine.weights import save_weights
 from tools.benchmark import TorchvisionResizedCrops
 from tools.demo_data import write_photo_folder
@@ -119,6 +119,18 @@ def test_the_held_out_images_are_found_again_only_in_the_same_images():
     relabelled[[0, 20]] = relabelled[[20, 0]]  # as many, of other classes: a renamed folder
     with pytest.raises(UserError, match="or other labels"):
         held_out_again(relabelled, record, "--held-out photos")
+    # By name: a photo renamed moves others between training and validation, with the same labels.
+    names = [f"{c}/IMG_{i:04d}.JPG" for c, n in zip(("cat", "dog", "red panda"), (20, 21, 20)) for i in range(n)]
+    named = held_out_record(0.2, 7, labels, names=names_sha256(names))
+    assert np.array_equal(held_out_again(labels, named, "--held-out photos", names_sha256(names)),
+                          stratified_split(labels, 0.2, 7).val)
+    assert np.array_equal(held_out_again(labels, named, "--held-out photos"), stratified_split(labels, 0.2, 7).val)
+    renamed = [*names[1:20], "cat/zz.JPG", *names[20:]]
+    with pytest.raises(UserError, match=r"changed since \(the same number of images of each class, but other file "
+                                        r"names: renamed, moved or replaced\)"):
+        held_out_again(labels, named, "--held-out photos", names_sha256(renamed))
+    assert np.array_equal(held_out_again(labels, record, "--held-out photos", names_sha256(renamed)),
+                          stratified_split(labels, 0.2, 7).val)  # weights that record no names: as before
 
 
 def test_a_folder_of_class_folders_needs_the_split_and_mixed_layouts_are_one_line(photos, tmp_path, capsys,
@@ -434,6 +446,38 @@ def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, traine
     finally:
         added.unlink()
     assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache") == 0  # as trained: taken
+    capsys.readouterr()
+    # A photo renamed: as many of each class, but the split, which goes by the files' order, holds out others.
+    first = sorted((photos / "photos" / "cat").glob("*.JPG"))[0]
+    first.rename(first.with_name("zz_renamed.JPG"))
+    try:
+        changed = ("is not the folder the weights were trained on, or it has changed since (the same number of "
+                   "images of each class, but other file names: renamed, moved or replaced): the images validation "
+                   "held out cannot be found again")
+        assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache") == 2
+        assert error_lines(capsys.readouterr().err) == [f"error: --data-dir {photos / 'photos'} {changed}"]
+        assert run_main("predict.py", "--weights", "w.pt", "--held-out", "photos") == 2
+        assert error_lines(capsys.readouterr().err) == [f"error: --held-out photos {changed}"]
+        resumed = photo_args("--model", f"{photos}/pixel_net.py:Net", "--image-size", "32", "--epochs", "2",
+                             "--checkpoint-dir", "ck", "--resume", "--log-interval", "0")
+        assert run_main("train.py", *resumed) == 2
+        [line] = error_lines(capsys.readouterr().err)
+        assert line.startswith("error: the checkpoint was trained on other data (61 training images; now 61 training "
+                               "images, other file names (renamed, moved or replaced)"), line
+    finally:
+        first.with_name("zz_renamed.JPG").rename(first)
+
+
+def test_eval_only_on_a_new_folder_of_class_folders_points_to_predict_labelled(photos, tmp_path, capsys):
+    """Without test/ there is nothing to evaluate; training's advice, --val-fraction, would
+    evaluate a part and call the rest training images."""
+    for name in ("cat", "dog"):
+        shutil.copytree(photos / "photos" / name, tmp_path / "new" / name)
+    assert run_main("train.py", "--eval-only", "--weights", photos / "w.pt", "--data-dir", tmp_path / "new") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --eval-only evaluates the test/ images of an image folder, and --data-dir {tmp_path / 'new'} holds "
+        f"its class folders directly: python predict.py --weights {photos / 'w.pt'} --labelled {tmp_path / 'new'} "
+        "gives the accuracy over all of its images"]
 
 
 def test_two_processes_evaluate_the_same_held_out_photos(photos, trained):

@@ -439,6 +439,8 @@ def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(tr
     for name in TEST_CLASSES[1:]:  # the first class left out
         shutil.copytree(trained / "imgs" / "test" / name, some / name / "nested")
     (some / TEST_CLASSES[2] / "notes.txt").write_text("not an image\n")
+    (some / "README.txt").write_text("beside the class folders: ignored too\n")
+    (some / TEST_CLASSES[0]).mkdir()  # a class folder without images: a class without images
     result = predict(trained, "--weights", "w.pt", "--labelled", some, "--output", tmp_path / "some.csv")
     assert result.returncode == 0, result.stderr
     rows = read_csv(tmp_path / "some.csv")
@@ -449,10 +451,10 @@ def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(tr
     held_rows = [row for row in read_csv(tmp_path / "held.csv") if row["label"] != TEST_CLASSES[0]]
     assert predictions(rows) == predictions(held_rows) and len(predictions(rows)) == 16  # the same images' classes
     out = result.stdout.splitlines()
-    assert "ignored 1 file that is not an image" in out[1]
+    assert "ignored 2 files that are not images" in out[1]
     at = next(i for i, line in enumerate(out) if line.startswith("Accuracy: "))
     assert out[at].endswith(f" on the 16 labelled images of {some} (2 of the 3 classes)")
-    assert out[at + 1] == f"  {TEST_CLASSES[0]}: no images"
+    assert out[at + 3] == f"  no images: {TEST_CLASSES[0]}"
     header, true_classes, counts = confusion_csv(tmp_path / "some-confusion.csv")
     assert header[1:] == true_classes == TEST_CLASSES and sum(counts[0]) == 0 and sum(map(sum, counts)) == 16
 
@@ -552,7 +554,11 @@ def test_confusion_matrix_and_per_class_accuracy_of_a_small_example():
     assert right.tolist() == [2, 1, 1, 0] and total.tolist() == [3, 1, 2, 0]
     names = ["cat", "dog", "red, panda", "yak"]
     assert per_class_lines(matrix, names) == ["  cat: 0.6667 (2 of 3)", "  dog: 1.0000 (1 of 1)",
-                                              "  red, panda: 0.5000 (1 of 2)", "  yak: no images"]
+                                              "  red, panda: 0.5000 (1 of 2)", "  no images: yak"]
+    many = [f"c{i}" for i in range(100)]  # a folder of 2 of 100 classes: one line for the other 98
+    assert per_class_lines(confusion_matrix([5, 7], [5, 5], 100), many) == [
+        "  c5: 1.0000 (1 of 1)", "  c7: 0.0000 (0 of 1)",
+        "  no images: c0, c1, c2, c3, c4, c6, c8, c9, c10, c11, ... (98 classes)"]
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(confusion_rows(matrix, names))
     assert out.getvalue().splitlines() == ['true \\ predicted,cat,dog,"red, panda",yak', "cat,2,1,0,0", "dog,0,1,0,0",
