@@ -134,6 +134,7 @@ def main(argv=None):
     elif args.labelled:
         model, name, meta = load_trained(args.weights, args.model, device)
         images, labels, what, ignored = labelled_images(args.labelled, meta["classes"])
+        what += trained_here(args.labelled, meta)
     else:
         images, ignored = find_images(args.paths)  # a wrong path before the model is loaded
         model, name, meta = load_trained(args.weights, args.model, device)
@@ -253,6 +254,18 @@ def labelled_images(root, classes):
     return files, np.asarray(labels, dtype=np.int64), what, ignored
 
 
+def trained_here(root, meta):
+    """A warning for the accuracy line when the --labelled folder ``root`` holds the images the
+    weights were trained on (the image folder they record, or its train/), else ''."""
+    folder = meta.get("data_dir")
+    if meta.get("dataset") != "folder" or not folder:
+        return ""
+    if os.path.realpath(Path(root).expanduser()) not in (folder, os.path.join(folder, "train")):
+        return ""
+    return (f"; WARNING: the weights were trained on images of {shown(root)}, so this is no validation accuracy "
+            f"(--held-out {shown(folder)} classifies those validation held out)")
+
+
 def where_of(device):
     return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"
 
@@ -314,6 +327,8 @@ def check_outputs(output, confusion, picture, defaulted):
         what += f" (the default, beside --output {shown(output)})"
     if str(confusion) == "-":
         raise UserError("--confusion-matrix needs a file name, not - (stdout)")
+    if confusion.suffix.lower() != ".csv":  # its picture's name is derived from it
+        raise UserError(f"{what}: name the CSV file (FILE.csv); its picture is written beside it as FILE.png")
     named = [("--output", output), (what, confusion), (f"the picture beside {what}", picture)]
     named = [(flag, os.path.abspath(path)) for flag, path in named if path is not None]
     for i, (flag, path) in enumerate(named):

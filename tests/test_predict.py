@@ -434,6 +434,11 @@ def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(tr
     [held_accuracy] = [line for line in held.stdout.splitlines() if line.startswith("Accuracy: ")]
     assert accuracy == held_accuracy.replace("the 24 test images of imgs",
                                              "the 24 labelled images of imgs/test (3 of the 3 classes)")
+    trained_on = predict(trained, "--weights", "w.pt", "--labelled", "imgs/train", "--output", tmp_path / "train.csv")
+    [accuracy] = [line for line in trained_on.stdout.splitlines() if line.startswith("Accuracy: ")]
+    assert accuracy.endswith("on the 48 labelled images of imgs/train (3 of the 3 classes); WARNING: the weights were "
+                             f"trained on images of imgs/train, so this is no validation accuracy (--held-out "
+                             f"{trained / 'imgs'} classifies those validation held out)")
 
     some = tmp_path / "some"
     for name in TEST_CLASSES[1:]:  # the first class left out
@@ -479,6 +484,9 @@ def test_labelled_mistakes_are_one_line(here, tmp_path, capsys):
         2, f"error: --labelled {tmp_path / 'empty'} holds no image files in class folders (ROOT/CLASS/IMAGE)")
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "none") == (
         2, f"error: --labelled {tmp_path / 'none'}: no such folder")
+    code, line = one_line_error(capsys, *weights, "--labelled", "imgs/test", "--confusion-matrix", tmp_path / "cm.png")
+    assert (code, line) == (2, f"error: --confusion-matrix {tmp_path / 'cm.png'}: name the CSV file (FILE.csv); its "
+                               "picture is written beside it as FILE.png")
     code, line = one_line_error(capsys, *weights, "--labelled", "imgs/test", "imgs/test")
     assert code == 2 and "--held-out DIR or --labelled DIR, one of them" in line
 

@@ -77,12 +77,14 @@ def test_runs_of_different_recipes_are_not_compared(metrics, tmp_path, capsys):
 
 def test_appended_runs_are_told_apart_and_cut_lines_skipped(metrics, tmp_path, capsys):
     both = tmp_path / "both.jsonl"
-    both.write_text(metrics[1].read_text() + metrics[2].read_text() + '{"epoch": 3, "train_lo')  # cut by a crash
+    both.write_text(metrics[1].read_text() + '{"epoch": 0, "val_accuracy": 0.5}\n'  # an --eval-only result
+                    + metrics[2].read_text() + '{"epoch": 3, "train_lo')  # cut by a crash
     assert report.main([str(both)]) == 0
     captured = capsys.readouterr()
     run_ids = [read_metrics(path)[0]["run_id"] for path in (metrics[1], metrics[2])]
     assert [row["Run"] for row in _rows(captured.out, "Runs")] == [f"both.jsonl ({run_id})" for run_id in run_ids]
     assert "skipped 1 line(s) that are not epoch records" in captured.err
+    assert "left out 1 --eval-only result(s) (epoch 0): the tables are of training epochs" in captured.err
 
 
 def test_a_run_resumed_on_another_number_of_processes_says_so_and_is_not_a_scaling_point(metrics, tmp_path,

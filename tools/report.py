@@ -125,6 +125,9 @@ def read_runs(path):
         raise ReportError(f"{path} holds no epoch records (is it a --metrics-file of train.py or train_ddp.py?)")
     if skipped:
         print(f"report.py: {path}: skipped {skipped} line(s) that are not epoch records", file=sys.stderr)
+    if evaluations:  # beside training epochs: not in the tables, which are per epoch
+        print(f"report.py: {path}: left out {evaluations} --eval-only result(s) (epoch 0): the tables are of "
+              "training epochs", file=sys.stderr)
     return [RunRecords(f"{path.name}" + (f" ({run_id})" if len(runs) > 1 else ""),
                        [epochs[e] for e in sorted(epochs)]) for run_id, epochs in runs.items()]
 
