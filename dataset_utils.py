@@ -57,7 +57,7 @@ from engine.processes import available_cores, from_rank0
 from engine.seeds import derived_seed
 from engine.stopping import ignore_ctrl_c
 from engine.task import (DataInfo, check_labels, data_fingerprint, describe_split, held_out_again, held_out_record,
-                         stratified_split)
+                         names_sha256, stratified_split)
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
@@ -678,7 +678,7 @@ def build_data(args, ctx, listed=False, normalization=None):
                                                  f"std {info.prep.std}"))
     if args.val_fraction:
         if args.eval_only:  # the images the weights' training held out, or one line
-            check_trained_split(train.labels, info, args.weights)
+            train, info = as_trained_split(train, info, args.weights)
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
         record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped, info.names_sha256)
@@ -713,15 +713,35 @@ def as_trained(train, test, info, weights):
             replace(info, prep=prep, notes=(*info.notes, note)))
 
 
-def check_trained_split(labels, info, weights):
-    """--eval-only on the image folder the --weights were trained on, with the split they record
-    (engine/flags.py took its --val-fraction and --seed): one line when the folder has changed
-    since (images added, removed, relabelled), where another split would be evaluated silently,
-    holding out images the weights trained on. ``labels``: the training images', before the split."""
+def as_trained_split(train, info, weights):
+    """(train, info) of --eval-only on the image folder the --weights were trained on, with the
+    split they record (engine/flags.py took its --val-fraction and --seed): the training images
+    as training had them, before the split. An image unreadable then and mended since is left out
+    again, as predict.py --held-out leaves it out; a folder changed otherwise (images added,
+    removed, renamed) is one line, where another split would be evaluated silently, holding out
+    images the weights trained on."""
     from engine.weights import read_weights  # --weights only
     trained = read_weights(weights, mmap=True).metadata
-    if trained.get("split") and info.data_dir is not None and trained.get("data_dir") == info.data_dir:
-        held_out_again(labels, trained["split"], f"--data-dir {info.data_dir}", info.names_sha256)
+    record = trained.get("split")
+    if not record or info.data_dir is None or trained.get("data_dir") != info.data_dir:
+        return train, info
+    mended = set(record["skipped"]) - set(info.skipped)
+    names = cached_names(info.data_dir, info.skipped) if mended else []
+    if mended and len(names) == len(train):  # else the folder changed since the cache: refused below
+        keep = [i for i, name in enumerate(names) if name not in mended]
+        train = train.subset(keep)
+        info = replace(info, skipped=tuple(record["skipped"]), names_sha256=names_sha256(names[i] for i in keep))
+    held_out_again(train.labels, record, f"--data-dir {info.data_dir}", info.names_sha256)
+    return train, info
+
+
+def cached_names(data_dir, skipped):
+    """The paths within the image folder ``data_dir`` of its training images in the order the
+    cache (or DALI's list) holds them: the folder's scan order, less ``skipped`` (unreadable)."""
+    from engine.image_folder import scan
+    root, left_out = Path(data_dir), set(skipped)
+    names = (str(path.relative_to(root)) for path in scan(root, held_out=True).splits["train"][0])
+    return [name for name in names if name not in left_out]
 
 
 def builtin_data(args, ctx):

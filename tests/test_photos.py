@@ -468,6 +468,26 @@ def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, traine
         first.with_name("zz_renamed.JPG").rename(first)
 
 
+def test_a_photo_mended_after_training_is_left_out_of_the_evaluation_again(photos, trained, tmp_path, capsys,
+                                                                          monkeypatch):
+    """Training's warning says to fix or remove an unreadable photo; once fixed, --eval-only
+    (like predict.py --held-out) leaves it out again and evaluates validation's own images,
+    where it refused the weights as of another folder."""
+    _, records = trained
+    broken = photos / "photos" / "cat" / "IMG_9001.JPG"
+    cut = broken.read_bytes()
+    broken.write_bytes(next((photos / "photos" / "cat").glob("IMG_000*.JPG")).read_bytes())
+    try:
+        monkeypatch.chdir(photos)
+        assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache", "--metrics-file",
+                        tmp_path / "e.jsonl") == 0
+        [record] = read_metrics(tmp_path / "e.jsonl")
+        assert (record["val_accuracy"], record["val_samples"]) == (records[-1]["val_accuracy"], 12)
+        assert "Validation: 12 of the 61 training images held out" in capsys.readouterr().out  # 62 read, 61 trained
+    finally:
+        broken.write_bytes(cut)
+
+
 def test_eval_only_on_a_new_folder_of_class_folders_points_to_predict_labelled(photos, tmp_path, capsys):
     """Without test/ there is nothing to evaluate; training's advice, --val-fraction, would
     evaluate a part and call the rest training images."""
