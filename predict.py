@@ -102,8 +102,8 @@ def build_parser():
                         help="write the CSV to this new file (refused if it exists, unless it is not a regular file: "
                              "/dev/stdout, a FIFO; default, or -: stdout)")
     parser.add_argument("--confusion-matrix", metavar="CSV", type=Path,
-                        help="with --held-out or --labelled: write the confusion matrix (a row per true class, a column per "
-                             "predicted class, image counts) to this new file, and a PNG of it beside with "
+                        help="with --held-out or --labelled: write the confusion matrix (a row per true class, a "
+                             "column per predicted class, image counts) to this new file, and a PNG of it beside with "
                              "matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
                              "when the predictions go to stdout)")
     parser.add_argument("--top-k", type=positive_int, default=3,
@@ -620,7 +620,7 @@ def report(out, counts, unreadable, ignored, device, seconds, model_name, output
               f"; ignored {count(ignored, 'file that is not an image', 'files that are not images')}")
     print(f"Skipped {count(unreadable, 'unreadable image', 'unreadable images')}"
           f"{' (listed on stderr)' if unreadable else ''}{others}", file=out)
-    common = ", ".join(f"{name} {n}" for name, n in counts.most_common(SHOWN_CLASSES))
+    common = ", ".join(f"{name}: {n}" for name, n in counts.most_common(SHOWN_CLASSES))  # "55: 61", not "55 61"
     more = f" and {len(counts) - SHOWN_CLASSES} more classes" if len(counts) > SHOWN_CLASSES else ""
     print(f"Predicted (images per class): {common}{more}", file=out)
     print(f"Predictions written to {shown(output) if output else 'stdout'}", file=out)

@@ -114,7 +114,7 @@ def test_predictions_agree_with_the_accuracy_training_reported(trained):
     assert "images/s" in summary
     assert "Skipped 0 unreadable images; ignored 1 file that is not an image" in summary  # notes.txt
     predicted = next(line for line in summary.splitlines() if line.startswith("Predicted (images per class): "))
-    counted = dict(pair.rsplit(" ", 1) for pair in predicted.split(": ", 1)[1].split(", "))
+    counted = dict(pair.rsplit(": ", 1) for pair in predicted.split(": ", 1)[1].split(", "))
     assert counted == {name: str(n) for name, n in Counter(row["prediction"] for row in rows).items()}
     assert "Predictions written to preds.csv" in summary
 
@@ -276,13 +276,13 @@ def test_the_summary_counts_in_words():
     assert out.getvalue().splitlines() == [
         "Classified 1 image with Net on cpu in 0.5 s (2 images/s)",
         "Skipped 0 unreadable images; ignored 1 file that is not an image",
-        "Predicted (images per class): cat 1", "Predictions written to stdout"]
+        "Predicted (images per class): cat: 1", "Predictions written to stdout"]
     out = io.StringIO()
     summary_report(out, Counter(dog=3, cat=1), 2, 0, "cpu", 1.0, "Net", None)
     assert out.getvalue().splitlines()[:3] == [
         "Classified 4 images with Net on cpu in 1.0 s (4 images/s)",
         "Skipped 2 unreadable images (listed on stderr); ignored 0 files that are not images",
-        "Predicted (images per class): dog 3, cat 1"]
+        "Predicted (images per class): dog: 3, cat: 1"]
     out = io.StringIO()
     summary_report(out, Counter(cat=1), 0, None, "cpu", 2.7, "Net", None)
     assert out.getvalue().splitlines()[0] == "Classified 1 image with Net on cpu in 2.7 s (0.37 images/s)"
