@@ -695,8 +695,12 @@ def check_evaluable(data_dir, weights):
     """--eval-only evaluates an image folder's test/: one that holds its class folders directly
     has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
     calling the rest training images. predict.py --labelled evaluates all of it."""
-    from engine.image_folder import FLAT, image_folder_layout
-    if image_folder_layout(Path(data_dir).expanduser()) == FLAT:
+    from engine.image_folder import FLAT, split_folders
+    try:
+        _, layout = split_folders(Path(data_dir).expanduser(), held_out=True)
+    except (DatasetError, OSError):  # no folder, no class folders, mixed layouts: the scan's own line says it
+        return
+    if layout == FLAT:
         raise UserError(f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds "
                         f"its class folders directly: python predict.py --weights {weights} --labelled {data_dir} "
                         "gives the accuracy over all of its images")
@@ -730,7 +734,10 @@ def as_trained_split(train, info, weights):
     if mended and len(names) == len(train):  # else the folder changed since the cache: refused below
         keep = [i for i, name in enumerate(names) if name not in mended]
         train = train.subset(keep)
-        info = replace(info, skipped=tuple(record["skipped"]), names_sha256=names_sha256(names[i] for i in keep))
+        shown = ", ".join(sorted(mended)[:3]) + (", ..." if len(mended) > 3 else "")
+        info = replace(info, skipped=tuple(record["skipped"]), names_sha256=names_sha256(names[i] for i in keep),
+                       notes=(*info.notes, f"Left out: {count(len(mended), 'image', 'images')} unreadable in training "
+                                           f"and readable now ({shown}), as training had them"))
     held_out_again(train.labels, record, f"--data-dir {info.data_dir}", info.names_sha256)
     return train, info
 

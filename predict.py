@@ -103,8 +103,8 @@ def build_parser():
                              "/dev/stdout, a FIFO; default, or -: stdout)")
     parser.add_argument("--confusion-matrix", metavar="CSV", type=Path,
                         help="with --held-out or --labelled: write the confusion matrix (a row per true class, a "
-                             "column per predicted class, image counts) to this new file, and a PNG of it beside with "
-                             "matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
+                             "column per predicted class, image counts) to this new .csv file, and a PNG of it beside "
+                             "with matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
                              "when the predictions go to stdout)")
     parser.add_argument("--top-k", type=positive_int, default=3,
                         help="classes (with their probability) in the top_k column, capped at the number of "
@@ -119,22 +119,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if sum(map(bool, (args.paths, args.held_out, args.labelled))) != 1:
         parser.error("give the images to classify (IMAGE_OR_FOLDER ...), --held-out DIR or --labelled DIR, one of them")
-    labelled = bool(args.held_out or args.labelled)
-    if args.confusion_matrix is not None and not labelled:
+    has_truth = bool(args.held_out or args.labelled)
+    if args.confusion_matrix is not None and not has_truth:
         parser.error("--confusion-matrix needs --held-out DIR or --labelled DIR: only their images have a true class "
                      "to compare")
-    confusion = confusion_destination(args.output, labelled, args.confusion_matrix)
+    confusion = confusion_destination(args.output, has_truth, args.confusion_matrix)
     picture = confusion.with_suffix(".png") if confusion is not None and has_matplotlib() else None
     check_outputs(args.output, confusion, picture, defaulted=args.confusion_matrix is None)  # before any work
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warning = None  # about what the accuracy is of
     if args.held_out:
         model, name, meta = load_trained(args.weights, args.model, device)
         images, labels, what = held_out_images(args.held_out, meta, args.weights)
         ignored = None  # the images are named, not searched for
     elif args.labelled:
+        root = labelled_folder(args.labelled)  # a wrong path before the model is loaded
         model, name, meta = load_trained(args.weights, args.model, device)
-        images, labels, what, ignored = labelled_images(args.labelled, meta["classes"])
-        what += trained_here(args.labelled, meta)
+        images, labels, what, ignored = labelled_images(root, meta["classes"])
+        warning = trained_here(args.labelled, meta)
     else:
         images, ignored = find_images(args.paths)  # a wrong path before the model is loaded
         model, name, meta = load_trained(args.weights, args.model, device)
@@ -179,6 +181,8 @@ def main(argv=None):
         correct, total = int(np.trace(matrix)), int(matrix.sum())
         left_out = f", {count(unreadable, 'unreadable one', 'unreadable ones')} left out" if unreadable else ""
         print(f"Accuracy: {correct / total:.4f} ({correct} of {total}) on {what}{left_out}", file=summary)
+        if warning:
+            print(warning, file=summary)
         for line in per_class_lines(matrix, classes):
             print(line, file=summary)
         print(write_confusion(matrix, classes, confusion, picture, args.output), file=summary)
@@ -215,13 +219,22 @@ def held_out_images(root, meta, weights):
             f"(--seed {record['seed']}) held out of {shown(root)}")
 
 
+def labelled_folder(path):
+    """--labelled ``path`` as a Path, or one line when it is no folder."""
+    root = Path(path).expanduser()
+    try:
+        if not root.is_dir():
+            raise UserError(f"--labelled {shown(root)}: {'a file, not a folder' if root.exists() else 'no such folder'}")
+    except OSError as err:  # a parent folder that cannot be searched
+        raise UserError(f"--labelled {shown(root)}: {err.strerror or err}") from None
+    return root
+
+
 def labelled_images(root, classes):
     """(files, labels, what they are, files that are not images) of every image in the class
-    folders of ``root`` (ROOT/CLASS/IMAGE, searched recursively), each labelled by its folder's
-    index among ``classes`` (the weights'); folders of some of those classes are enough."""
-    root = Path(root).expanduser()
-    if not root.is_dir():
-        raise UserError(f"--labelled {shown(root)}: {'a file, not a folder' if root.exists() else 'no such folder'}")
+    folders of the folder ``root`` (ROOT/CLASS/IMAGE, searched recursively), each labelled by
+    its folder's index among ``classes`` (the weights'); folders of some of those classes are
+    enough."""
     try:
         entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
         folders, strays = [p for p in entries if p.is_dir()], [p for p in entries if not p.is_dir()]
@@ -255,14 +268,14 @@ def labelled_images(root, classes):
 
 
 def trained_here(root, meta):
-    """A warning for the accuracy line when the --labelled folder ``root`` holds the images the
-    weights were trained on (the image folder they record, or its train/), else ''."""
+    """The warning under the accuracy when the --labelled folder ``root`` holds the images the
+    weights were trained on (the image folder they record, or its train/), else None."""
     folder = meta.get("data_dir")
     if meta.get("dataset") != "folder" or not folder:
-        return ""
+        return None
     if os.path.realpath(Path(root).expanduser()) not in (folder, os.path.join(folder, "train")):
-        return ""
-    return (f"; WARNING: the weights were trained on images of {shown(root)}, so this is no validation accuracy "
+        return None
+    return (f"WARNING: the weights were trained on images of {shown(root)}, so this is no validation accuracy "
             f"(--held-out {shown(folder)} classifies those validation held out)")
 
 
@@ -302,11 +315,11 @@ def summary_stream(output):
     return sys.stderr if output is None or is_stdout(output) else LeavingReader(sys.stdout)
 
 
-def confusion_destination(output, labelled, given):
+def confusion_destination(output, has_truth, given):
     """Where the confusion matrix's CSV goes: --confusion-matrix, else beside an --output file
     (OUTPUT_STEM-confusion.csv), else nowhere (only --held-out and --labelled images have true
     classes; stdout and streams have no folder to put it in)."""
-    if given is not None or not labelled or output is None or is_stream(output):
+    if given is not None or not has_truth or output is None or is_stream(output):
         return given
     return output.with_name(f"{output.stem}-confusion.csv")
 

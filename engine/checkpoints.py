@@ -221,7 +221,7 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         other = {"train_labels_sha256": "different labels", "classes": "other classes",
                  "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now",
                  "train_sample_sha256": "other pixels in a sample of the training images",
-                 "train_names_sha256": "other file names (renamed, moved or replaced), which would move images "
+                 "train_names_sha256": "other file names (renamed, moved or replaced), which may move images "
                                        "between --val-fraction's training and validation",
                  **{key: f"training images of mean {old[key]} then, {new[key]} now"
                     for key in differ if key.startswith("train_mean")}}

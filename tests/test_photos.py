@@ -3,6 +3,7 @@ photo augmentation (resized-crop, the same in both loaders), fine-tuning an Imag
 network with a new head, and the checks that keep each of them one line when misused."""
 
 import csv
+import os
 import shutil
 import subprocess
 import sys
@@ -475,7 +476,7 @@ def test_a_photo_mended_after_training_is_left_out_of_the_evaluation_again(photo
     where it refused the weights as of another folder."""
     _, records = trained
     broken = photos / "photos" / "cat" / "IMG_9001.JPG"
-    cut = broken.read_bytes()
+    cut, when = broken.read_bytes(), broken.stat()
     broken.write_bytes(next((photos / "photos" / "cat").glob("IMG_000*.JPG")).read_bytes())
     try:
         monkeypatch.chdir(photos)
@@ -483,16 +484,20 @@ def test_a_photo_mended_after_training_is_left_out_of_the_evaluation_again(photo
                         tmp_path / "e.jsonl") == 0
         [record] = read_metrics(tmp_path / "e.jsonl")
         assert (record["val_accuracy"], record["val_samples"]) == (records[-1]["val_accuracy"], 12)
-        assert "Validation: 12 of the 61 training images held out" in capsys.readouterr().out  # 62 read, 61 trained
-    finally:
+        out = capsys.readouterr().out
+        assert "Validation: 12 of the 61 training images held out" in out  # 62 read, 61 trained
+        assert ("Left out: 1 image unreadable in training and readable now (cat/IMG_9001.JPG), as training had them"
+                in out)
+    finally:  # as it was, its time too: the cache's version goes by it, and later tests reuse the cache
         broken.write_bytes(cut)
+        os.utime(broken, ns=(when.st_atime_ns, when.st_mtime_ns))
 
 
-def test_eval_only_on_a_new_folder_of_class_folders_points_to_predict_labelled(photos, tmp_path, capsys):
+def test_eval_only_on_a_new_folder_of_class_folders_points_to_predict_labelled(photos, trained, tmp_path, capsys):
     """Without test/ there is nothing to evaluate; training's advice, --val-fraction, would
     evaluate a part and call the rest training images."""
-    for name in ("cat", "dog"):
-        shutil.copytree(photos / "photos" / name, tmp_path / "new" / name)
+    for name in ("cat", "dog"):  # one of them nested a level deeper, as a scan accepts it
+        shutil.copytree(photos / "photos" / name, tmp_path / "new" / name / ("2023" if name == "cat" else ""))
     assert run_main("train.py", "--eval-only", "--weights", photos / "w.pt", "--data-dir", tmp_path / "new") == 2
     assert error_lines(capsys.readouterr().err) == [
         f"error: --eval-only evaluates the test/ images of an image folder, and --data-dir {tmp_path / 'new'} holds "

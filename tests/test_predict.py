@@ -435,10 +435,12 @@ def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(tr
     assert accuracy == held_accuracy.replace("the 24 test images of imgs",
                                              "the 24 labelled images of imgs/test (3 of the 3 classes)")
     trained_on = predict(trained, "--weights", "w.pt", "--labelled", "imgs/train", "--output", tmp_path / "train.csv")
-    [accuracy] = [line for line in trained_on.stdout.splitlines() if line.startswith("Accuracy: ")]
-    assert accuracy.endswith("on the 48 labelled images of imgs/train (3 of the 3 classes); WARNING: the weights were "
-                             f"trained on images of imgs/train, so this is no validation accuracy (--held-out "
-                             f"{trained / 'imgs'} classifies those validation held out)")
+    out = trained_on.stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("Accuracy: "))
+    assert out[at].endswith("on the 48 labelled images of imgs/train (3 of the 3 classes)")
+    assert out[at + 1] == (f"WARNING: the weights were trained on images of imgs/train, so this is no validation "
+                           f"accuracy (--held-out {trained / 'imgs'} classifies those validation held out)")
+    assert not any(line.startswith("WARNING") for line in labelled.stdout.splitlines())  # imgs/test: not trained on
 
     some = tmp_path / "some"
     for name in TEST_CLASSES[1:]:  # the first class left out
