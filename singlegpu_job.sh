@@ -33,6 +33,11 @@ set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
 
+# The variables that shape the recipe, as given: a job continued by hand needs them (requeue()).
+recipe_env=()
+for name in PER_GPU_BATCH BASE_LR; do
+    [[ -z "${!name:-}" ]] || recipe_env+=("$name=${!name}")
+done
 CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
@@ -50,6 +55,9 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 [[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] || die "BASE_LR=$BASE_LR is not a number"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
+gpu_log_dir="$(dirname -- "$GPU_LOG_FILE")"  # nvidia-smi appends to it in the background: a failure there is silent
+[[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
+    die "GPU_LOG_FILE=$GPU_LOG_FILE: its folder $gpu_log_dir does not exist or cannot be written"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
 # STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
@@ -103,9 +111,11 @@ requeue() {
         local again=""  # this job's own arguments, and its checkpoint folder
         ((${#args[@]} == 0)) || again="$(printf ' %q' "${args[@]}")"
         [[ " ${args[*]}" == *" --checkpoint-dir"* ]] || again+=" --checkpoint-dir $(printf '%q' "$CHECKPOINT_DIR")"
+        local env=""  # PER_GPU_BATCH=16 and the like: the checkpoint refuses another recipe
+        ((${#recipe_env[@]} == 0)) || env="$(printf '%q ' "${recipe_env[@]}")"
         echo "Not requeueing job $SLURM_JOB_ID: it ran $SECONDS s, less than REQUEUE_MIN_S=$REQUEUE_MIN_S, as" \
             "its time limit leaves little past the 300 s stop margin; continue it with a longer --time:" \
-            "sbatch --time=HH:MM:SS singlegpu_job.sh$again" >&2
+            "${env}sbatch --time=HH:MM:SS singlegpu_job.sh$again" >&2
         return
     fi
     echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"

@@ -280,11 +280,24 @@ def test_a_bad_setting_is_a_clear_error(tmp_path, script, variable, value, messa
 @pytest.mark.parametrize("script", JOB_SCRIPTS[1:])
 @pytest.mark.parametrize("variable, value, message", [
     ("OMP_NUM_THREADS", "many", "OMP_NUM_THREADS=many is not a positive whole number of threads"),
-    ("SLURM_CPUS_PER_TASK", "0", "SLURM_CPUS_PER_TASK=0 is not a positive whole number of cores")])
+    ("SLURM_CPUS_PER_TASK", "0", "SLURM_CPUS_PER_TASK=0 is not a positive whole number of cores"),
+    ("NPROC_PER_NODE", "-2", "NPROC_PER_NODE=-2 is not a positive whole number of processes (one per GPU)")])
 def test_a_bad_thread_count_is_a_clear_error(tmp_path, script, variable, value, message):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: value})
     result = run_job(script, tmp_path, env)
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("script, variable", [("singlegpu_job.sh", "GPU_LOG_FILE"), ("multigpu_job.sh", "GPU_LOG_FILE"),
+                                              ("multinode_job.sh", "GPU_LOG_PREFIX")])
+def test_a_gpu_log_without_a_folder_is_a_clear_error(tmp_path, script, variable):
+    """Written by nvidia-smi in the background: a folder missing there was a shell line in the
+    .err and a job that completed without its GPU log."""
+    where = tmp_path / "no" / "such" / "gpu.csv"
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **{variable: where})
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {variable}={where}: its folder {where.parent} does not exist or cannot be written\n")
 
 
 def warned_job(tmp_path, env, *args):
@@ -304,13 +317,14 @@ def warned_job(tmp_path, env, *args):
 def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
     """A --time within the signal's 300 s margin warns right after the start: the job stops
     with a checkpoint and says how to go on, instead of requeueing itself over and over."""
-    log = warned_job(tmp_path, job_env(tmp_path, REQUEUE_MIN_S=300))  # the default
+    log = warned_job(tmp_path, job_env(tmp_path, REQUEUE_MIN_S=300, BASE_LR="0.02"))  # the default REQUEUE_MIN_S
     assert "Stopped after step 1 of epoch 2 (--stop-file " in log
-    # The job's own arguments (the model, the data, ...): without them the command would resume with the
-    # defaults, which the checkpoint refuses.
+    # The job's own arguments (the model, the data, ...) and the variables that shaped its recipe: without
+    # them the command would resume with the defaults, which the checkpoint refuses.
     again = " ".join(map(str, TRAIN_ARGS))
     assert re.search(rf"Not requeueing job {JOB_ID}: it ran \d+ s, less than REQUEUE_MIN_S=300, .* continue it with "
-                     rf"a longer --time: sbatch --time=HH:MM:SS singlegpu_job.sh {re.escape(again)} --checkpoint-dir "
+                     rf"a longer --time: PER_GPU_BATCH=4 BASE_LR=0.02 sbatch --time=HH:MM:SS singlegpu_job.sh "
+                     rf"{re.escape(again)} --checkpoint-dir "
                      rf"checkpoints/singlegpu_{JOB_ID}$", log, re.M), log
     assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
 
