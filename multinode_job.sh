@@ -117,7 +117,7 @@ done
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
-[[ -z "$BASE_LR" || "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a number"
+[[ -z "$BASE_LR" || "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 gpu_log_dir="$(dirname -- "$GPU_LOG_PREFIX")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
@@ -190,6 +190,11 @@ nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" ||
     die "scontrol could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 RDZV_HOST="${RDZV_HOST:-${nodes%%$'\n'*}}"
 [[ -n "$RDZV_HOST" ]] || die "could not resolve the head node from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+# A name that does not resolve would leave the store below retrying it until its 120 s are up.
+if command -v getent >/dev/null && ! getent hosts "$RDZV_HOST" >/dev/null; then
+    die "RDZV_HOST=$RDZV_HOST does not resolve to an address; it names the head node, where this script runs" \
+        "(default: the first node of SLURM_JOB_NODELIST)"
+fi
 RDZV_PORT="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 3000))}"
 [[ "$RDZV_PORT" =~ ^[1-9][0-9]*$ && "$RDZV_PORT" -lt 65536 ]] || die "RDZV_PORT=$RDZV_PORT is not a port number"
 echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, nodes: $SLURM_JOB_NUM_NODES, GPUs per node: $NPROC_PER_NODE"

@@ -258,6 +258,14 @@ def test_a_bad_network_check_setting_is_a_clear_error(tmp_path, variable, value,
     assert not (tmp_path / "stub.log").exists() or "srun" not in (tmp_path / "stub.log").read_text()
 
 
+def test_a_head_node_name_that_does_not_resolve_is_a_clear_error(tmp_path):
+    """Not two minutes of the store retrying it, then a line blaming the store's start."""
+    result = run_job("multinode_job.sh", tmp_path, two_node_env(tmp_path, RDZV_HOST="nosuchhost.invalid"))
+    assert result.returncode == 2 and result.stderr == (
+        "error: RDZV_HOST=nosuchhost.invalid does not resolve to an address; it names the head node, where this "
+        "script runs (default: the first node of SLURM_JOB_NODELIST)\n")
+
+
 def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes(tmp_path):
     env = job_env(tmp_path)
     stopped_requeued_and_resumed("singlegpu_job.sh", tmp_path, env, "--checkpoint-dir", "myck",
@@ -267,7 +275,8 @@ def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes
 
 @pytest.mark.parametrize("variable, value, message", [
     ("PER_GPU_BATCH", "abc", "PER_GPU_BATCH=abc is not a positive whole number of images"),
-    ("BASE_LR", "fast", "BASE_LR=fast is not a number"),
+    ("BASE_LR", "fast", "BASE_LR=fast is not a positive number (e.g. 0.01 or 1e-2)"),
+    ("BASE_LR", "-0.1", "BASE_LR=-0.1 is not a positive number (e.g. 0.01 or 1e-2)"),
     ("GPU_LOG_INTERVAL", "0", "GPU_LOG_INTERVAL=0 is not a positive whole number of seconds"),
 ])
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
