@@ -197,7 +197,11 @@ def synthetic_split(split, seed=0, spec=CIFAR100):
     """Random images and labels of the data set's shape and size; the same on every rank."""
     generator = torch.Generator().manual_seed(seed * 2 + (split == "test"))
     n = spec.split_sizes[split]
-    images = torch.randint(0, 256, (n, *spec.image_shape), dtype=torch.uint8, generator=generator)
+    # The pixels as random 64-bit words seen as bytes: 8 bytes a draw, a third of the time of
+    # one uint8 draw a pixel (0.6 s for CIFAR-100's 150 MB on a CPU core, paid by every start).
+    size = n * math.prod(spec.image_shape)
+    words = torch.randint(-2**63, 2**63 - 1, (-(-size // 8),), dtype=torch.int64, generator=generator)
+    images = words.view(torch.uint8)[:size].view(n, *spec.image_shape)
     labels = torch.randint(0, spec.num_classes, (n,), generator=generator)
     return images.numpy(), labels.numpy()
 

@@ -6,6 +6,7 @@ import pickle
 import tarfile
 import urllib.error
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -210,6 +211,12 @@ def test_synthetic_data_has_cifar_shape_and_is_reproducible():
     assert labels.shape == (50_000,) and 0 <= labels.min() and labels.max() < 100
     np.testing.assert_array_equal(du.synthetic_split("test", seed=3)[0], du.synthetic_split("test", seed=3)[0])
     assert not np.array_equal(du.synthetic_split("test", seed=3)[0], du.synthetic_split("test", seed=4)[0])
+    # Drawn as 64-bit words: every byte of a word takes every value (a sign bit left out would
+    # keep each 8th byte under 128), and a shape of a size no multiple of 8 bytes comes whole.
+    pixels = images.reshape(-1)
+    assert [int(pixels[k::8].max()) for k in range(8)] == [255] * 8 and abs(pixels.mean() - 127.5) < 0.5
+    odd = replace(du.CIFAR100, image_shape=(5, 5, 1), split_sizes={"train": 3, "test": 2})
+    assert du.synthetic_split("train", spec=odd)[0].shape == (3, 5, 5, 1)
 
 
 def test_fetch_command_checks_present_data(cifar_dir, capsys):
