@@ -73,6 +73,7 @@ GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
 STOP_FILE="${STOP_FILE:-$PWD/.multinode_${SLURM_JOB_ID:-local}.stop}"  # shared: rank 0 may be on any node
 REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued: see requeue() below
+EXIT_STOPPED=75  # train_ddp.py's status after a stop on a signal, its checkpoint written (engine/errors.py)
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
 HOST_LIBFABRIC_INCLUDE_PATH="${HOST_LIBFABRIC_INCLUDE_PATH:-/opt/cray/libfabric/1.22.0/include}"
@@ -206,6 +207,10 @@ echo "Head node: $RDZV_HOST, rendezvous port $RDZV_PORT, nodes: $SLURM_JOB_NUM_N
 node_task=$(cat <<'EOF'
 step="$1"
 shift
+# USR1 sent to the job's steps (scancel --signal=USR1 without --batch) reaches this shell, the
+# container, torchrun and the ranks at once. It is the ranks' stop request (a checkpoint, then
+# status 75): this shell and what it starts ignore it (tools/torchrun.py passes it on).
+trap '' USR1
 monitor_pid=""
 if [[ "$step" == train ]]; then
     monitor_log="${GPU_LOG_PREFIX}_${SLURMD_NODENAME:-$(hostname)}.csv"
@@ -410,7 +415,8 @@ fi
 
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
-trap ':' TERM  # scancel: wait (below) for srun to stop the tasks, then stop the store (EXIT)
+terminated=""
+trap 'terminated=1' TERM  # scancel: wait (below) for srun to stop the tasks, then stop the store (EXIT)
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 "${lr_flags[@]}" \
@@ -430,5 +436,11 @@ if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
     else
         requeue
     fi
+elif [[ "$status" -eq "$EXIT_STOPPED" && -z "$terminated" ]]; then
+    # The ranks stopped on a signal of their own, after their checkpoint: USR1 sent to the job's
+    # steps rather than this shell (scancel --signal=USR1 without --batch). The job continues
+    # from it, as after the time-limit warning; a scancel (TERM, here too) ends it.
+    requeue
+    status=0
 fi
 exit "$status"

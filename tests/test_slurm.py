@@ -135,26 +135,31 @@ def sbatch(cluster, tmp_path, env, script, *args):
     return result.stdout.strip().split(";")[0]
 
 
-def stop_requeue_resume(cluster, tmp_path, env, script, prefix):
+def stop_requeue_resume(cluster, tmp_path, env, script, prefix, batch=True):
     """Submit ``script``; while its training is held at the first step of epoch 2, deliver the
     time-limit warning as Slurm does (USR1 to the batch shell) and let training go on once the
     script has asked it to stop (its stop file); the job checkpoints, requeues itself (same
-    ID, restart 1), resumes and completes. Returns the .out text."""
+    ID, restart 1), resumes and completes. Returns the .out text. ``batch=False``: USR1 to
+    the job's steps instead (scancel without --batch), which the ranks receive themselves."""
     go = tmp_path / "go"
     job_id = sbatch(cluster, tmp_path, {**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"}, script, *TRAIN_ARGS)
     out, err = tmp_path / f"{prefix}_{job_id}.out", tmp_path / f"{prefix}_{job_id}.err"
     wait_held(go, timeout=240)
-    cluster.command("scancel", "--signal=USR1", "--batch", job_id)
-    wait_for_path(tmp_path / f".{prefix}_{job_id}.stop")
-    time.sleep(STOP_FILE_POLL_S * 1.5)  # still held: training's watcher thread sees the file meanwhile
+    if batch:
+        cluster.command("scancel", "--signal=USR1", "--batch", job_id)
+        wait_for_path(tmp_path / f".{prefix}_{job_id}.stop")
+        time.sleep(STOP_FILE_POLL_S * 1.5)  # still held: training's watcher thread sees the file meanwhile
+    else:
+        cluster.command("scancel", "--signal=USR1", job_id)
+        time.sleep(2)  # still held: Slurm's daemons deliver the signal to every process of the step meanwhile
     go.touch()
     assert cluster.wait_until_done(job_id) == "COMPLETED", out.read_text() + err.read_text()
     text, errors = out.read_text(), err.read_text()
-    assert cluster.job_field(job_id, "Restarts") == "1"
+    assert cluster.job_field(job_id, "Restarts") == "1", text + errors
     [stop_line] = [line for line in text.splitlines() if line.startswith("Stopped ")]
     checkpoint_dir = f"checkpoints/{prefix}_{job_id}"
-    assert re.search(r" of epoch 2 \(--stop-file ", stop_line) and f"checkpoint {checkpoint_dir}/checkpoint_" in (
-        stop_line)
+    cause = r" of epoch 2 \(--stop-file " if batch else r"^Stopped after step [12] of epoch 2 \(SIGUSR1\); "
+    assert re.search(cause, stop_line) and f"checkpoint {checkpoint_dir}/checkpoint_" in stop_line, stop_line
     assert f"Requeueing job {job_id} before its time limit: it continues from {checkpoint_dir}" in text
     assert text.count("Training Net(") == 2  # both runs' output, appended to one file
     assert f"Resuming from {checkpoint_dir}/checkpoint_" in text and "Training complete." in text
@@ -251,6 +256,18 @@ def test_multi_node_job_with_its_rendezvous_port_taken_is_one_line(cluster, tmp_
     assert err.splitlines() == [
         f"error: the rendezvous store did not start on port {port} of localhost (in use by another job?); set "
         "RDZV_PORT to a free port (1024-65535) before sbatch"], err
+
+
+def test_a_multi_node_job_whose_steps_get_usr1_stops_requeues_and_resumes(cluster, tmp_path):
+    """scancel --signal=USR1 without --batch signals every process of the job's steps, not the
+    batch shell: on each node the task's shell, the container, torchrun and the ranks. The ranks
+    checkpoint and stop (status 75), and the job requeues itself and resumes, as after its
+    time-limit warning; the task's shell and torchrun once died of the signal, and the job
+    ended FAILED (138), not requeued."""
+    env = submit_env(cluster, tmp_path, NPROC_PER_NODE=1, RDZV_HOST="localhost", RDZV_PORT=free_ports(1),
+                     NETWORK_CHECK="0")
+    text, _ = stop_requeue_resume(cluster, tmp_path, env, "multinode_job.sh", "multinode", batch=False)
+    assert "Number of nodes: 2, CPU processes per node: 1, total CPU processes: 2" in text
 
 
 def test_a_users_mistake_in_a_multi_node_job_ends_it_with_status_2_and_its_line(cluster, tmp_path):

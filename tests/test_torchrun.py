@@ -39,15 +39,22 @@ def test_a_rank_killed_by_a_signal_is_128_plus_the_signal(tmp_path):
     assert launcher.exit_status(-15) == 143 and launcher.exit_status(3) == 3
 
 
-def test_a_signal_to_the_launcher_reaches_every_rank_and_its_status_is_128_plus_it(tmp_path):
-    """scancel or Ctrl-C reaching the launcher while the ranks run (torchrun's SignalException):
-    each rank gets it and says so, and the launcher exits 128 + 15, without a traceback."""
+# SIGTERM: scancel or Ctrl-C reaching the launcher while the ranks run (torchrun's
+# SignalException): the launcher exits 128 + 15. SIGUSR1: the ranks' stop request, which Slurm
+# sends every process of a step and apptainer passes on; plain torchrun dies of it, leaving
+# its ranks orphaned. Here the ranks stop (75, after their checkpoint) and the launcher ends
+# with their status.
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGUSR1, 75)],
+                         ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, signum, status):
+    """Each rank gets the signal and says so, and the launcher exits without a traceback."""
     script = tmp_path / "ranks.py"
     script.write_text("import os, signal, sys, time\n"
                       "def stop(signum, frame):\n"
                       "    print(f'rank {os.environ[\"RANK\"]} stopped by {signal.Signals(signum).name}', flush=True)\n"
                       "    sys.exit(75)\n"
                       "signal.signal(signal.SIGTERM, stop)\n"
+                      "signal.signal(signal.SIGUSR1, stop)\n"
                       "open(f'started{os.environ[\"RANK\"]}', 'w').close()\n"
                       "time.sleep(120)\n")
     process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
@@ -56,10 +63,11 @@ def test_a_signal_to_the_launcher_reaches_every_rank_and_its_status_is_128_plus_
     while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):  # both ranks run
         assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    process.send_signal(signum)
+    assert process.wait(timeout=60) == status, (tmp_path / "log").read_text()
     log = (tmp_path / "log").read_text()
-    assert "rank 0 stopped by SIGTERM" in log and "rank 1 stopped by SIGTERM" in log
+    for rank in (0, 1):
+        assert log.count(f"rank {rank} stopped by {signum.name}") == 1, log
     assert "Traceback" not in log and "SignalException" not in log
 
 

@@ -1,6 +1,7 @@
 """torchrun, ending in the ranks' own lines: PyTorch's launcher itself (torch.distributed.run:
 the same flags, rendezvous, supervision and log lines), except that a failed rank, a signal or
-a rendezvous that fails does not end in torchrun's traceback.
+a rendezvous that fails does not end in torchrun's traceback, and that SIGUSR1, the ranks' stop
+request, is passed on to them instead of ending the launcher.
 
 Plain torchrun raises ChildFailedError when a rank fails, and Python prints its traceback and a
 30-line report under the rank's own one-line error (a mistyped flag, out of memory, a lost
@@ -15,6 +16,7 @@ place of torchrun; from an interactive allocation it takes torchrun's arguments:
     sbatch multigpu_job.sh       # runs it (TORCHRUN_PATH=torchrun runs PyTorch's own instead)
 """
 
+import os
 import signal
 import socket
 import sys
@@ -67,9 +69,36 @@ def rendezvous_problem(args, err):
             "node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in multinode_job.sh)")
 
 
+def child_pids(proc=Path("/proc")):
+    """The PIDs of this process's children (its ranks), from Linux's /proc; none where unreadable."""
+    me, children = os.getpid(), []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+        except OSError:  # a process that ended meanwhile
+            continue
+        if len(fields) > 1 and fields[1] == str(me):  # state, then the parent's PID
+            children.append(int(stat.parent.name))
+    return children
+
+
+def pass_on_stop_request(signum, frame):
+    """SIGUSR1 asks the ranks to checkpoint and stop (engine/stopping.py). Slurm sends it to every
+    process of a job step (scancel --signal=USR1 without --batch) and apptainer passes it on to
+    the process it runs: this launcher, which would die of it, leaving its ranks orphaned and
+    the job failed. It passes it on to its ranks instead, as torchrun does SIGTERM; a rank
+    that receives it twice stops once."""
+    for pid in child_pids():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def main(argv=None):
     """torchrun with ``argv`` (default: this command's arguments); returns the exit status."""
     args = torchrun.parse_args(argv)
+    signal.signal(signal.SIGUSR1, pass_on_stop_request)
     try:
         torchrun.run(args)
     except ChildFailedError as err:  # each rank has said why (or its traceback has); torchrun logged which
