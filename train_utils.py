@@ -38,8 +38,9 @@ import torch.nn.functional as F
 import recipe
 from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
                            default_num_workers, set_loader_epoch, skip_batches, with_image_transforms)
-from device_utils import (broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync, device_name,
-                          memory_format, network_report, peak_memory_gib, reset_peak_memory)
+from device_utils import (Precision, broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync,
+                          configure_precision, device_name, memory_format, network_report, peak_memory_gib,
+                          reset_peak_memory)
 from engine import flags
 from engine.cli import user_code_error
 from engine.errors import RunAborted, UserError
@@ -53,7 +54,6 @@ from engine.optimization import (Cycle, check_loss, check_scheduler, describe_ex
                                  describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
                                  make_scheduler, prefill_momentum)
 from engine.plugins import own_file, plugin_key
-from engine.precision import Precision, configure_precision
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
 from engine.stopping import StopRequests, check_stop_file
@@ -520,8 +520,9 @@ def build_task(args, ctx):
         note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes))
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
     if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
-        measured = (measured_training(model, args.model, args.precision, args.accumulate, ctx, data.prep.image_shape,
-                                      batch, layout) if args.loader == "auto" and not args.eval_only else None)
+        measured = (measured_training(model, args.model, configure_precision(args.precision, ctx.device),
+                                      args.accumulate, ctx, data.prep.image_shape, batch, layout)
+                    if args.loader == "auto" and not args.eval_only else None)
         temporaries = batch_temporaries(data.prep, batch, train_set.dtype, ctx.device) if measured else 0
         train_set, per_image = with_image_transforms(train_set, per_image)
         data = replace(data, prep=train_set.prep)  # the start-up block names the per-image transforms too

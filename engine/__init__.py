@@ -24,7 +24,6 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     batched_crops.py boxes in a whole batch on the device: resized crops, erasing
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
-    precision.py     --precision: autocast dtype, TF32
     compiling.py     --compile: its mode (CUDA graphs where safe), its caches in the checkpoint folder so a
                      requeued job does not compile again
     optimization.py  whatever optimizer and schedule recipe.py builds: fused safety, resume, names;

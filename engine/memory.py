@@ -22,7 +22,6 @@ import torch
 
 from engine.errors import UserError
 from engine.plugins import call_user_code
-from engine.precision import configure_precision
 from engine.processes import max_over_ranks
 
 HEADROOM = 0.85  # --accumulate is suggested so that the estimated peak fills at most this share of the memory
@@ -270,13 +269,12 @@ class Measured(NamedTuple):
 def measured_training(model, model_ref, precision, accumulate, ctx, image_shape, batch, memory_format):
     """``Measured`` for --loader auto, after a probed training step on this rank's GPU (every
     rank must choose the same loader, so the most needed and the least free of any rank), of
-    --model ``model_ref`` at --precision ``precision`` and --accumulate ``accumulate``. None on
+    --model ``model_ref`` at ``precision`` (device_utils.Precision) and --accumulate ``accumulate``. None on
     the CPU, where nothing is measured. An error of the model's own in the probed step is one
     line naming its code (engine/plugins.py), as in training."""
     if ctx.device.type != "cuda":
         return None
     shape = StepShape(batch, accumulate, image_shape)
-    precision = configure_precision(precision, ctx.device)
     needed = call_user_code(lambda: training_bytes(model, shape, precision, ctx.device, memory_format),
                             f"--model {model_ref} in a training step (measured for --loader auto)", model_ref)
     most = max_over_ranks(min(needed, NO_FIT), ctx.control_group)  # an all-reduce of integers: no infinity

@@ -17,7 +17,7 @@ from dataset_utils import choose_loader
 from engine.errors import UserError
 from engine.memory import (Measured, OutOfMemory, StepShape, host_memory, is_out_of_memory, probe_step,
                            suggested_accumulate, training_bytes)
-from engine.precision import Precision
+from device_utils import Precision
 
 OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
 

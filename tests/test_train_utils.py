@@ -18,7 +18,7 @@ import device_utils
 import recipe
 import train_utils as tu
 from device_utils import single_process_context
-from engine import checkpoints, flags, optimization, precision, processes
+from engine import checkpoints, flags, optimization, processes
 from engine import weights as weights_file
 from engine import compiling, private_torch
 from engine.compiling import use_compile_cache
@@ -213,13 +213,13 @@ def test_eval_summary_weighs_every_image_equally():
 
 def test_precision_on_cpu():
     cpu = torch.device("cpu")
-    assert precision.configure_precision("auto", cpu).name == "fp32"
-    assert precision.configure_precision("fp32", cpu).autocast_dtype is None
-    assert precision.configure_precision("bf16", cpu).autocast_dtype == torch.bfloat16
+    assert device_utils.configure_precision("auto", cpu).name == "fp32"
+    assert device_utils.configure_precision("fp32", cpu).autocast_dtype is None
+    assert device_utils.configure_precision("bf16", cpu).autocast_dtype == torch.bfloat16
     for mode in ("fp16", "tf32"):
         with pytest.raises(UserError, match=f"--precision {mode} needs a CUDA GPU"):
-            precision.configure_precision(mode, cpu)
-    with precision.configure_precision("bf16", cpu).autocast(cpu):
+            device_utils.configure_precision(mode, cpu)
+    with device_utils.configure_precision("bf16", cpu).autocast(cpu):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
@@ -551,7 +551,7 @@ def test_an_extension_is_a_warm_restart_from_where_the_schedule_stood():
 def tf32_restored():
     """PyTorch's defaults again after the test (TF32 convolutions, IEEE matmuls)."""
     yield
-    precision.set_tf32(matmuls=False, convolutions=True)
+    device_utils.set_tf32(matmuls=False, convolutions=True)
 
 
 def tf32_reads():
@@ -577,7 +577,7 @@ def newer_api_write(mode):
 def test_tf32_switches_read_alike_through_both_apis(monkeypatch, tf32_restored, before, requested, tf32):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # as on a GH200
     newer_api_write(before)
-    assert precision.configure_precision(requested, torch.device("cuda", 0)).name == requested
+    assert device_utils.configure_precision(requested, torch.device("cuda", 0)).name == requested
     reads = tf32_reads()
     assert reads["matmul.allow_tf32"] is tf32 and reads["cudnn.allow_tf32"] is tf32
     assert reads["get_float32_matmul_precision"] == ("high" if tf32 else "highest")
@@ -592,11 +592,11 @@ def test_auto_precision_takes_only_native_bf16(monkeypatch, tf32_restored):
     refuses --precision bf16; PyTorch counts emulation as support unless asked not to."""
     gpu = torch.device("cuda", 0)  # configure_precision only looks at its type
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert precision.configure_precision("auto", gpu).name == "fp32"
+    assert device_utils.configure_precision("auto", gpu).name == "fp32"
     with pytest.raises(UserError, match="no bf16 support"):
-        precision.configure_precision("bf16", gpu)
+        device_utils.configure_precision("bf16", gpu)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # H100, GH200
-    assert precision.configure_precision("auto", gpu) == precision.Precision("bf16", torch.bfloat16)
+    assert device_utils.configure_precision("auto", gpu) == device_utils.Precision("bf16", torch.bfloat16)
 
 
 def test_nccl_gets_its_gpu_at_init_and_more_time_than_gloo():

@@ -12,7 +12,7 @@ import torchvision.transforms as transforms
 from torch.utils.data import DataLoader, Dataset
 
 from dataset_utils import to_pil
-from engine.precision import set_tf32
+from device_utils import set_tf32
 from engine.processes import synchronize
 from recipe import RESIZED_CROP_RATIO, RESIZED_CROP_SCALE
 

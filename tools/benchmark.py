@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset_utils import build_loaders, default_num_workers, set_loader_epoch  # noqa: E402
-from device_utils import device_name, memory_format, single_process_context  # noqa: E402
+from device_utils import configure_precision, device_name, memory_format, single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
 from engine.dali_loader import dali_installed  # noqa: E402
 from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
@@ -61,7 +61,6 @@ from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction
                           positive_int)
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.profiling import device_profiler, kernel_times, top_operators, unused_path  # noqa: E402
-from engine.precision import configure_precision  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
 from tools import gpu_report  # noqa: E402
 from tools.baselines import (GUIDE_PRECISION, StepTiming, TorchvisionResizedCrops, guide_loader,  # noqa: E402
