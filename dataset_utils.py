@@ -56,8 +56,8 @@ from engine.plugins import plugin_key
 from engine.processes import available_cores, from_rank0
 from engine.seeds import derived_seed
 from engine.stopping import ignore_ctrl_c
-from engine.task import (DataInfo, check_labels, data_fingerprint, describe_split, held_out_again, held_out_record,
-                         names_sha256, stratified_split)
+from engine.task import (DataInfo, check_labels, data_fingerprint, describe_split, held_out_record,
+                         stratified_split)
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
 CIFAR100 = DATASETS["cifar100"]  # the guide's, and the default of every function here
@@ -109,23 +109,6 @@ class Preprocessing:
         sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
                  "centre crop" if self.stored != (height, width) else "")
         return f"{self.augment} ({ops}{padding}{sizes}), normalized with mean {self.mean} and std {self.std}"
-
-
-def trained_preprocessing(prep, trained, weights):
-    """(Preprocessing, the start-up block's line) of --eval-only: ``prep`` normalized as the
-    --weights file ``weights`` records (``trained``: its metadata) that its training images
-    were, after checking that their sizes agree; (``prep``, None) for a file that records none."""
-    if "mean" not in trained:
-        return prep, None
-    stored = tuple(trained.get("stored_size") or trained["image_size"])
-    if tuple(trained["image_size"]) != prep.image_shape[:2] or stored != prep.stored:
-        raise UserError(f"--weights {weights} were trained on {flag_value(trained['image_size'])} images (stored at "
-                        f"{flag_value(stored)}), these are {flag_value(prep.image_shape[:2])} (stored at "
-                        f"{flag_value(prep.stored)}): evaluate them on the data they were trained on")
-    prep = replace(prep, mean=tuple(trained["mean"]), std=tuple(trained["std"]))
-    return prep, (f"Preprocessing: from --weights {weights}: {flag_value(prep.image_shape[:2])} input, stored "
-                  f"{flag_value(prep.stored)}, trained with --augment {trained.get('augment', prep.augment)}; "
-                  f"normalization mean {prep.mean}, std {prep.std}")
 
 
 def augmentation_randoms(size, ops, seed, epoch, per_op):
@@ -655,6 +638,7 @@ def build_data(args, ctx, listed=False, normalization=None):
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
         if args.eval_only and not args.val_fraction:  # a folder the weights were not validated on
+            from engine.weights import check_evaluable  # --eval-only only
             check_evaluable(args.data_dir, args.weights)
         train, test, info = (folder_list_data if listed else folder_data)(args, ctx)
     else:  # global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others
@@ -667,7 +651,8 @@ def build_data(args, ctx, listed=False, normalization=None):
     for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
-    if args.eval_only:
+    if args.eval_only:  # the images prepared as the --weights' training prepared its own
+        from engine.weights import as_trained, as_trained_split  # --eval-only only
         train, test, info = as_trained(train, test, info, args.weights)
     elif normalization and (tuple(normalization["mean"]), tuple(normalization["std"])) != (info.prep.mean,
                                                                                           info.prep.std):
@@ -693,66 +678,6 @@ def build_data(args, ctx, listed=False, normalization=None):
         raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
                         "validation with --val-fraction 0.2 (20% of each class)")
     return train, test, info
-
-
-def check_evaluable(data_dir, weights):
-    """--eval-only evaluates an image folder's test/: one that holds its class folders directly
-    has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
-    calling the rest training images. predict.py --labelled evaluates all of it."""
-    from engine.image_folder import FLAT, split_folders
-    try:
-        _, layout = split_folders(Path(data_dir).expanduser(), held_out=True)
-    except (DatasetError, OSError):  # no folder, no class folders, mixed layouts: the scan's own line says it
-        return
-    if layout == FLAT:
-        raise UserError(f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds "
-                        f"its class folders directly: python predict.py --weights {weights} --labelled {data_dir} "
-                        "gives the accuracy over all of its images")
-
-
-def as_trained(train, test, info, weights):
-    """--eval-only: the images normalized as the --weights file's training normalized its own
-    (engine/flags.py took --image-size and --augment from the file); the start-up block says so."""
-    from engine.weights import read_weights  # --weights only
-    prep, note = trained_preprocessing(info.prep, read_weights(weights, mmap=True).metadata, weights)
-    if note is None:  # a plain state_dict: the data's own normalization
-        return train, test, info
-    return (train.with_prep(prep), test.with_prep(prep) if test is not None else None,
-            replace(info, prep=prep, notes=(*info.notes, note)))
-
-
-def as_trained_split(train, info, weights):
-    """(train, info) of --eval-only on the image folder the --weights were trained on, with the
-    split they record (engine/flags.py took its --val-fraction and --seed): the training images
-    as training had them, before the split. An image unreadable then and mended since is left out
-    again, as predict.py --held-out leaves it out; a folder changed otherwise (images added,
-    removed, renamed) is one line, where another split would be evaluated silently, holding out
-    images the weights trained on."""
-    from engine.weights import read_weights  # --weights only
-    trained = read_weights(weights, mmap=True).metadata
-    record = trained.get("split")
-    if not record or info.data_dir is None or trained.get("data_dir") != info.data_dir:
-        return train, info
-    mended = set(record["skipped"]) - set(info.skipped)
-    names = cached_names(info.data_dir, info.skipped) if mended else []
-    if mended and len(names) == len(train):  # else the folder changed since the cache: refused below
-        keep = [i for i, name in enumerate(names) if name not in mended]
-        train = train.subset(keep)
-        shown = ", ".join(sorted(mended)[:3]) + (", ..." if len(mended) > 3 else "")
-        info = replace(info, skipped=tuple(record["skipped"]), names_sha256=names_sha256(names[i] for i in keep),
-                       notes=(*info.notes, f"Left out: {count(len(mended), 'image', 'images')} unreadable in training "
-                                           f"and readable now ({shown}), as training had them"))
-    held_out_again(train.labels, record, f"--data-dir {info.data_dir}", info.names_sha256)
-    return train, info
-
-
-def cached_names(data_dir, skipped):
-    """The paths within the image folder ``data_dir`` of its training images in the order the
-    cache (or DALI's list) holds them: the folder's scan order, less ``skipped`` (unreadable)."""
-    from engine.image_folder import scan
-    root, left_out = Path(data_dir), set(skipped)
-    names = (str(path.relative_to(root)) for path in scan(root, held_out=True).splits["train"][0])
-    return [name for name in names if name not in left_out]
 
 
 def builtin_data(args, ctx):

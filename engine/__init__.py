@@ -30,7 +30,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
                      the schedule's cycles (warm restarts when a run is extended)
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it
     checkpoints.py   checkpoint folders, resume, Checkpointer
-    weights.py       weights files: save, read (with what they were trained on and their --model), load, check
+    weights.py       weights files: save, read (with what they were trained on and their --model), load, check;
+                     --eval-only's images prepared, and held out, as their training had them
     files.py         atomic writes, outputs checked at start
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
