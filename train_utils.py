@@ -189,7 +189,7 @@ def run_epoch(run, state, rng_state=None):
                          + (f"(last good checkpoint: {kept})" if kept else "without saving the model")
                          + "; try a lower --base-lr" + (" or --precision fp32" if run.precision.name != "fp32" else ""))
     if done.stop:
-        state.partial = (loss_sum, images, seconds)
+        state.partial, state.last_lr = (loss_sum, images, seconds), done.lr
         check_replicas_in_sync(run.module, f"after step {state.step} of epoch {state.epoch}")
         path = None
         if run.checkpointer:  # the same on every rank, so every rank joins the gather or none
@@ -208,7 +208,7 @@ def run_epoch(run, state, rng_state=None):
         check_replicas_in_sync(run.module, f"after epoch {state.epoch}")  # before the checkpoint
     state.history.append(validated(record))  # early stopping, like --save-weights, goes by the better of the two
     state.records.append(record)
-    state.epoch, state.step, state.partial = state.epoch + 1, 0, (0.0, 0, 0.0)
+    state.epoch, state.step, state.partial, state.last_lr = state.epoch + 1, 0, (0.0, 0, 0.0), None
     if run.checkpointer:
         run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
         if run.checkpointer.due():
@@ -257,7 +257,9 @@ def train_steps(run, batches, state):
     device, start, began = run.ctx.device, state.step, time.perf_counter()
     run.model.train()
     books = LossBooks(device, first_step=start + 1)
-    lr, stop = run.optimizer.param_groups[0]["lr"], 0
+    # The LR of the last step, reported with the epoch: a resumed epoch that trains none (stopped
+    # after its last step) reports the stopped run's, not the next step's that the optimizer holds.
+    lr, stop = state.last_lr if state.last_lr is not None else run.optimizer.param_groups[0]["lr"], 0
     progress = Progress(run.ctx.is_main, f"Epoch {state.epoch}/{run.args.epochs}", run.steps, run.args.log_interval,
                         first=start)
     for step, (x, y) in enumerate(batches, start=start + 1):
@@ -353,6 +355,7 @@ class TrainState:
     epoch: int = 1                                   # the epoch in progress (1-based)
     step: int = 0                                    # optimizer steps done in it
     partial: tuple = (0.0, 0, 0.0)                   # loss sum, images, seconds of those steps (all ranks)
+    last_lr: float = None                            # the LR of the last of them (None: none trained)
     history: list = field(default_factory=list)      # validation accuracy of each finished epoch
     records: list = field(default_factory=list)      # --metrics-file record of each finished epoch
     checkpoints: list = field(default_factory=list)  # file names of this run's kept checkpoints, oldest first

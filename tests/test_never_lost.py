@@ -477,7 +477,9 @@ def test_a_run_stopped_after_an_epochs_last_step_checkpoints_that_epochs_end_whe
 @pytest.mark.parametrize("loader", ["device", "torchvision"])
 def test_a_resume_after_an_epochs_last_step_trains_the_next_epoch_whole(tmp_path, loader):
     """Nothing of the stopped epoch is left to draw, so nothing is skipped: a skip asked of the
-    DataLoader (0 workers start nothing) once carried over and cut the next epoch's batches."""
+    DataLoader (0 workers start nothing) once carried over and cut the next epoch's batches. The
+    resumed epoch's record is the uninterrupted one's, its LR too: that of the epoch's last step,
+    which the stopped run trained (the resumed run's optimizer holds the next step's)."""
     common = (*RUN, "--limit-batches", "1", "--loader", loader, "--checkpoint-dir")
     whole = run(python_cmd("train.py", *common, "whole", "--metrics-file", "whole.jsonl"), cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
@@ -488,7 +490,7 @@ def test_a_resume_after_an_epochs_last_step_trains_the_next_epoch_whole(tmp_path
     assert "Stopped after step 1 of epoch 1 (--stop-file" in stopped.stdout
     resumed = run(python_cmd("train.py", *common, "ck", "--metrics-file", "m.jsonl", "--resume"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    compared = ("epoch", "train_loss", "val_loss", "val_accuracy", "train_images")
+    compared = ("epoch", "train_loss", "val_loss", "val_accuracy", "train_images", "lr")
     assert [[r[k] for k in compared] for r in read_metrics(tmp_path / "m.jsonl")] == [
         [r[k] for k in compared] for r in read_metrics(tmp_path / "whole.jsonl")]
 
