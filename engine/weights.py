@@ -258,11 +258,10 @@ def check_evaluable(data_dir, weights):
     """--eval-only evaluates an image folder's test/: one that holds its class folders directly
     has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
     calling the rest training images. predict.py --labelled evaluates all of it."""
-    from engine.data_formats import DatasetError
     from engine.image_folder import FLAT, split_folders
     try:
         _, layout = split_folders(Path(data_dir).expanduser(), held_out=True)
-    except (DatasetError, OSError):  # no folder, no class folders, mixed layouts: the scan's own line says it
+    except (UserError, OSError):  # no folder, no class folders, mixed layouts: the scan's line says it
         return
     if layout == FLAT:
         raise UserError(f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds "
