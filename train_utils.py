@@ -520,7 +520,7 @@ def build_task(args, ctx):
     note = ""
     if args.finetune:
         from engine.finetune import finetune
-        note = finetune(model, args.finetune, args.freeze_backbone, name, len(data.classes))
+        note = finetune(model, args.finetune, args.freeze_backbone, name, data.classes)
     batch = flags.per_process_batch(args.batch_size, ctx.world_size, args.accumulate)
     if loader != "dali":  # DALI decodes, crops and flips the images itself (recipe.dali_images)
         measured = (measured_training(model, args.model, configure_precision(args.precision, ctx.device),

@@ -1,6 +1,7 @@
 """--finetune: start from weights trained for something else, typically an ImageNet network
 for your own classes. Every tensor whose name and shape fit is loaded; the rest (the new
-classifier head) keeps its fresh initialization. Only the last layers may be new: weights
+classifier head, or one trained on other classes, as the file records them) keeps its fresh
+initialization. Only the last layers may be new: weights
 that differ earlier belong to another network, and are refused in one line, as is a file of
 which more is left unused than a new head explains (a deeper network of the same family).
 --freeze-backbone then trains only the new layers.
@@ -24,22 +25,28 @@ class Finetuned(NamedTuple):
     note: str       # for the start-up block
 
 
-def finetune(model, path, freeze, model_name, num_classes):
-    """--finetune PATH [--freeze-backbone] on ``model``: the start-up block's line."""
-    tuned = load_fitting(model, path, model_name, num_classes)
+def finetune(model, path, freeze, model_name, classes):
+    """--finetune PATH [--freeze-backbone] on ``model`` for the data's ``classes`` (names): the
+    start-up block's line."""
+    tuned = load_fitting(model, path, model_name, classes)
     if not freeze:
         return tuned.note
     return f"{tuned.note}; --freeze-backbone: only {', '.join(freeze_loaded(model, tuned, path))} train"
 
 
-def load_fitting(model, path, model_name, num_classes):
+def load_fitting(model, path, model_name, classes):
     """Load every tensor of ``path`` (a state_dict or a checkpoint) that fits ``model`` by name
-    and shape; returns Finetuned. One line when nothing fits, or when a tensor that does not
-    fit comes before one that does (not just a new head)."""
-    saved = read_weights(path, "--finetune").state
+    and shape; returns Finetuned. A file that records other classes than ``classes`` (the
+    data's names), as many of them, gives no head: its rows belong to its own classes. One line
+    when nothing fits, or when a tensor that does not fit comes before one that does (not just
+    a new head)."""
+    weights = read_weights(path, "--finetune")
+    saved, trained_on = weights.state, weights.metadata.get("classes")
     own = model.state_dict()
+    other_classes = trained_on is not None and list(trained_on) != list(classes)
+    head = head_names(own, len(classes)) if other_classes else ()
     fits = [name for name, tensor in own.items()
-            if name in saved and tuple(saved[name].shape) == tuple(tensor.shape)]
+            if name in saved and tuple(saved[name].shape) == tuple(tensor.shape) and name not in head]
     new = [name for name in own if name not in fits]
     if not fits:
         first = next(iter(own))
@@ -61,7 +68,20 @@ def load_fitting(model, path, model_name, num_classes):
                         "another network (another depth or width?); use weights of the --model you train")
     model.load_state_dict({name: saved[name] for name in fits}, strict=False)
     ignored = tuple(name for name in saved if name not in own)
-    return Finetuned(tuple(fits), tuple(new), ignored, _note(path, fits, new, saved, own, num_classes, ignored))
+    others = trained_on if head else None
+    note = _note(path, fits, new, saved, own, len(classes), ignored, others)
+    return Finetuned(tuple(fits), tuple(new), ignored, note)
+
+
+def head_names(state, num_classes):
+    """The names of the last tensors of ``state`` (a state_dict, in order) that hold one row per
+    class: the classifier head's weight and bias, which state_dict lists last."""
+    names = []
+    for name in reversed(list(state)):
+        if state[name].ndim == 0 or state[name].shape[0] != num_classes:
+            break
+        names.append(name)
+    return names[::-1]
 
 
 def freeze_loaded(model, finetuned, path):
@@ -75,9 +95,13 @@ def freeze_loaded(model, finetuned, path):
     return trained
 
 
-def _note(path, fits, new, saved, own, num_classes, ignored):
+def _note(path, fits, new, saved, own, num_classes, ignored, other_classes=None):
     head = ""
     for name in new:
+        if other_classes is not None:  # as many classes, other ones: the file's head is not theirs
+            shown = ", ".join(map(str, other_classes[:4])) + (", ..." if len(other_classes) > 4 else "")
+            head = f" (the file's {num_classes} classes are others: {shown})"
+            break
         if name in saved and saved[name].ndim and own[name].shape[0] == num_classes:
             head = f" ({saved[name].shape[0]} -> {num_classes} classes)"
             break

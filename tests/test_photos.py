@@ -323,7 +323,7 @@ def test_finetune_keeps_what_fits_and_names_the_new_head(tmp_path):
     torch.save(source.state_dict(), tmp_path / "r18.pt")
     model = torchvision.models.resnet18(num_classes=3)
     fresh_fc = model.fc.weight.detach().clone()
-    note = finetune(model, tmp_path / "r18.pt", True, "resnet18", 3)
+    note = finetune(model, tmp_path / "r18.pt", True, "resnet18", ("a", "b", "c"))
     assert note == (f"fine-tuning from {tmp_path / 'r18.pt'}: 120 of 122 tensors loaded; new: fc.weight, fc.bias "
                     "(1000 -> 3 classes); --freeze-backbone: only fc.weight, fc.bias train")
     assert torch.equal(model.conv1.weight, source.conv1.weight) and torch.equal(model.fc.weight, fresh_fc)
@@ -334,18 +334,36 @@ def test_finetune_refuses_other_networks_in_one_line(tmp_path):
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pt")
     with pytest.raises(UserError, match=r"does not fit resnet34 beyond its last layers: layer1.2.conv1.weight is "
                                         r"missing there, \(64, 64, 3, 3\) here \(and \d+ more\)"):
-        load_fitting(torchvision.models.resnet34(num_classes=3), tmp_path / "r18.pt", "resnet34", 3)
+        load_fitting(torchvision.models.resnet34(num_classes=3), tmp_path / "r18.pt", "resnet34", ("a", "b", "c"))
     with pytest.raises(UserError, match="none of its 122 tensors fits Net"):
-        load_fitting(torch.nn.Sequential(torch.nn.Linear(2, 3)), tmp_path / "r18.pt", "Net", 3)
+        load_fitting(torch.nn.Sequential(torch.nn.Linear(2, 3)), tmp_path / "r18.pt", "Net", ("a", "b", "c"))
     # A deeper network of the same family: its first layers fit by name and shape, most of the file is unused.
     torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pt")
     with pytest.raises(UserError, match=rf"^--finetune {tmp_path / 'r34.pt'}: only 120 of its 218 tensors \(55%\) fit "
                                         r"resnet18, and 98 have no place in it \(e.g. [\w.]+\): the weights of another "
                                         r"network \(another depth or width\?\); use weights of the --model you train$"):
-        load_fitting(torchvision.models.resnet18(num_classes=3), tmp_path / "r34.pt", "resnet18", 3)
+        load_fitting(torchvision.models.resnet18(num_classes=3), tmp_path / "r34.pt", "resnet18", ("a", "b", "c"))
     torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "same.pt")
     with pytest.raises(UserError, match="none is new, so nothing would train; drop --freeze-backbone"):
-        finetune(torchvision.models.resnet18(num_classes=3), tmp_path / "same.pt", True, "resnet18", 3)
+        finetune(torchvision.models.resnet18(num_classes=3), tmp_path / "same.pt", True, "resnet18", ("a", "b", "c"))
+
+
+def test_finetune_on_as_many_other_classes_starts_a_new_head(tmp_path):
+    """Weights trained on cat, dog, red panda fine-tuned for apple, leaf, sky: the head fits by
+    shape, but its rows are the file's classes; it starts fresh, as the start-up block says. The
+    same classes keep it (a run continued on its own classes)."""
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=3)
+    save_weights(source, tmp_path / "pets.pt", {"classes": ["cat", "dog", "red panda"]})
+    model = torchvision.models.resnet18(num_classes=3)
+    fresh_fc = model.fc.weight.detach().clone()
+    note = finetune(model, tmp_path / "pets.pt", False, "resnet18", ("apple", "leaf", "sky"))
+    assert note == (f"fine-tuning from {tmp_path / 'pets.pt'}: 120 of 122 tensors loaded; new: fc.weight, fc.bias "
+                    "(the file's 3 classes are others: cat, dog, red panda)")
+    assert torch.equal(model.conv1.weight, source.conv1.weight) and torch.equal(model.fc.weight, fresh_fc)
+    same = torchvision.models.resnet18(num_classes=3)
+    note = finetune(same, tmp_path / "pets.pt", False, "resnet18", ("cat", "dog", "red panda"))
+    assert note.endswith("122 of 122 tensors loaded; none new") and torch.equal(same.fc.weight, source.fc.weight)
 
 
 def test_torchvision_models_get_no_in_channels_and_refuse_gray_data():
