@@ -14,6 +14,7 @@ import resource
 import shlex
 import socket
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -205,18 +206,17 @@ class StepShape:
     image_shape: tuple
 
 
-def probe_step(model, images, precision, device):
-    """One forward and backward pass of ``images`` (B, C, H, W) through ``model`` in training
-    mode that leaves no trace: gradients dropped, buffers (BatchNorm's running statistics and
-    counts) and the random number generators as they were, the mode restored."""
+@contextmanager
+def no_trace(model, device):
+    """``with no_trace(model, device):`` ``model`` in training mode, leaving no trace: gradients
+    dropped, buffers (BatchNorm's running statistics and counts) and the random number
+    generators as they were, the mode restored."""
     saved = [buffer.detach().clone() for buffer in model.buffers()]
     training = model.training
     model.train()
     try:
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            with precision.autocast(device):
-                out = model(images)
-            out.float().sum().backward()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
     finally:
         for param in model.parameters():
             param.grad = None
@@ -224,6 +224,15 @@ def probe_step(model, images, precision, device):
             for buffer, value in zip(model.buffers(), saved):
                 buffer.copy_(value)
         model.train(training)
+
+
+def probe_step(model, images, precision, device):
+    """One forward and backward pass of ``images`` (B, C, H, W) through ``model`` in training
+    mode that leaves no trace (no_trace)."""
+    with no_trace(model, device):
+        with precision.autocast(device):
+            out = model(images)
+        out.float().sum().backward()
 
 
 def training_bytes(model, shape, precision, device, memory_format):

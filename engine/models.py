@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from engine.errors import UserError, first_line
-from engine.memory import is_out_of_memory
-from engine.plugins import call_user_code, load_plugin
+from engine.memory import is_out_of_memory, no_trace
+from engine.plugins import call_user_code, load_plugin, own_file, raised_at
 
 DEFAULT_MODEL = "model:WideResNet"  # the guide's network, in model.py beside the scripts
 # An error of the first forward pass that is about the images' size: torchvision's ViT ("Wrong
@@ -102,8 +102,9 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
                  resizable=None, trains=True):
     """A forward pass of two zero images in eval mode (no statistics updated, nothing
     random): the output must be logits (2, num_classes), and, for a model that ``trains``,
-    depend on its trainable parameters (else the first backward fails in a traceback). Lazy
-    modules get their shapes.
+    depend on its trainable parameters (else the first backward fails in a traceback), and be
+    logits in training mode too (a model with auxiliary outputs returns more there: tried
+    without a trace, memory.no_trace). Lazy modules get their shapes.
 
     ``resizable``: None where the size is not the user's choice (predict.py: the size the
     weights were trained at); else whether --image-size sets it, and then an error about the
@@ -115,13 +116,25 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
     with torch.set_grad_enabled(trains):
         out = call_user_code(lambda: first_forward(model, images, ref, resizable), what, ref)
     model.train()
-    shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-    if shape != (2, num_classes):
-        raise UserError(f"--model {ref} maps images (2, {', '.join(map(str, image_shape))}) to {shape}, not to logits "
-                        f"(2, {num_classes}) for the data's {num_classes} classes")
+    check_logits(out, ref, image_shape, num_classes)
     if trains and not out.requires_grad and any(p.requires_grad for p in model.parameters()):
         raise UserError(f"--model {ref}'s output does not depend on its trainable parameters (torch.no_grad(), "
                         ".detach() or .item() in its forward?): nothing would train")
+    if trains:
+        with no_trace(model, images.device), torch.no_grad():
+            out = call_user_code(lambda: model(images), f"{what} in training mode", ref)
+        check_logits(out, ref, image_shape, num_classes, " in training mode")
+
+
+def check_logits(out, ref, image_shape, num_classes, mode=""):
+    """One line unless ``out``, the output for images (2, *image_shape), is logits (2, num_classes)."""
+    shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+    if shape == (2, num_classes):
+        return
+    auxiliary = (": a model with auxiliary outputs in training (torchvision's googlenet and inception_v3 take "
+                 "aux_logits=False); return the logits alone" if mode and not torch.is_tensor(out) else "")
+    raise UserError(f"--model {ref} maps images (2, {', '.join(map(str, image_shape))}){mode} to {shape}, not to "
+                    f"logits (2, {num_classes}) for the data's {num_classes} classes{auxiliary}")
 
 
 def first_forward(model, images, ref, resizable=None):
@@ -133,6 +146,8 @@ def first_forward(model, images, ref, resizable=None):
     except Exception as err:
         if resizable is None or is_out_of_memory(err) or not SIZE_ERROR.search(first_line(err)):
             raise
+        if not resizable and not EXPECTED_SIZE.search(first_line(err)):
+            raise  # a bug in the model as likely as other images: the line that names where, not a guess
         raise UserError(wrong_size(ref, tuple(images.shape[1:]), err, resizable)) from None
 
 
@@ -148,5 +163,6 @@ def wrong_size(ref, image_shape, err, resizable):
     else:  # a square size said once ("Expected 224") is both sides
         fix = (f"it takes {' x '.join(sides * (3 - len(sides)))} pixels; " if sides else "") + \
               "use a model that takes these images (--image-size resizes the images of --dataset folder only)"
+    where = raised_at(err, own_file(ref), any_file=False) if own_file(ref) else ""  # your file's line, no library's
     return (f"--model {ref} does not take images of {' x '.join(map(str, image_shape))} pixels "
-            f"({type(err).__name__}: {message}): {fix}")
+            f"({type(err).__name__}: {message}): {fix}{where}")

@@ -110,13 +110,23 @@ def user_error(err, what, path):
     frames = traceback.extract_tb(err.__traceback__)
     if isinstance(err, SyntaxError) and err.filename:
         frames.append(traceback.FrameSummary(err.filename, err.lineno or 0, "<module>", line=err.text or ""))
-    mine = [f for f in frames if path is None or Path(f.filename).resolve() == path] or frames[-1:]
     message = " ".join(str(err).split())
-    where = ""
-    if mine:
-        frame = mine[-1]
-        code = f": {frame.line.strip()}" if frame.line and frame.line.strip() else ""
-        where = f" (at {frame.filename}, line {frame.lineno}, in {frame.name}{code})"
-    return UserError(f"{what} raised {type(err).__name__}{f': {message}' if message else ''}{where}")
+    return UserError(f"{what} raised {type(err).__name__}{f': {message}' if message else ''}"
+                     f"{raised_at(err, path, frames)}")
+
+
+def raised_at(err, path, frames=None, any_file=True):
+    """' (at FILE, line N, in NAME: CODE)': the innermost line of ``path`` (of any file, when
+    ``path`` is None or, with ``any_file``, not in it) in the traceback of ``err`` (or
+    ``frames``); '' for none."""
+    frames = traceback.extract_tb(err.__traceback__) if frames is None else frames
+    path = None if path is None else Path(path).resolve()
+    mine = [f for f in frames if path is None or Path(f.filename).resolve() == path]
+    mine = mine or (frames[-1:] if any_file else [])
+    if not mine:
+        return ""
+    frame = mine[-1]
+    code = f": {frame.line.strip()}" if frame.line and frame.line.strip() else ""
+    return f" (at {frame.filename}, line {frame.lineno}, in {frame.name}{code})"
 
 

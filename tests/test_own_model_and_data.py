@@ -429,14 +429,38 @@ BAD_MODELS = {
                           "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"
                           "    def forward(self, x):\n        return self.head(x.reshape(2, -1))\n", "my_net.py:Net",
                           "error: {tmp}/my_net.py, line 8, in forward: RuntimeError: "),
+    # Logits in evaluation, (logits, auxiliary logits) in training: the training step's loss failed in a traceback.
+    "auxiliary outputs": ("import torch.nn as nn\nclass Net(nn.Module):\n"
+                          "    def __init__(self, num_classes, in_channels):\n        super().__init__()\n"
+                          "        self.head, self.aux = nn.LazyLinear(num_classes), nn.LazyLinear(num_classes)\n\n"
+                          "    def forward(self, x):\n        x = x.flatten(1)\n"
+                          "        return (self.head(x), self.aux(x)) if self.training else self.head(x)\n",
+                          "my_net.py:Net",
+                          "error: --model my_net.py:Net maps images (2, 3, 32, 32) in training mode to tuple, not to "
+                          "logits (2, 100) for the data's 100 classes: a model with auxiliary outputs in training "
+                          "(torchvision's googlenet and inception_v3 take aux_logits=False); return the logits alone"),
+    "torchvision's auxiliary outputs": ("", "torchvision.models:googlenet",
+                                        "error: --model torchvision.models:googlenet maps images (2, 3, 32, 32) in "
+                                        "training mode to GoogLeNetOutputs, not to logits (2, 100)"),
+    # A bug in forward about a shape, on images whose size is not the user's to choose: its line, not a guess
+    # that the model takes other images.
+    "shape bug": ("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self, num_classes, in_channels):\n"
+                  "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"
+                  "    def forward(self, x):\n        return self.head(x.flatten(1).view(x.size(0), 16))\n",
+                  "my_net.py:Net",
+                  "error: --model my_net.py:Net on images (2, 3, 32, 32) raised RuntimeError: shape '[2, 16]' is "
+                  "invalid for input of size 6144 (at {tmp}/my_net.py, line 8, in forward: return "
+                  "self.head(x.flatten(1).view(x.size(0), 16)))"),
     "fixed size": (FIXED_SIZE_NET, "my_net.py:Net",
                    "error: --model my_net.py:Net does not take images of 3 x 32 x 32 pixels (AssertionError: Wrong "
                    "image height! Expected 224 but got 32!): it takes 224 x 224 pixels; use a model that takes these "
-                   "images (--image-size resizes the images of --dataset folder only)"),
+                   "images (--image-size resizes the images of --dataset folder only) (at {tmp}/my_net.py, line 8, in "
+                   "forward: assert x.shape[2] == 224, f\"Wrong image height! Expected 224 but got {{x.shape[2]}}!\")"),
 }
 
 
 @pytest.mark.parametrize("case", BAD_MODELS)
+@pytest.mark.filterwarnings("ignore:The default weight initialization of GoogleNet:FutureWarning")  # torchvision's
 def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     source, ref, expected = BAD_MODELS[case]
     (tmp_path / "my_net.py").write_text(source)
