@@ -279,7 +279,7 @@ def check_resume_flags(saved, flags, recipe_flags):
         changed.append(f"--epochs {saved['epochs']} (now {flags['epochs']}: a run can be extended with a larger "
                        "--epochs, not shortened)")
     if changed:
-        raise UserError("--resume needs the checkpoint's recipe, but it had " + ", ".join(changed)
+        raise UserError("--resume continues the checkpoint's run, which had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir"
                         + smaller_steps_hint(saved.get("batch_size"), flags["batch_size"], flags["accumulate"]))
 

@@ -562,12 +562,12 @@ def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, t
     captured = capsys.readouterr()
     assert captured.out == ""  # no start-up block, nothing decoded at 40
     assert error_lines(captured.err) == [
-        "error: --resume needs the checkpoint's recipe, but it had --image-size 32x32 (now 40x40); rerun with its "
+        "error: --resume continues the checkpoint's run, which had --image-size 32x32 (now 40x40); rerun with its "
         "values or start a new --checkpoint-dir"]
     assert run_main("train.py", *common, "--image-size", "32", "--epochs", "3", "--seed", "1",
                     "--val-fraction", "0.3") == 2
     assert error_lines(capsys.readouterr().err) == [
-        "error: --resume needs the checkpoint's recipe, but it had --seed 0 (now 1), --val-fraction 0.2 (now 0.3); "
+        "error: --resume continues the checkpoint's run, which had --seed 0 (now 1), --val-fraction 0.2 (now 0.3); "
         "rerun with its values or start a new --checkpoint-dir"]
     resumed = run(python_cmd("train.py", *common, "--image-size", "32", "--epochs", "3", "--metrics-file",
                              tmp_path / "m.jsonl"), cwd=photos)

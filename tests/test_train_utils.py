@@ -372,7 +372,7 @@ def test_a_run_from_before_the_derived_ema_defaults_resumes_without_its_flags():
     defaults, recipe_flags = tu.resume_rules()
     saved = {**defaults, **vars(args), "model_ema_decay": 0.99, "model_ema_steps": 32}
     checkpoints.check_resume_flags(saved, vars(args), recipe_flags)  # no error
-    with pytest.raises(UserError, match=r"needs the checkpoint's recipe, but it had --model-ema-decay 0.9 \(now not "
+    with pytest.raises(UserError, match=r"continues the checkpoint's run, which had --model-ema-decay 0.9 \(now not "
                                         r"given\); rerun with its values"):
         checkpoints.check_resume_flags({**saved, "model_ema_decay": 0.9}, vars(args), recipe_flags)
 
