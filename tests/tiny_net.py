@@ -3,7 +3,8 @@ with BatchNorm and dropout like the real one, and a forward that sleeps 50 ms, s
 epoch lasts long enough to be interrupted in without spending CPU time (--model
 tests/tiny_net.py:Net).
 
-HOLD_AT=N:PATH holds each process at its N-th training forward until the file PATH exists,
+HOLD_AT=N:PATH holds each process at its N-th training forward (one that computes gradients:
+not the start-up check's, engine/models.check_output) until the file PATH exists,
 having written PATH.held<RANK>: a test then acts on a run that is surely still running (a
 signal, a second run on its folder) and creates PATH to let it go on. A run that finds PATH
 there already (resumed, requeued) is not held.
@@ -16,6 +17,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.nn as nn
 
 FORWARD_S = 0.05
@@ -26,10 +28,10 @@ class Net(nn.Module):
         super().__init__()
         self.layers = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                     nn.Dropout(0.1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
-        self.forwards = 0  # in training, in this process
+        self.forwards = 0  # training steps' forwards, in this process
 
     def forward(self, x):
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             self.forwards += 1
             hold(self.forwards)
         time.sleep(FORWARD_S)
