@@ -253,7 +253,6 @@ def trained_preprocessing(prep, trained, weights):
                   f"normalization mean {prep.mean}, std {prep.std}")
 
 
-
 def check_evaluable(data_dir, weights):
     """--eval-only evaluates an image folder's test/: one that holds its class folders directly
     has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
