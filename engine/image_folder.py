@@ -81,6 +81,10 @@ def split_folders(root, held_out, flag="--data-dir"):
     if others:
         if len(others) == 1:  # the first thing to fix (often --data-dir one level too high), before validation
             raise DatasetError(one_class(root, others[0], flag))
+        if not any(first_image(root / name) for name in others):  # else it is asked for --val-fraction first
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise DatasetError(f"{flag} {root} holds no image files in its folders ({shown}): it is not an image "
+                               f"folder ({root}/CLASS/IMAGE, or {root}/train/CLASS/IMAGE and {root}/test/CLASS/IMAGE)")
         if not held_out:
             raise DatasetError(f"{flag} {root} holds its class folders directly ({root}/CLASS/IMAGE, "
                                f"{len(others)} classes) and no test/ to validate on: add --val-fraction 0.2 to hold "
@@ -91,6 +95,17 @@ def split_folders(root, held_out, flag="--data-dir"):
                            f"{root}/train/CLASS/IMAGE and {root}/test/CLASS/IMAGE)")
     found = {split: split_folder(root, split, split == "train" or not held_out, flag) for split in SPLIT_FOLDERS}
     return {split: folder for split, folder in found.items() if folder is not None}, SPLIT
+
+
+def first_image(folder):
+    """The first image file found below ``folder`` (a walk that stops there), or None."""
+    extensions = image_extensions()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        image = next((name for name in filenames if Path(name).suffix.lower() in extensions), None)
+        if image is not None:
+            return Path(dirpath) / image
+    return None
 
 
 def split_folder(root, split, needed=True, flag="--data-dir"):

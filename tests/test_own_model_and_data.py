@@ -251,6 +251,9 @@ def test_unreadable_images_are_left_out_and_named_and_a_class_of_none_is_one_lin
     ({"train/a/x.png": True, "test/b/y.png": True}, "class folder(s) b are not in {root}/train"),
     ({"train/a/x.png": True, "train/b/notes.txt": False, "test/a/y.png": True}, "{root}/train/b holds no image files"),
     ({"train/x.png": True, "test/y.png": True}, "{root}/train has no class folders"),
+    # Folders of anything but images (the scripts' own folder, say): not class folders that want --val-fraction.
+    ({"engine/a.py": False, "tests/b.py": False, "docs/c.md": False},
+     "--data-dir {root} holds no image files in its folders (docs, engine, tests): it is not an image folder"),
 ])
 def test_a_folder_in_the_wrong_layout_is_one_line(tmp_path, capsys, layout, expected):
     root = tmp_path / "images"
