@@ -249,6 +249,12 @@ def labelled_images(root, classes):
                             f"the {len(classes)} classes the weights were trained on{hint}")
         extensions = image_extensions()
         images = [p for p in strays if p.suffix.lower() in extensions]  # a README or Thumbs.db beside: ignored
+        if images and not folders:  # a class folder itself, or a folder of unlabelled images
+            hint = (f"it is class {shown(root.name)}'s folder: give the folder above it, --labelled "
+                    f"{shown(root.parent)}" if root.name in index else
+                    f"to classify them without labels, give the folder itself: predict.py ... {shown(root)}")
+            raise UserError(f"--labelled {shown(root)} holds images ({shown(images[0].name)}, ...) but no class folders "
+                            f"(ROOT/CLASS/IMAGE: an image's label is the folder it is in); {hint}")
         if images:
             raise UserError(f"--labelled {shown(root)} holds {shown(images[0].name)} beside its class folders: an "
                             "image's label is the class folder it is in (ROOT/CLASS/IMAGE); move it into one")

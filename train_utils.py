@@ -45,8 +45,9 @@ from engine import flags
 from engine.cli import user_code_error
 from engine.errors import RunAborted, UserError
 from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
-                        describe_resume, duration, epoch_line, epoch_record, eta_seconds, per_process, processes,
-                        reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema, which_weights)
+                        describe_resume, duration, epoch_line, epoch_record, eta_seconds, flag_value, per_process,
+                        processes, reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema,
+                        which_weights)
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -678,7 +679,25 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
             # The job scripts pass --save-weights to every run: said, not refused.
             *[f"Note: {flag} {path} is not written: --eval-only trains nothing"
               for flag, path in (("--save-weights", args.save_weights), ("--tensorboard", args.tensorboard),
-                                 ("--profile-dir", args.profile_dir)) if path]]
+                                 ("--profile-dir", args.profile_dir)) if path],
+            # A training command line with --eval-only added: the recipe it keeps is said unused, not refused.
+            *([f"Note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: --eval-only trains "
+               "nothing"] if (unused := unused_recipe_flags(args)) else [])]
+
+
+def unused_recipe_flags(args):
+    """The recipe's flags that --eval-only does not use (all but --batch-size and --augment), as
+    ``args`` sets them other than their defaults (--optimizer's own defaults for its choice)."""
+    def typed(name, value):  # as on the command line: --model-ema, --no-nesterov, --base-lr 0.1
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            return flag if value else f"--no-{flag[2:]}"
+        return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {flag_value(value)}"
+
+    default, chosen = parse_args("", []), vars(parse_args("", ["--optimizer", args.optimizer]))
+    names = flags.group_flags(build_parser(""), recipe.RECIPE_GROUP)
+    return [typed(name, getattr(args, name)) for name in names if name not in ("batch_size", "augment")
+            and getattr(args, name) != (default.optimizer if name == "optimizer" else chosen[name])]
 
 
 def describe_weights(args, continuing=False, note=""):
@@ -855,4 +874,3 @@ def limited(loader, limit_batches):
 def target_reached(history, target, patience):
     """True when the last ``patience`` validation accuracies are all >= ``target`` (None: never)."""
     return target is not None and len(history) >= patience and all(acc >= target for acc in history[-patience:])
-

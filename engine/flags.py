@@ -461,8 +461,14 @@ def per_process_batch(global_batch, world_size, accumulate=1):
     return batch
 
 
+def group_flags(parser, title):
+    """The dest names of the flags in ``parser``'s argument group ``title`` (argparse lists a
+    group's actions in no public attribute)."""
+    group = next(g for g in parser._action_groups if g.title == title)
+    return tuple(action.dest for action in group._group_actions)
+
+
 def run_defining_flags(parser, recipe_group):
     """The flags a resumed run must keep (the dest names): the recipe's group and
     RUN_DEFINING_FLAGS. --epochs is not among them: a larger one extends the run."""
-    group = next(g for g in parser._action_groups if g.title == recipe_group)
-    return (*(action.dest for action in group._group_actions), *RUN_DEFINING_FLAGS)
+    return (*group_flags(parser, recipe_group), *RUN_DEFINING_FLAGS)

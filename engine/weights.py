@@ -228,8 +228,9 @@ def recorded_model(metadata, weights_path, flag="--weights"):
     for candidate in (Path(file), near):
         if candidate.is_file():
             return f"{candidate}:{name}"
-    raise UserError(f"{flag} {weights_path} were trained with --model {file}:{name}, which is no longer there (nor at "
-                    f"{near}); pass --model path/to/{Path(file).name}:{name}")
+    elsewhere = f" (nor at {near})" if near != Path(file) else ""  # the weights beside it: one place to look
+    raise UserError(f"{flag} {weights_path} were trained with --model {file}:{name}, which is no longer there"
+                    f"{elsewhere}; pass --model path/to/{Path(file).name}:{name}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -551,6 +551,12 @@ def test_a_moved_model_file_is_found_beside_the_weights_or_named(photos, trained
     assert error_lines(capsys.readouterr().err) == [
         f"error: --weights {tmp_path / 'w.pt'} were trained with --model /gone/pixel_net.py:Net, which is no longer "
         f"there (nor at {tmp_path / 'pixel_net.py'}); pass --model path/to/pixel_net.py:Net"]
+    task["model_file"] = str(tmp_path / "pixel_net.py")  # removed from beside the weights: one place, named once
+    torch.save(state, tmp_path / "w.pt")
+    assert run_main("predict.py", "--weights", tmp_path / "w.pt", photos / "photos" / "cat") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --weights {tmp_path / 'w.pt'} were trained with --model {tmp_path / 'pixel_net.py'}:Net, which is no "
+        "longer there; pass --model path/to/pixel_net.py:Net"]
 
 
 def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, trained, tmp_path, capsys,

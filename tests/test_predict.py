@@ -472,6 +472,9 @@ def test_labelled_mistakes_are_one_line(here, tmp_path, capsys):
     (tmp_path / "other" / "class_0").mkdir(parents=True)
     (tmp_path / "other" / "zebra").mkdir()
     shutil.copytree(here / "imgs" / "test" / "class_1", tmp_path / "flat")
+    shutil.copytree(here / "imgs" / "test" / "class_1", tmp_path / "one" / "class_1")  # a class folder itself
+    shutil.copytree(here / "imgs" / "test" / "class_1", tmp_path / "beside" / "class_1")
+    shutil.copy(next((tmp_path / "flat").iterdir()), tmp_path / "beside")
     (tmp_path / "empty" / "class_0").mkdir(parents=True)
     weights = ("--weights", "w.pt")
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "split") == (
@@ -481,7 +484,14 @@ def test_labelled_mistakes_are_one_line(here, tmp_path, capsys):
         2, f"error: --labelled {tmp_path / 'other'}: zebra is not among the 3 classes the weights were trained on "
            "(class_0, class_1, class_2)")
     code, line = one_line_error(capsys, *weights, "--labelled", tmp_path / "flat")
-    assert code == 2 and line.startswith(f"error: --labelled {tmp_path / 'flat'} holds ") and "beside its class" in line
+    assert code == 2 and line.startswith(f"error: --labelled {tmp_path / 'flat'} holds images (") and line.endswith(
+        f"but no class folders (ROOT/CLASS/IMAGE: an image's label is the folder it is in); to classify them without "
+        f"labels, give the folder itself: predict.py ... {tmp_path / 'flat'}")
+    code, line = one_line_error(capsys, *weights, "--labelled", tmp_path / "one" / "class_1")
+    assert code == 2 and line.endswith(f"it is class class_1's folder: give the folder above it, --labelled "
+                                       f"{tmp_path / 'one'}")
+    code, line = one_line_error(capsys, *weights, "--labelled", tmp_path / "beside")
+    assert code == 2 and line.startswith(f"error: --labelled {tmp_path / 'beside'} holds ") and "beside its class" in line
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "empty") == (
         2, f"error: --labelled {tmp_path / 'empty'} holds no image files in class folders (ROOT/CLASS/IMAGE)")
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "none") == (

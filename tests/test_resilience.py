@@ -678,6 +678,21 @@ def test_an_evaluation_given_the_job_scripts_resume_auto_reads_no_checkpoint(tmp
     out = capsys.readouterr().out
     assert "Evaluation: Loss=" in out and not (tmp_path / "prof").exists()
     assert f"\nNote: --profile-dir {tmp_path / 'prof'} is not written: --eval-only trains nothing\n" in out
+    assert "have no effect" not in out and "has no effect" not in out  # --batch-size applies to evaluation
+
+
+def test_an_evaluation_says_which_training_flags_it_does_not_use(tmp_path, capsys):
+    """A training command line with --eval-only added: its recipe has no effect, and says so
+    (given other than its defaults; --batch-size and --augment apply)."""
+    weights = tmp_path / "weights.pt"
+    assert run_main("train.py", *RUN, "--save-weights", weights) == 0
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--eval-only", "--weights", weights, "--optimizer", "adamw", "--base-lr", "0.5",
+                    "--model-ema", "--augment", "flip-crop") == 0
+    out = capsys.readouterr().out
+    assert "\nNote: --optimizer adamw, --base-lr 0.5, --model-ema have no effect: --eval-only trains nothing\n" in out
+    assert run_main("train.py", *RUN, "--eval-only", "--weights", weights, "--no-nesterov") == 0
+    assert "\nNote: --no-nesterov has no effect: --eval-only trains nothing\n" in capsys.readouterr().out
 
 
 def test_eval_only_needs_weights(capsys):
