@@ -41,7 +41,7 @@ PLAIN_MODEL = ("--model", f"{REPO / 'tests' / 'plain_net.py'}:Net")
 # Under `pytest -n 2 --dist loadgroup` (pytest-xdist: README's command) each of these files runs
 # whole in one worker: what its tests share would otherwise be built twice or collide. Listed
 # largest first (their seconds on 2 cores: 450, 290, 250, 240, 130, 110, 65, 40), the order
-# they start in.
+# they start in. A test of theirs with an xdist_group of its own (it shares nothing) runs apart.
 ONE_WORKER = {
     "test_resilience.py": "the uninterrupted reference run", "test_recipe.py": "the project copy and its reference runs",
     "test_job_scripts.py": "one job ID, and the rendezvous port derived from it",
@@ -61,7 +61,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which writes the groups into the test IDs
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.path.name in ONE_WORKER:
+        if item.path.name in ONE_WORKER and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
     # The grouped files first, largest first: one started last would run alone at the end while
     # the other worker idles. The other files keep their order (the sort is stable).
