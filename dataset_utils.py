@@ -306,16 +306,19 @@ def check_image_transforms(train_set, transform):
     corner of a smaller crop) or fail with a DataLoader worker's traceback."""
     names = transform_names(train_set.prep.per_image)
     image = torch.from_numpy(np.array(train_set.source[0])).permute(2, 0, 1)  # (C, H, W), as __getitem__ reads it
+    # What recipe.py's transforms are given: the image after --augment's crop, not as stored.
+    augment = recipe.loader_transforms(replace(train_set.prep, per_image=None))
+    given = f"{image.dtype} {tuple((transformed(image, augment, seed=0) if augment else image).shape)}"
     try:
         out = transformed(image, transform, seed=0)
     except Exception as err:
-        raise UserError(f"{names} failed on a training image ({image.dtype} {tuple(image.shape)}): "
-                        f"{type(err).__name__}: {first_line(err)}") from None
+        raise UserError(f"{names} failed on a training image ({given}): {type(err).__name__}: "
+                        f"{first_line(err)}") from None
     height, width, channels = train_set.prep.image_shape
     if not (torch.is_tensor(out) and out.dtype == torch.uint8 and out.ndim == 3 and out.shape[0] == channels
             and out.shape[1] >= height and out.shape[2] >= width):
         got = f"{out.dtype} {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
-        raise UserError(f"{names} returned {got} for an 8-bit {tuple(image.shape)} image; the loader takes 8-bit "
+        raise UserError(f"{names} returned {got} for a {given} image; the loader takes 8-bit "
                         f"(C, H, W) images of at least the model's input ({channels}, {height}, {width}), then "
                         "crops and normalizes them itself: leave out v2.ToDtype, v2.Normalize and crops smaller than "
                         "the input (--image-size sets it for an image folder)")

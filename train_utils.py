@@ -53,7 +53,7 @@ from engine.models import build_model
 from engine.monitor import Monitors
 from engine.optimization import (Cycle, check_loss, check_scheduler, describe_extension, describe_loss,
                                  describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
-                                 make_scheduler, prefill_momentum)
+                                 make_scheduler, prefill_momentum, schedule_length_notes)
 from engine.plugins import own_file, plugin_key
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
@@ -718,8 +718,11 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     log = RunLogger(ctx.is_main, args.metrics_file, checkpointed=bool(args.checkpoint_dir))
     steps = limited(task.train_loader, args.limit_batches)  # optimizer steps per epoch
     if steps == 0 and not args.eval_only:
-        raise UserError(f"the {len(task.train_loader.dataset)} training images give no full batch of "
-                        f"{task.train_loader.batch_size} per process; lower --batch-size")
+        kept, held = len(task.train_loader.dataset), len(task.test_loader.dataset)
+        split = (f" (--val-fraction {args.val_fraction:g} held out {held} of {kept + held})" if task.data.held_out
+                 else "")
+        raise UserError(f"the {kept} training images{split} give no full batch of {task.train_loader.batch_size} per "
+                        "process; lower --batch-size" + (" or --val-fraction" if split else ""))
     ema_schedule = None if args.eval_only else recipe.ema_schedule(args, args.epochs * steps)  # --model-ema's
     module = unwrap(task.model)
     if not args.eval_only and not any(p.requires_grad for p in module.parameters()):  # else the optimizer's error
@@ -745,7 +748,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                 described, describe_loss(loss_fn),
                                 recipe.describe_regularization(args, steps, ema_schedule),
                                 type(own).__name__ if own is not None else None, compiled and compiled.describe()))
-    for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps)]:
+    for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps),
+                 *schedule_length_notes(own, args.epochs * steps)]:
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):

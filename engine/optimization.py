@@ -147,6 +147,33 @@ def check_scheduler(scheduler, total_steps):
                         "give it total_steps=total_steps")
 
 
+def schedule_length_notes(scheduler, total_steps):
+    """Start-up notes for recipe.make_scheduler's ``scheduler`` (None: lr_factor's, none) whose
+    length, in the optimizer steps the loop steps it by, is not the run's ``total_steps``: a
+    length in epochs where steps were meant (T_max=epochs) makes a cosine rise and fall again
+    every 2 x T_max steps, and a schedule longer than the run ends it before the LR anneals.
+    (A OneCycleLR shorter than the run is refused in check_scheduler; LinearLR's warm-up is
+    meant to be shorter.)"""
+    schedulers = torch.optim.lr_scheduler
+    lengths = ((schedulers.OneCycleLR, "total_steps"), (schedulers.CosineAnnealingLR, "T_max"),
+               (schedulers.PolynomialLR, "total_iters"), (schedulers.LinearLR, "total_iters"))
+    attribute = next((name for kind, name in lengths if isinstance(scheduler, kind)), None)
+    length = getattr(scheduler, attribute, None) if attribute else None
+    if not length or length == total_steps:
+        return []
+    said = (f"Note: recipe.make_scheduler's {type(scheduler).__name__} has {attribute}={length} optimizer steps and "
+            f"this run takes {total_steps}: ")
+    if length > total_steps:
+        return [said + f"the run ends {total_steps / length:.0%} of the way through the schedule, whose LR never "
+                       "reaches its end (make_scheduler's total_steps is the run's length in optimizer steps)"]
+    if isinstance(scheduler, schedulers.CosineAnnealingLR):
+        return [said + f"the LR falls and rises again every {2 * length} steps (T_max=total_steps anneals it once "
+                       "over the run)"]
+    if isinstance(scheduler, schedulers.PolynomialLR):
+        return [said + f"the LR stays at its final value for the last {total_steps - length} steps"]
+    return []
+
+
 def first_cycle(epochs, warmup_epochs, steps_per_epoch):
     return Cycle(0, round(warmup_epochs * steps_per_epoch), epochs * steps_per_epoch)
 

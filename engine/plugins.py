@@ -56,7 +56,9 @@ def import_file(path, flag, ref):
     """Import a Python file as the module of its stem (so that DataLoader workers and
     torch.compile find its classes again); its folder joins sys.path for its own imports."""
     if not path.is_file():
-        raise UserError(f"{flag} {ref}: no such file {path.absolute()}")
+        source, _, name = ref.rpartition(":")
+        typed = f"; did you mean {flag} {source}.py:{name}?" if path.with_name(path.name + ".py").is_file() else ""
+        raise UserError(f"{flag} {ref}: no such file {path.absolute()}{typed}")
     path = path.resolve()
     name = path.stem
     loaded = sys.modules.get(name)

@@ -393,6 +393,8 @@ class Net(nn.Module):
 
 BAD_MODELS = {
     "missing file": ("", "nothing.py:Net", "error: --model nothing.py:Net: no such file {tmp}/nothing.py"),
+    "no .py": ("", "./my_net:Net", "error: --model ./my_net:Net: no such file {tmp}/my_net; did you mean --model "
+                                   "./my_net.py:Net?"),
     "missing name": ("class Other: pass\n", "my_net.py:Net",
                      "error: --model my_net.py:Net: {tmp}/my_net.py has no Net (it defines: Other)"),
     "a typo": ("", "torchvision.models:resnet19",

@@ -219,6 +219,29 @@ def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
         check_loss(lambda logits, labels: torch.tensor(0.0), 10, False, cpu)
 
 
+def test_a_schedule_whose_length_is_not_the_runs_is_said_at_start():
+    """make_scheduler's schedulers are stepped once per optimizer step: a length in epochs
+    (T_max=epochs), or one longer than the run, is a note in the start-up block, where the LR
+    would otherwise cycle or never anneal without a word; the run's own length, none."""
+    from engine.optimization import schedule_length_notes
+    sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    schedulers = torch.optim.lr_scheduler
+    for matching in (None, schedulers.OneCycleLR(sgd, max_lr=0.1, total_steps=400),
+                     schedulers.CosineAnnealingLR(sgd, T_max=400), schedulers.LinearLR(sgd, total_iters=40),
+                     schedulers.StepLR(sgd, step_size=100)):  # a warm-up shorter than the run; no length
+        assert schedule_length_notes(matching, 400) == []
+    assert schedule_length_notes(schedulers.OneCycleLR(sgd, max_lr=0.1, epochs=4, steps_per_epoch=400), 400) == [
+        "Note: recipe.make_scheduler's OneCycleLR has total_steps=1600 optimizer steps and this run takes 400: the run "
+        "ends 25% of the way through the schedule, whose LR never reaches its end (make_scheduler's total_steps is "
+        "the run's length in optimizer steps)"]
+    assert schedule_length_notes(schedulers.CosineAnnealingLR(sgd, T_max=4), 400) == [
+        "Note: recipe.make_scheduler's CosineAnnealingLR has T_max=4 optimizer steps and this run takes 400: the LR "
+        "falls and rises again every 8 steps (T_max=total_steps anneals it once over the run)"]
+    assert schedule_length_notes(schedulers.PolynomialLR(sgd, total_iters=300), 400) == [
+        "Note: recipe.make_scheduler's PolynomialLR has total_iters=300 optimizer steps and this run takes 400: the LR "
+        "stays at its final value for the last 100 steps"]
+
+
 def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
     """A short run with an average too slow for it: one warning line naming the flags; every
     epoch records and prints the model's and the average's accuracy; --save-weights holds the
@@ -376,7 +399,7 @@ def test_a_v2_transform_that_returns_what_the_loader_cannot_take_is_one_line_at_
     images = np.random.default_rng(0).integers(30, 220, (16, 32, 32, 3), dtype=np.uint8)
     plain = du.InMemoryImages(images, np.arange(16), du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3))
     data, _ = du.with_image_transforms(plain, v2.Compose([made[transform]()]))
-    expected = (f"^recipe.py's per-image {transform} returned {returned} for an 8-bit \\(3, 32, 32\\) image; the "
+    expected = (f"^recipe.py's per-image {transform} returned {returned} for a torch.uint8 \\(3, 32, 32\\) image; the "
                 r"loader takes 8-bit \(C, H, W\) images of at least the model's input \(3, 32, 32\)" if returned
                 else f"^recipe.py's per-image {transform} failed on a training image \\(torch.uint8 \\(3, 32, 32\\)\\): ")
     with pytest.raises(UserError, match=expected):
@@ -384,6 +407,13 @@ def test_a_v2_transform_that_returns_what_the_loader_cannot_take_is_one_line_at_
     du.build_loaders(plain, plain, 8, loader="torchvision")  # the same images without it: taken
     du.build_loaders(du.with_image_transforms(plain, v2.Compose([v2.RandomCrop(40, pad_if_needed=True)]))[0],
                      plain, 8, loader="torchvision")  # larger than the input: centre-cropped, as stored larger ones
+    # Photos stored at 37x37 for --augment resized-crop: the transforms are given its 32x32 crop, and say so.
+    stored = np.random.default_rng(0).integers(30, 220, (16, 37, 37, 3), dtype=np.uint8)
+    prep = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, augment="resized-crop", stored_size=(37, 37))
+    photos, _ = du.with_image_transforms(du.InMemoryImages(stored, np.arange(16), prep),
+                                         v2.Compose([made[transform]()]))
+    with pytest.raises(UserError, match=expected):
+        du.build_loaders(photos, plain, 8, loader="torchvision")
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():

@@ -131,7 +131,10 @@ def test_truncated_data_file_is_named(cifar_dir, capsys):
 @pytest.mark.parametrize("args, env, expected", [
     (["--batch-size", "0"], {}, "'0' is not a positive integer"),
     (["--precision", "fp16"], {}, "--precision fp16 needs a CUDA GPU"),
-    (["--batch-size", "64"], {}, "the 32 training images give no full batch of 64 per process"),
+    (["--batch-size", "64"], {}, "the 32 training images give no full batch of 64 per process; lower --batch-size"),
+    (["--val-fraction", "0.9", "--batch-size", "32"], {},
+     "the 26 training images (--val-fraction 0.9 held out 6 of 32) give no full batch of 32 per process; lower "
+     "--batch-size or --val-fraction"),
     ([], {"WORLD_SIZE": "2"}, "train.py trains with one process but WORLD_SIZE=2"),
 ])
 def test_bad_input(cifar_dir, capsys, monkeypatch, args, env, expected):
