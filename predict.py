@@ -176,6 +176,9 @@ def main(argv=None):
             raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
     summary = summary_stream(args.output)
     report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
+    if meta.get("synthetic"):
+        print(f"WARNING: --weights {shown(args.weights)} learnt --synthetic data (random images and labels): these "
+              "predictions mean nothing", file=summary)
     if labels is not None:
         matrix = confusion_matrix(truths, guesses, len(classes))
         correct, total = int(np.trace(matrix)), int(matrix.sum())

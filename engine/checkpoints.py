@@ -202,19 +202,10 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
                         f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
     check_fits(checkpoint["model"], "the checkpoint")
     saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
-    if saved_class != now:
-        fix = (f"resume with --optimizer {saved['optimizer']}" if saved["optimizer"] != flags["optimizer"]
-               else f"restore recipe.py's --optimizer {flags['optimizer']} as it was")
+    if saved_class != now and saved["optimizer"] != flags["optimizer"]:
         raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
-                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; {fix}, or start a "
-                        "new run in another --checkpoint-dir")
-    saved_scheduler = checkpoint.get("scheduler_class", "LambdaLR")
-    if saved_scheduler != scheduler_class:
-        def source(name):  # LambdaLR: lr_factor's, when recipe.make_scheduler returns None
-            return f"{name} (recipe.make_scheduler)" if name != "LambdaLR" else "lr_factor's LambdaLR"
-        raise UserError(f"the checkpoint was trained with the LR scheduler {source(saved_scheduler)}, this run "
-                        f"builds {source(scheduler_class)}: its state would not fit; restore recipe.py's "
-                        "make_scheduler as it was, or start a new run in another --checkpoint-dir")
+                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; resume with "
+                        f"--optimizer {saved['optimizer']}, or start a new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = fingerprints_differ(old, new)
     if differ:
@@ -233,13 +224,29 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
                         + "".join(f", {other[key]}" for key in other if key in differ) + "): resume on the data it "
                         "was trained on, or start a new run in another --checkpoint-dir")
     check_resume_flags(saved, flags, recipe_flags)
-    saved_code = checkpoint.get("recipe_code") or {}  # none in checkpoints written before it was recorded
-    edited = [f"{what} {saved_code[what]} (now {now})" for what, now in (recipe_code or {}).items()
-              if what in saved_code and saved_code[what] != now]
+    edited = recipe_edits(checkpoint, {"optimizer": now, "LR scheduler": scheduler_source(scheduler_class),
+                                       **(recipe_code or {})})
     if edited:
         raise UserError("--resume needs the checkpoint's recipe, but recipe.py made another since: its "
                         + ", ".join(edited) + "; restore recipe.py as it was, or start a new run in another "
                         "--checkpoint-dir (--weights takes the checkpoint's model)")
+
+
+def recipe_edits(checkpoint, now):
+    """Every difference, in words, between what recipe.py's code made of the checkpoint's run
+    and of this one (``now``: "optimizer", "LR scheduler" and Run.recipe_code's entries, by
+    name), so that one refusal names them all. A checkpoint older than a record has none."""
+    saved = {"optimizer": checkpoint.get("optimizer_class", "SGD"),
+             "LR scheduler": scheduler_source(checkpoint.get("scheduler_class", "LambdaLR")),
+             **(checkpoint.get("recipe_code") or {})}
+    return [f"{what} {saved[what]} (now {value})" for what, value in now.items()
+            if what in saved and saved[what] != value]
+
+
+def scheduler_source(name):
+    """An LR scheduler's class ``name`` and where it comes from: LambdaLR is lr_factor's,
+    as recipe.make_scheduler returns None; any other class is make_scheduler's own."""
+    return "lr_factor's LambdaLR" if name == "LambdaLR" else f"recipe.make_scheduler's {name}"
 
 
 # Checkpoints written before --model-ema's defaults followed the run's length recorded the old

@@ -135,6 +135,8 @@ def _why_not_creatable(directory):
     try:
         handle, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")
     except OSError as err:
+        if err.errno == errno.ENOENT:  # the folder exists: a file system that makes no files, as /proc
+            return f"{existing} takes no new files: it is not a folder for data"
         return f"{existing}: {err.strerror or err}"
     os.close(handle)
     os.unlink(probe)

@@ -36,6 +36,7 @@ FLAT, SPLIT = "DIR/CLASS/IMAGE", "DIR/train/CLASS/IMAGE"  # the two layouts, as 
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
 PROGRESS_S = 30  # seconds between progress lines of a long decode
+ENLARGE_NOTE_FACTOR = 2  # median upscaling above which the start-up block notes it
 STATS_VALUES = 2**24  # values per chunk when computing mean and std (16 MB of uint8, bounded memory)
 
 
@@ -347,6 +348,9 @@ def image_notes(headers, size, mode, why, ignored, splits):
     converted = sum(h.mode != mode for h in decoded)
     notes = [f"Images: {size[0]}x{size[1]} ({why}; {resized} resized: scaled to cover, centre-cropped), "
              + ("gray (every image is gray)" if mode == "L" else f"RGB ({converted} converted from other modes)")]
+    enlarged = enlargement_note([h.size for h in decoded], size)
+    if enlarged:
+        notes.append(enlarged)
     if ignored:
         notes.append(f"Ignored {count(len(ignored), 'file that is not an image', 'files that are not images')}, "
                      f"e.g. {ignored[0]}")
@@ -355,6 +359,20 @@ def image_notes(headers, size, mode, why, ignored, splits):
         notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
                      "read all the same")
     return notes
+
+
+def enlargement_note(sizes, size, most=ENLARGE_NOTE_FACTOR):
+    """A Note when most images of ``sizes`` ((H, W) each) are scaled up to ``size`` by more
+    than ``most`` on the median one: enlarging adds no detail, while the cache and every step
+    pay for each pixel (an --image-size of 2000 on 240x180 photos makes a cache 90x theirs)."""
+    factors = sorted(max(size[0] / height, size[1] / width) for height, width in sizes)
+    median = factors[(len(factors) - 1) // 2]
+    if median <= most:
+        return None
+    enlarged = sum(factor > 1 for factor in factors)
+    return (f"Note: {enlarged} of {len(factors)} images are enlarged to {size[0]}x{size[1]}, the median one "
+            f"{median:.1f}x: no detail is added, while memory and time per image grow {median ** 2:.0f}x; "
+            "keep it if the model needs this size (a pretrained one may), else lower --image-size")
 
 
 def _utf8(path):

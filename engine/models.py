@@ -29,6 +29,9 @@ SIZE_ERROR = re.compile(r"^(?!.*channel).*?(size|shape|height|width|resolution|d
 # The size the model wants, where the message says it: "Expected 224", "expected (224, 224)",
 # "Expected 224x224"; not "Expected 4D input" nor "expected 3 channels".
 EXPECTED_SIZE = re.compile(r"expected:?\s*\(?(\d+)(?:\s*[x,]\s*(\d+))?\b(?!\)?\s*channel)", re.IGNORECASE)
+# A linear layer whose input features are not what the layers before it give at this size:
+# "mat1 and mat2 shapes cannot be multiplied (2x12288 and 6912x10)" (batch x given, wanted x out).
+LINEAR_FEATURES = re.compile(r"mat1 and mat2 shapes cannot be multiplied \(\d+x(\d+) and (\d+)x\d+\)")
 
 
 def build_model(ref, data, seed, device, layout, weights=None, evaluating=False):
@@ -160,6 +163,10 @@ def wrong_size(ref, image_shape, err, resizable):
     sides = [n for n in found.groups() if n] if found else []
     if resizable:
         fix = f"give --image-size {'x'.join(sides)}" if sides else "give the --image-size it was designed for"
+        linear = LINEAR_FEATURES.search(message)
+        if linear and not sides:  # a model made for another size, or a layer sized wrong: either fix works
+            fix += (f", or make the layer take the {linear[1]} features these images give (not {linear[2]}; "
+                    "nn.LazyLinear takes what comes)")
     else:  # a square size said once ("Expected 224") is both sides
         fix = (f"it takes {' x '.join(sides * (3 - len(sides)))} pixels; " if sides else "") + \
               "use a model that takes these images (--image-size resizes the images of --dataset folder only)"

@@ -53,9 +53,11 @@ class DataInfo:
         """What saved weights carry beside the tensors, so an evaluation or predict.py maps labels
         and prepares images the same way (images are scaled to cover ``stored_size`` (H, W),
         centre-cropped to it, then to ``image_size``, and normalized with ``mean`` and ``std``),
-        and finds the images validation held out (``split``, ``data_dir``)."""
+        and finds the images validation held out (``split``, ``data_dir``); ``synthetic`` when
+        they learnt random images (predict.py says their predictions mean nothing)."""
         height, width, channels = self.prep.image_shape
-        optional = {"split": self.split, "data_dir": self.data_dir}
+        optional = {"split": self.split, "data_dir": self.data_dir,
+                    "synthetic": self.fingerprint.get("synthetic") or None}
         return {"dataset": self.key, "classes": list(self.classes), "image_size": [height, width],
                 "stored_size": list(self.prep.stored), "in_channels": channels, "mean": list(self.prep.mean),
                 "std": list(self.prep.std), "augment": self.prep.augment,

@@ -519,7 +519,8 @@ class Failing(torch.nn.Module):
                                                  "(AssertionError: input size must be 48x48): give the --image-size it "
                                                  "was designed for"),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x12288 and 6912x10)"),
-     "give the --image-size it was designed for"),
+     "give the --image-size it was designed for, or make the layer take the 12288 features these images give (not "
+     "6912; nn.LazyLinear takes what comes)"),
     # Not about the size: the line that names where it was raised, as before.
     (RuntimeError("Given groups=1, weight of size [8, 1, 3, 3], expected input[2, 3, 64, 64] to have 1 channels"),
      "--model n.py:Net on images (2, 3, 64, 64) raised RuntimeError: Given groups=1"),

@@ -24,7 +24,7 @@ from engine import batched_crops
 from engine.errors import UserError
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
-from engine.image_folder import cover_size, decode, scan
+from engine.image_folder import Header, cover_size, decode, image_notes, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
 from engine.task import held_out_again, held_out_record, names_sha256, stratified_split
@@ -609,6 +609,18 @@ def test_decoding_is_torchvisions_resize_and_centre_crop(tmp_path):
             assert covering[0] == size[0] or covering[1] == size[1]  # and no more than needed
             assert abs(covering[1] / covering[0] - width / height) < 2 / min(covering)  # the aspect ratio kept
             assert decode(path, size, "RGB").shape == (*size, 3)
+
+
+def test_images_enlarged_far_beyond_their_size_are_noted():
+    """--image-size 2000 on phone-camera thumbnails: a Note with the factor, not a silent 123x
+    cache; a size near the images' own, or a few small ones among large, stays quiet."""
+    thumbnails = [Header("RGB", (180, 240))] * 3 + [Header("RGB", (480, 640))]
+    notes = image_notes({"train": thumbnails}, (2000, 2000), "RGB", "--image-size 2000", [], {})
+    assert ("Note: 4 of 4 images are enlarged to 2000x2000, the median one 11.1x: no detail is added, while "
+            "memory and time per image grow 123x") in "\n".join(notes)
+    photos = [Header("RGB", (480, 640))] * 3 + [Header("RGB", (180, 240))]
+    for headers, size in ((thumbnails, (256, 256)), (photos, (480, 480))):  # 1.4x; one of four at 2.7x: quiet
+        assert not any("enlarged" in note for note in image_notes({"train": headers}, size, "RGB", "", [], {}))
 
 
 def test_photos_finetune_a_resnet18_on_two_processes(photos):

@@ -24,7 +24,8 @@ from PIL import Image
 from engine.weights import save_weights
 from predict import confusion_matrix, confusion_rows, per_class_accuracy, per_class_lines
 from predict import report as summary_report
-from conftest import clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_image_folder
+from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main,
+                      write_image_folder)
 from tiny_net import Net
 
 CLASSES = 3
@@ -97,6 +98,7 @@ def test_predictions_agree_with_the_accuracy_training_reported(trained):
     assert last["val_samples"] == len(rows)
     assert abs(accuracy - last["val_accuracy"]) < 1e-9, (accuracy, last["val_accuracy"])
     assert 0 < accuracy < 1  # neither trivially right nor wrong: the rows carry information
+    assert "--synthetic" not in result.stderr  # weights of real images: no warning
 
     for row in rows:  # top_k: every class (3 <= --top-k 3), most probable first, the first one the prediction
         top = top_k(row)
@@ -377,6 +379,18 @@ def test_weights_of_one_class_are_refused_in_one_line(here, tmp_path, capsys):
     save_weights(Net(1, 3), tmp_path / "none.pt", {**task, "classes": []})
     code, line = one_line_error(capsys, "--weights", tmp_path / "none.pt", "--held-out", "imgs")
     assert code == 2 and line.startswith(f"error: --weights {tmp_path / 'none.pt'} were trained on 0 classes: a ")
+
+
+def test_weights_of_synthetic_data_say_their_predictions_mean_nothing(here, tmp_path, capsys):
+    weights = tmp_path / "syn.pt"
+    assert run_main("train.py", "--synthetic", *TINY_MODEL, "--epochs", "1", "--limit-batches", "1", "--batch-size",
+                    "8", "--save-weights", weights, *FAST) == 0
+    capsys.readouterr()
+    assert run_main("predict.py", "--weights", weights, "imgs/test", "--output", tmp_path / "p.csv") == 0
+    out, err = capsys.readouterr()
+    assert (f"WARNING: --weights {weights} learnt --synthetic data (random images and labels): these predictions "
+            "mean nothing") in out + err
+    assert len(read_csv(tmp_path / "p.csv")) == CLASSES * 8  # classified all the same
 
 
 def confusion_csv(path):

@@ -160,9 +160,9 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
         "be extended (lr_factor's schedule can); resume with --epochs 3, or start a new run"], longer.stderr
     plain = run(single(*RUN, *outputs[1], "--resume"), cwd=project)  # recipe.py without make_scheduler's
     assert error_lines(plain.stderr) == [
-        "error: the checkpoint was trained with the LR scheduler MultiStepLR (recipe.make_scheduler), this run "
-        "builds lr_factor's LambdaLR: its state would not fit; restore recipe.py's make_scheduler as it was, or start "
-        "a new run in another --checkpoint-dir"], plain.stderr
+        "error: --resume needs the checkpoint's recipe, but recipe.py made another since: its LR scheduler "
+        "recipe.make_scheduler's MultiStepLR (now lr_factor's LambdaLR); restore recipe.py as it was, or start a new "
+        "run in another --checkpoint-dir (--weights takes the checkpoint's model)"], plain.stderr
     resumed = run(single(*RUN, *outputs[1], "--resume"), cwd=stopped)
     assert resumed.returncode == 0, resumed.stderr
     a, b = (torch.load(tmp_path / name / "w.pt", weights_only=True) for name in ("reference", "stopped"))
