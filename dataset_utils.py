@@ -297,31 +297,46 @@ def with_image_transforms(train_set, transforms):
     return train_set.with_prep(replace(train_set.prep, per_image=transforms)), transform_names(transforms)
 
 
-def check_image_transforms(train_set, transform):
+def check_image_transforms(train_set, transform, draws=16):
     """The DataLoader's per-image ``transform`` (recipe.loader_transforms, with recipe.py's own
-    transforms) tried on the first training image, at start: it must return what the loader
-    takes next, an 8-bit (C, H, W) image with the model's channels and at least its input size
-    (the loader crops the centre and normalizes). Else one line naming the transforms, where
-    the run would train silently on other images (a float image scaled as an 8-bit one, a 2x2
-    corner of a smaller crop) or fail with a DataLoader worker's traceback."""
+    transforms) tried on the first training image, at start, with the draws of ``draws`` seeds
+    (a RandomResize that shrinks one image in five shows): it must return what the loader
+    takes next (loader_mistake). Else one line naming the transforms, where the run would train
+    silently on other images (a float image scaled as an 8-bit one) or fail later, in a
+    DataLoader worker (InMemoryImages checks every image, a draw missed here included)."""
     names = transform_names(train_set.prep.per_image)
     image = torch.from_numpy(np.array(train_set.source[0])).permute(2, 0, 1)  # (C, H, W), as __getitem__ reads it
     # What recipe.py's transforms are given: the image after --augment's crop, not as stored.
     augment = recipe.loader_transforms(replace(train_set.prep, per_image=None))
     given = f"{image.dtype} {tuple((transformed(image, augment, seed=0) if augment else image).shape)}"
-    try:
-        out = transformed(image, transform, seed=0)
-    except Exception as err:
-        raise UserError(f"{names} failed on a training image ({given}): {type(err).__name__}: "
-                        f"{first_line(err)}") from None
-    height, width, channels = train_set.prep.image_shape
-    if not (torch.is_tensor(out) and out.dtype == torch.uint8 and out.ndim == 3 and out.shape[0] == channels
-            and out.shape[1] >= height and out.shape[2] >= width):
-        got = f"{out.dtype} {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
-        raise UserError(f"{names} returned {got} for a {given} image; the loader takes 8-bit "
-                        f"(C, H, W) images of at least the model's input ({channels}, {height}, {width}), then "
-                        "crops and normalizes them itself: leave out v2.ToDtype, v2.Normalize and crops smaller than "
-                        "the input (--image-size sets it for an image folder)")
+    for seed in range(draws):
+        try:
+            out = transformed(image, transform, seed)
+        except Exception as err:
+            raise UserError(f"{names} failed on a training image ({given}): {type(err).__name__}: "
+                            f"{first_line(err)}") from None
+        mistake = loader_mistake(out, train_set.prep.image_shape)
+        if mistake:
+            raise UserError(f"{names} returned {mistake} for a {given} image{'' if seed == 0 else ' in one draw'}; "
+                            + LOADER_TAKES.format(*train_set.prep.image_shape))
+
+
+LOADER_TAKES = ("the loader takes 8-bit (C, H, W) images of at least the model's input ({2}, {0}, {1}), "
+                "then crops and normalizes them itself: leave out v2.ToDtype, v2.Normalize and crops or resizes "
+                "smaller than the input (--image-size sets it for an image folder)")
+
+
+def loader_mistake(image, image_shape, dtype=torch.uint8):
+    """What is wrong with ``image``, a per-image transform's output, for the loader that crops
+    its centre to ``image_shape`` (H, W, C) and normalizes it as stored (``dtype``: 8-bit for
+    recipe.py's transforms): "float32 (3, 2, 2)"; None when it is a (C, H, W) image of that
+    dtype, C channels and at least H x W (a smaller one would be cropped to a corner of itself,
+    not refused)."""
+    height, width, channels = image_shape
+    if (torch.is_tensor(image) and image.dtype == dtype and image.ndim == 3 and image.shape[0] == channels
+            and image.shape[1] >= height and image.shape[2] >= width):
+        return None
+    return f"{image.dtype} {tuple(image.shape)}" if torch.is_tensor(image) else type(image).__name__
 
 
 def check_augmentation(train_set):
@@ -441,7 +456,14 @@ class InMemoryImages(Dataset):
         row = index if self.rows is None else self.rows[index]
         image = torch.from_numpy(np.array(self.source[row])).permute(2, 0, 1)  # (C, H, W): a copy, out of the map
         if seed is not None and self.transform is not None:  # a training image
+            stored = tuple(image.shape)
             image = transformed(image, self.transform, seed)
+            mistake = loader_mistake(image, self.prep.image_shape, self.dtype)
+            if mistake:  # a draw the start-up check missed: one line (engine.cli.worker_error), not a collate error
+                per_image = self.prep.per_image
+                names = transform_names(per_image) if per_image else f"--augment {self.prep.augment}"
+                raise UserError(f"{names} returned {mistake} for training image "
+                                f"{index} (stored {stored}); " + LOADER_TAKES.format(*self.prep.image_shape))
         image = centre_crop(image.permute(1, 2, 0)[None], self.prep.image_shape[:2])  # (1, h, w, C); test images
         return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
 
@@ -674,9 +696,9 @@ def build_data(args, ctx, listed=False, normalization=None):
         split = stratified_split(train.labels, args.val_fraction, args.seed)
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
         record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped, info.names_sha256)
+        described = describe_split(split, args.val_fraction, args.seed, info.classes, train.labels) + unused
         train, test = train.subset(split.train), train.subset(split.val)
-        info = replace(info, notes=(*info.notes, describe_split(split, args.val_fraction, args.seed,
-                                                                 len(info.classes)) + unused), split=record)
+        info = replace(info, notes=(*info.notes, described), split=record)
     elif test is None:
         raise UserError(f"--dataset {args.dataset} has no test split: hold out part of the training images for "
                         "validation with --val-fraction 0.2 (20% of each class)")

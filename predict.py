@@ -106,10 +106,10 @@ def build_parser():
                              "column per predicted class, image counts) to this new .csv file, and a PNG of it beside "
                              "with matplotlib (default: beside the --output file, as OUTPUT_STEM-confusion.csv; none "
                              "when the predictions go to stdout)")
-    parser.add_argument("--top-k", type=positive_int, default=3,
+    parser.add_argument("--top-k", type=positive_int, default=3, metavar="K",
                         help="classes (with their probability) in the top_k column, capped at the number of "
                         "classes (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=64,
+    parser.add_argument("--batch-size", type=positive_int, default=64, metavar="IMAGES",
                         help="images per forward pass (default: %(default)s)")
     return parser
 

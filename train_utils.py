@@ -54,7 +54,7 @@ from engine.monitor import Monitors
 from engine.optimization import (Cycle, check_loss, check_scheduler, describe_extension, describe_loss,
                                  describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
                                  make_scheduler, prefill_momentum, schedule_length_notes)
-from engine.plugins import own_file, plugin_key
+from engine.plugins import load_plugin, own_file, plugin_key
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
 from engine.stopping import StopRequests, check_stop_file
@@ -512,6 +512,7 @@ def build_task(args, ctx):
         from engine.checkpoints import check_newest_flags
         normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args), *resume_rules()),
                                    ctx.control_group)
+    load_plugin(args.model, "--model")  # a typo in its name is one line before minutes of decoding, not after
     per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
     loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI
     train_set, test_set, data = build_data(args, ctx, listed=loader == "dali", normalization=normalization)
@@ -688,16 +689,40 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
 def unused_recipe_flags(args):
     """The recipe's flags that --eval-only does not use (all but --batch-size and --augment), as
     ``args`` sets them other than their defaults (--optimizer's own defaults for its choice)."""
-    def typed(name, value):  # as on the command line: --model-ema, --no-nesterov, --base-lr 0.1
-        flag = f"--{name.replace('_', '-')}"
-        if isinstance(value, bool):
-            return flag if value else f"--no-{flag[2:]}"
-        return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {flag_value(value)}"
+    return [typed_flag(name, getattr(args, name)) for name in recipe_flags_set(args)
+            if name not in ("batch_size", "augment")]
 
+
+def recipe_flags_set(args):
+    """The names of the recipe's flags that ``args`` sets other than their defaults
+    (--optimizer's own defaults for its choice)."""
     default, chosen = parse_args("", []), vars(parse_args("", ["--optimizer", args.optimizer]))
     names = flags.group_flags(build_parser(""), recipe.RECIPE_GROUP)
-    return [typed(name, getattr(args, name)) for name in names if name not in ("batch_size", "augment")
-            and getattr(args, name) != (default.optimizer if name == "optimizer" else chosen[name])]
+    return [name for name in names
+            if getattr(args, name) != (default.optimizer if name == "optimizer" else chosen[name])]
+
+
+def typed_flag(name, value):
+    """A flag as on the command line: --model-ema, --no-nesterov, --base-lr 0.1."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {flag_value(value)}"
+
+
+def flags_not_passed_on(args, optimizer, loss_fn):
+    """The start-up Note for recipe flags given that recipe.py's code, as edited, did not pass
+    on as given (an AdamW built with its own lr, a loss with its own label_smoothing, --momentum
+    to an optimizer without one): the Recipe line says what runs, this which flags changed
+    nothing there. None when every one given arrived."""
+    built = {"base_lr": optimizer.defaults.get("lr"), "weight_decay": optimizer.defaults.get("weight_decay"),
+             "momentum": optimizer.defaults.get("momentum"), "nesterov": optimizer.defaults.get("nesterov"),
+             "label_smoothing": getattr(loss_fn, "label_smoothing", None)}
+    built = {name: float(value) if torch.is_tensor(value) else value for name, value in built.items()}  # a tensor lr
+    missed = [typed_flag(name, getattr(args, name)) for name in recipe_flags_set(args)
+              if name in built and built[name] != getattr(args, name)]
+    return (f"Note: recipe.py did not pass on {', '.join(missed)} as given: the Recipe line has what runs"
+            if missed else None)
 
 
 def describe_weights(args, continuing=False, note=""):
@@ -748,8 +773,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                 described, describe_loss(loss_fn),
                                 recipe.describe_regularization(args, steps, ema_schedule),
                                 type(own).__name__ if own is not None else None, compiled and compiled.describe()))
-    for line in [*header, *recipe.ema_warning(args, ema_schedule, args.epochs * steps),
-                 *schedule_length_notes(own, args.epochs * steps)]:
+    ignored = None if args.eval_only else flags_not_passed_on(args, optimizer, loss_fn)
+    for line in [*header, *([ignored] if ignored else []), *recipe.ema_warning(args, ema_schedule, args.epochs * steps),
+                 *schedule_length_notes(own, args.epochs * steps, steps)]:
         log.info(line)
     if ctx.process_group:
         for line in network_report(ctx):

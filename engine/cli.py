@@ -4,6 +4,7 @@ sure rank 0's line is the one the user sees.
 """
 
 import os
+import re
 import signal
 import sys
 import sysconfig
@@ -75,17 +76,51 @@ def user_code_error(err, files):
     that fails on the training batch); None for any other exception, which keeps its traceback
     (a bug of ours, torch.compile's generated code, a CUDA fault that surfaced there). Printed
     by each rank that hits it, rank 0's first when all do."""
-    if isinstance(err, (UserError, TrainingStopped)) or "CUDA error" in str(err):
+    worker = worker_error(err)
+    if worker:  # raised in a DataLoader worker: its traceback is the text of this one
+        kind, frames, line = worker
+        if kind == "UserError":  # the loader's own check of an image (dataset_utils.loader_mistake)
+            return rank0_first(UserError(line, same_on_every_rank=False))
+        frames, what = [frame for frame in frames if not is_library(frame[0])], f"{kind}: {line}"
+    elif isinstance(err, (UserError, TrainingStopped)) or "CUDA error" in str(err):
         return None
-    code = [frame for frame in traceback.extract_tb(err.__traceback__) if not is_library(frame.filename)]
-    if not code or Path(code[-1].filename).resolve() not in {Path(file).resolve() for file in files}:
+    else:
+        frames = [(frame.filename, frame.lineno, frame.name) for frame in traceback.extract_tb(err.__traceback__)
+                  if not is_library(frame.filename)]
+        what = f"{type(err).__name__}: {first_line(err)}"
+    if not frames or Path(frames[-1][0]).resolve() not in {Path(file).resolve() for file in files}:
         return None
-    path = Path(code[-1].filename).resolve()
+    filename, lineno, name = frames[-1]
+    path = Path(filename).resolve()
     shown = path.relative_to(PROJECT) if path.is_relative_to(PROJECT) else path
-    mistake = UserError(f"{shown}, line {code[-1].lineno}, in {code[-1].name}: {type(err).__name__}: "
-                        f"{first_line(err)}", same_on_every_rank=False)
+    return rank0_first(UserError(f"{shown}, line {lineno}, in {name}: {what}", same_on_every_rank=False))
+
+
+def rank0_first(mistake):
+    """``mistake``, a line each rank prints, printed by rank 0 first when all hit it."""
     mistake.rank0_first = True
     return mistake
+
+
+# How torch re-raises an exception of a DataLoader worker in the training process: the worker's
+# traceback as the text of a new exception of the same type (torch.utils.data's ExceptionWrapper,
+# the same since torch 1.x). That text is the only record of where it was raised.
+WORKER_ERROR = re.compile(r"^Caught (\w+) in DataLoader worker process \d+\.\nOriginal Traceback[^\n]*\n(.*)$", re.S)
+WORKER_FRAME = re.compile(r'^  File "(.+)", line (\d+), in (.+)$', re.M)
+
+
+def worker_error(err):
+    """(its type's name, [(file, line, function)] innermost last, its message's first line) of
+    ``err`` when a DataLoader worker raised it, read from its text (WORKER_ERROR); else None."""
+    found = WORKER_ERROR.match(str(err))
+    if not found:
+        return None
+    frames = [(filename, int(lineno), name) for filename, lineno, name in WORKER_FRAME.findall(found[2])]
+    lines = found[2].splitlines()
+    innermost = max((i for i, line in enumerate(lines) if WORKER_FRAME.match(line)), default=-1)
+    # The exception's own line, "module.Type: text", follows the innermost frame's indented ones.
+    last = next((line for line in lines[innermost + 1:] if line and not line.startswith(" ")), "")
+    return found[1], frames, last.partition(": ")[2]
 
 
 def is_library(filename):

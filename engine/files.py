@@ -62,6 +62,11 @@ def check_outputs(output_files, output_folders, group=None, json_lines=()):
             if path and named.setdefault(os.path.abspath(path), flag) != flag:
                 raise UserError(f"{named[os.path.abspath(path)]} and {flag} name the same file, {path}: give each "
                                 "its own")
+        folders = {os.path.abspath(directory): flag for flag, directory in output_folders.items() if directory}
+        for flag, path in output_files.items():  # a folder not made yet is no folder to check_writable
+            if path and os.path.abspath(path) in folders:
+                raise UserError(f"{flag} {path} is the folder of {folders[os.path.abspath(path)]}: give {flag} a "
+                                "file's name (a file in that folder is fine)")
         for flag, directory in output_folders.items():  # first: a file in one (DIR/weights.pt) names the folder
             if directory:
                 check_writable_dir(directory, flag)

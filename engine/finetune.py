@@ -98,9 +98,10 @@ def freeze_loaded(model, finetuned, path):
 def _note(path, fits, new, saved, own, num_classes, ignored, other_classes=None):
     head = ""
     for name in new:
-        if other_classes is not None:  # as many classes, other ones: the file's head is not theirs
+        if other_classes is not None:  # the file records its classes, not these: its head is not theirs
             shown = ", ".join(map(str, other_classes[:4])) + (", ..." if len(other_classes) > 4 else "")
-            head = f" (the file's {num_classes} classes are others: {shown})"
+            head = (f" (the file's {num_classes} classes are others: {shown})" if len(other_classes) == num_classes
+                    else f" ({len(other_classes)} -> {num_classes} classes; the file's were {shown})")
             break
         if name in saved and saved[name].ndim and own[name].shape[0] == num_classes:
             head = f" ({saved[name].shape[0]} -> {num_classes} classes)"

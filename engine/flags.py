@@ -405,6 +405,9 @@ def given_flags(parser, argv, args):
     return {dest for dest, value in vars(again).items() if value is not unset}
 
 
+TRAINED_SETTINGS = {"image_size": "image size", "augment": "augmentation"}  # adopt_trained_settings' words
+
+
 def adopt_trained_settings(args, given, saved, error):
     """--eval-only --weights W: the settings W records of its training (engine/task.py's
     weights metadata) for the flags not given: --model, --dataset, --data-dir, --image-size
@@ -440,8 +443,9 @@ def adopt_trained_settings(args, given, saved, error):
             continue
         if name in given and getattr(args, name) != value:
             flag = f"--{name.replace('_', '-')}"
-            error(f"{flag} {flag_value(getattr(args, name))} contradicts --weights {path}, trained with {flag} "
-                  f"{flag_value(value)}: leave it out, the weights say how their images were prepared"
+            setting = TRAINED_SETTINGS.get(name, flag)  # the size and augmentation may have been chosen, not given
+            error(f"{flag} {flag_value(getattr(args, name))} contradicts --weights {path}, whose training's {setting} "
+                  f"was {flag_value(value)}: leave it out, the weights say how their images were prepared"
                   + (" and which were held out" if name in ("val_fraction", "seed") else ""))
         setattr(args, name, value)
 

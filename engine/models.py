@@ -118,8 +118,11 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
     model.eval()
     with torch.set_grad_enabled(trains):
         out = call_user_code(lambda: first_forward(model, images, ref, resizable), what, ref)
-    model.train()
     check_logits(out, ref, image_shape, num_classes)
+    with torch.no_grad():  # the last batch of an evaluation, or predict.py's, may hold one image
+        one = call_user_code(lambda: model(images[:1]), what.replace("(2, ", "(1, ", 1), ref)
+    model.train()
+    check_logits(one, ref, image_shape, num_classes, batch=1)
     if trains and not out.requires_grad and any(p.requires_grad for p in model.parameters()):
         raise UserError(f"--model {ref}'s output does not depend on its trainable parameters (torch.no_grad(), "
                         ".detach() or .item() in its forward?): nothing would train")
@@ -129,15 +132,19 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
         check_logits(out, ref, image_shape, num_classes, " in training mode")
 
 
-def check_logits(out, ref, image_shape, num_classes, mode=""):
-    """One line unless ``out``, the output for images (2, *image_shape), is logits (2, num_classes)."""
+def check_logits(out, ref, image_shape, num_classes, mode="", batch=2):
+    """One line unless ``out``, the output for images (batch, *image_shape), is logits
+    (batch, num_classes)."""
     shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-    if shape == (2, num_classes):
+    if shape == (batch, num_classes):
         return
     auxiliary = (": a model with auxiliary outputs in training (torchvision's googlenet and inception_v3 take "
                  "aux_logits=False); return the logits alone" if mode and not torch.is_tensor(out) else "")
-    raise UserError(f"--model {ref} maps images (2, {', '.join(map(str, image_shape))}){mode} to {shape}, not to "
-                    f"logits (2, {num_classes}) for the data's {num_classes} classes{auxiliary}")
+    if batch == 1:  # a batch of two passed: a squeeze() that takes the batch's dimension when it is 1
+        auxiliary = (": a batch of one image (an evaluation's last, predict.py's) must keep its batch dimension "
+                     "(.squeeze() in the forward? .flatten(1) or .squeeze(-1) keeps it)")
+    raise UserError(f"--model {ref} maps images ({batch}, {', '.join(map(str, image_shape))}){mode} to {shape}, not "
+                    f"to logits ({batch}, {num_classes}) for the data's {num_classes} classes{auxiliary}")
 
 
 def first_forward(model, images, ref, resizable=None):

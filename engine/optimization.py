@@ -147,14 +147,18 @@ def check_scheduler(scheduler, total_steps):
                         "give it total_steps=total_steps")
 
 
-def schedule_length_notes(scheduler, total_steps):
+def schedule_length_notes(scheduler, total_steps, steps_per_epoch):
     """Start-up notes for recipe.make_scheduler's ``scheduler`` (None: lr_factor's, none) whose
     length, in the optimizer steps the loop steps it by, is not the run's ``total_steps``: a
     length in epochs where steps were meant (T_max=epochs) makes a cosine rise and fall again
-    every 2 x T_max steps, and a schedule longer than the run ends it before the LR anneals.
-    (A OneCycleLR shorter than the run is refused in check_scheduler; LinearLR's warm-up is
-    meant to be shorter.)"""
+    every 2 x T_max steps, and a schedule longer than the run ends it before the LR anneals;
+    a decay that torchvision's references count in epochs (StepLR, MultiStepLR, ExponentialLR)
+    comes more than once in ``steps_per_epoch`` (decay_note). (A OneCycleLR shorter than the
+    run is refused in check_scheduler; LinearLR's warm-up is meant to be shorter.)"""
     schedulers = torch.optim.lr_scheduler
+    decay = decay_note(scheduler, total_steps, steps_per_epoch)
+    if decay:
+        return [decay]
     lengths = ((schedulers.OneCycleLR, "total_steps"), (schedulers.CosineAnnealingLR, "T_max"),
                (schedulers.PolynomialLR, "total_iters"), (schedulers.LinearLR, "total_iters"))
     attribute = next((name for kind, name in lengths if isinstance(scheduler, kind)), None)
@@ -172,6 +176,30 @@ def schedule_length_notes(scheduler, total_steps):
     if isinstance(scheduler, schedulers.PolynomialLR):
         return [said + f"the LR stays at its final value for the last {total_steps - length} steps"]
     return []
+
+
+def decay_note(scheduler, total_steps, steps_per_epoch):
+    """The Note for a StepLR, MultiStepLR or ExponentialLR that decays the LR faster than an
+    epoch's steps allow for a length in epochs: StepLR(step_size=30) or milestones=[30, 60] meant
+    as epochs, which a per-step loop reaches within the first epoch, or an ExponentialLR whose
+    gamma per step leaves less than a tenth of the LR after one epoch. None otherwise."""
+    schedulers, name = torch.optim.lr_scheduler, type(scheduler).__name__
+    per_epoch = "steps_per_epoch = total_steps // args.epochs"
+    if isinstance(scheduler, schedulers.StepLR) and scheduler.step_size < steps_per_epoch:
+        setting, decays = f"step_size={scheduler.step_size}", total_steps // scheduler.step_size
+        fix = f"for epochs, multiply it by {per_epoch}"
+    elif isinstance(scheduler, schedulers.MultiStepLR) and min(scheduler.milestones) < steps_per_epoch:
+        setting = f"milestones={sorted(scheduler.milestones)}"
+        decays = sum(n for milestone, n in scheduler.milestones.items() if milestone <= total_steps)
+        fix = f"for epochs, multiply them by {per_epoch}"
+    elif isinstance(scheduler, schedulers.ExponentialLR) and scheduler.gamma ** steps_per_epoch < 0.1:
+        setting, decays = f"gamma={scheduler.gamma}", total_steps
+        fix = f"for a gamma per epoch, give gamma ** (1 / steps_per_epoch), {per_epoch}"
+    else:
+        return None
+    return (f"Note: recipe.make_scheduler's {name} ({setting}) counts optimizer steps, {steps_per_epoch} an epoch "
+            f"here: the LR decays {decays} times over the run's {total_steps} steps, to {scheduler.gamma ** decays:.2g}"
+            f" times its start ({fix})")
 
 
 def first_cycle(epochs, warmup_epochs, steps_per_epoch):

@@ -38,8 +38,9 @@ def load_plugin(ref, flag):
         except ModuleNotFoundError as err:
             if err.name != source.split(".")[0] and err.name != source:
                 raise user_error(err, f"{flag} {ref}: importing {source}", None) from None
-            raise UserError(f"{flag} {ref}: no module named {source} (for a file give its path: "
-                            f"{source}.py:{name})") from None
+            hint = ("one colon: FILE.py:NAME or module:NAME" if ".py:" in source else
+                    f"for a file give its path: {source}.py:{name}")
+            raise UserError(f"{flag} {ref}: no module named {source} ({hint})") from None
         except Exception as err:
             raise user_error(err, f"{flag} {ref}: importing {source}", None) from None
     try:

@@ -168,11 +168,17 @@ def stratified_split(labels, fraction, seed):
     return Split(np.setdiff1d(np.arange(len(labels)), val), val.astype(np.int64))
 
 
-def describe_split(split, fraction, seed, classes):
-    """The start-up block's line."""
+def describe_split(split, fraction, seed, classes, labels):
+    """The start-up block's line (``classes``: the names; ``labels``: of every image split),
+    naming the classes of one image, which stratified_split leaves in training alone: their
+    validation accuracy is never measured."""
+    labels = np.asarray(labels)
+    unseen = [classes[label] for label in np.setdiff1d(np.unique(labels), labels[split.val])]
+    alone = (f"; {len(unseen)} {'class has' if len(unseen) == 1 else 'classes have'} a single image, kept for "
+             f"training, so none validated (e.g. {unseen[0]})" if unseen else "")
     return (f"Validation: {len(split.val)} of the {len(split.train) + len(split.val)} training images held out "
-            f"(--val-fraction {fraction:g} of each of the {classes} classes, chosen by --seed {seed}); the training "
-            f"split is the other {len(split.train)}")
+            f"(--val-fraction {fraction:g} of each of the {len(classes)} classes, chosen by --seed {seed}); the "
+            f"training split is the other {len(split.train)}{alone}")
 
 
 def names_sha256(names):

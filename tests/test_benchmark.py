@@ -269,8 +269,11 @@ def test_profile_split_of_a_real_profile():
 
 
 def test_gpu_report_run_alone_points_to_the_command(capsys):
-    assert run_main("tools/gpu_report.py", "--help") == ("gpu_report.py: error: it holds the parts of a GPU report; "
-                                                         "run python tools/benchmark.py --report FILE.md")
+    assert run_main("tools/gpu_report.py", "--report", "r.md") == ("gpu_report.py: error: it holds the parts of a GPU "
+                                                                   "report; run python tools/benchmark.py --report "
+                                                                   "FILE.md")
+    assert run_main("tools/gpu_report.py", "--help") == 0  # README's tools table lists it: its docstring
+    assert capsys.readouterr().out.startswith("``python tools/benchmark.py --report FILE.md``: everything the first")
 
 
 def test_the_capture_probe_needs_a_gpu_and_says_so_in_one_line(tmp_path, capsys):

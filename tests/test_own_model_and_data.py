@@ -403,6 +403,9 @@ BAD_MODELS = {
     "no module": ("", "nosuchmodule:Net",
                   "error: --model nosuchmodule:Net: no module named nosuchmodule (for a file give its path: "
                   "nosuchmodule.py:Net)"),
+    "two colons": ("class Net: pass\n", "my_net.py:Net:x",
+                   "error: --model my_net.py:Net:x: no module named my_net.py:Net (one colon: FILE.py:NAME or "
+                   "module:NAME)"),
     "not callable": ("Net = 3\n", "my_net.py:Net",
                      "error: --model my_net.py:Net: Net is not a class or function but a value of type int"),
     "wrong signature": ("def Net(classes, channels): pass\n", "my_net.py:Net",
@@ -429,11 +432,19 @@ BAD_MODELS = {
     "no parameters": ("import torch.nn as nn\ndef Net(num_classes, in_channels):\n"
                       "    return nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(num_classes))\n", "my_net.py:Net",
                       "error: --model my_net.py:Net has no trainable parameters: nothing to train"),
-    # Right for the start-up check's batch of 2 only: the training batch fails in forward, named by its line.
+    # Right for the start-up check's batches of 2 and 1 only: the training batch fails in forward, named by its line.
     "fails in training": ("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self, num_classes, in_channels):\n"
                           "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"
-                          "    def forward(self, x):\n        return self.head(x.reshape(2, -1))\n", "my_net.py:Net",
+                          "    def forward(self, x):\n        return self.head(x.reshape(min(len(x), 2), -1))\n",
+                          "my_net.py:Net",
                           "error: {tmp}/my_net.py, line 8, in forward: RuntimeError: "),
+    # Logits (2, classes) for the check's two images, (classes,) for one: an evaluation's last batch failed.
+    "squeezed": ("import torch.nn as nn\nclass Net(nn.Module):\n    def __init__(self, num_classes, in_channels):\n"
+                 "        super().__init__()\n        self.head = nn.LazyLinear(num_classes)\n\n"
+                 "    def forward(self, x):\n        return self.head(x.flatten(1)).squeeze()\n", "my_net.py:Net",
+                 "error: --model my_net.py:Net maps images (1, 3, 32, 32) to (100,), not to logits (1, 100) for the "
+                 "data's 100 classes: a batch of one image (an evaluation's last, predict.py's) must keep its batch "
+                 "dimension (.squeeze() in the forward? .flatten(1) or .squeeze(-1) keeps it)"),
     # Logits in evaluation, (logits, auxiliary logits) in training: the training step's loss failed in a traceback.
     "auxiliary outputs": ("import torch.nn as nn\nclass Net(nn.Module):\n"
                           "    def __init__(self, num_classes, in_channels):\n        super().__init__()\n"
@@ -476,6 +487,18 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     [line] = error_lines(err)
     assert line.startswith(expected.format(tmp=tmp_path, torchvision=Path(torchvision.__file__).parent)), line
     assert "Traceback" not in err
+
+
+def test_a_model_name_mistyped_is_one_line_before_any_image_is_decoded(tmp_path, capsys, monkeypatch):
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
+    (tmp_path / "my_net.py").write_text("class Net: pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "my_net", raising=False)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--model", "my_net.py:Nett", "--cache-dir",
+                    tmp_path / "cache", "--epochs", "1", *FAST) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --model my_net.py:Nett: {tmp_path / 'my_net.py'} has no Nett (did you mean Net?)"]
+    assert not (tmp_path / "cache").exists()  # nothing decoded first
 
 
 def test_a_model_without_gradients_is_refused_for_training_only():

@@ -27,7 +27,7 @@ from engine.image_cache import read_folder_cache
 from engine.image_folder import Header, cover_size, decode, image_notes, scan
 from engine.models import make_model
 from engine.plugins import load_plugin
-from engine.task import held_out_again, held_out_record, names_sha256, stratified_split
+from engine.task import describe_split, held_out_again, held_out_record, names_sha256, stratified_split
 from engine.weights import save_weights
 from tools.benchmark import TorchvisionResizedCrops
 from tools.demo_data import write_photo_folder
@@ -107,6 +107,12 @@ def test_the_split_is_stratified_disjoint_and_a_function_of_the_seed():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == str(split.val.tolist())
+    # The start-up block names the class of one image, which validation never sees.
+    line = describe_split(split, 0.2, 5, ("cat", "dog", "fox", "owl"), labels)
+    assert line.endswith("the training split is the other 63; 1 class has a single image, kept for training, so none "
+                         "validated (e.g. owl)"), line
+    assert describe_split(stratified_split(labels[:-1], 0.2, 5), 0.2, 5, ("cat", "dog", "fox"), labels[:-1]).endswith(
+        "the training split is the other 62")
 
 
 def test_the_held_out_images_are_found_again_only_in_the_same_images():
@@ -364,6 +370,9 @@ def test_finetune_on_as_many_other_classes_starts_a_new_head(tmp_path):
     same = torchvision.models.resnet18(num_classes=3)
     note = finetune(same, tmp_path / "pets.pt", False, "resnet18", ("cat", "dog", "red panda"))
     assert note.endswith("122 of 122 tensors loaded; none new") and torch.equal(same.fc.weight, source.fc.weight)
+    fewer = torchvision.models.resnet18(num_classes=2)  # other classes, fewer of them: both counts named
+    note = finetune(fewer, tmp_path / "pets.pt", False, "resnet18", ("apple", "leaf"))
+    assert note.endswith("new: fc.weight, fc.bias (3 -> 2 classes; the file's were cat, dog, red panda)"), note
 
 
 def test_torchvision_models_get_no_in_channels_and_refuse_gray_data():
@@ -445,8 +454,8 @@ def test_eval_only_takes_everything_from_the_weights(photos, trained, tmp_path, 
     assert record["val_loss"] == pytest.approx(records[-1]["val_loss"], abs=1e-6)
     assert run_main("train.py", "--eval-only", "--weights", photos / "w.pt", "--image-size", "48") == 2
     assert error_lines(capsys.readouterr().err) == [
-        f"train.py: error: --image-size 48x48 contradicts --weights {photos / 'w.pt'}, trained with --image-size "
-        "32x32: leave it out, the weights say how their images were prepared (see --help)"]
+        f"train.py: error: --image-size 48x48 contradicts --weights {photos / 'w.pt'}, whose training's image "
+        "size was 32x32: leave it out, the weights say how their images were prepared (see --help)"]
 
 
 def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, trained, capsys, monkeypatch):

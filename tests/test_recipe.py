@@ -18,7 +18,9 @@ import torch
 import dataset_utils as du
 import recipe
 from engine.batched_crops import random_erase
+from engine.cli import user_code_error
 from engine.errors import UserError
+from engine.plugins import load_plugin
 from conftest import REPO, TINY_MODEL, clean_env, error_lines, read_metrics, run, start, torchrun_cmd, wait_held
 from test_resilience import _rank_pid
 from tools.demo_data import write_photo_folder
@@ -228,18 +230,53 @@ def test_a_schedule_whose_length_is_not_the_runs_is_said_at_start():
     schedulers = torch.optim.lr_scheduler
     for matching in (None, schedulers.OneCycleLR(sgd, max_lr=0.1, total_steps=400),
                      schedulers.CosineAnnealingLR(sgd, T_max=400), schedulers.LinearLR(sgd, total_iters=40),
-                     schedulers.StepLR(sgd, step_size=100)):  # a warm-up shorter than the run; no length
-        assert schedule_length_notes(matching, 400) == []
-    assert schedule_length_notes(schedulers.OneCycleLR(sgd, max_lr=0.1, epochs=4, steps_per_epoch=400), 400) == [
+                     schedulers.StepLR(sgd, step_size=100), schedulers.MultiStepLR(sgd, [200, 300]),
+                     schedulers.ExponentialLR(sgd, 0.99)):  # a warm-up shorter than the run; decays an epoch apart
+        assert schedule_length_notes(matching, 400, 100) == []
+    assert schedule_length_notes(schedulers.OneCycleLR(sgd, max_lr=0.1, epochs=4, steps_per_epoch=400), 400, 100) == [
         "Note: recipe.make_scheduler's OneCycleLR has total_steps=1600 optimizer steps and this run takes 400: the run "
         "ends 25% of the way through the schedule, whose LR never reaches its end (make_scheduler's total_steps is "
         "the run's length in optimizer steps)"]
-    assert schedule_length_notes(schedulers.CosineAnnealingLR(sgd, T_max=4), 400) == [
+    assert schedule_length_notes(schedulers.CosineAnnealingLR(sgd, T_max=4), 400, 100) == [
         "Note: recipe.make_scheduler's CosineAnnealingLR has T_max=4 optimizer steps and this run takes 400: the LR "
         "falls and rises again every 8 steps (T_max=total_steps anneals it once over the run)"]
-    assert schedule_length_notes(schedulers.PolynomialLR(sgd, total_iters=300), 400) == [
+    assert schedule_length_notes(schedulers.PolynomialLR(sgd, total_iters=300), 400, 100) == [
         "Note: recipe.make_scheduler's PolynomialLR has total_iters=300 optimizer steps and this run takes 400: the LR "
         "stays at its final value for the last 100 steps"]
+    # torchvision's references count these in epochs: stepped per optimizer step, they decay within the first.
+    assert schedule_length_notes(schedulers.StepLR(sgd, step_size=1, gamma=0.5), 12, 4) == [
+        "Note: recipe.make_scheduler's StepLR (step_size=1) counts optimizer steps, 4 an epoch here: the LR decays 12 "
+        "times over the run's 12 steps, to 0.00024 times its start (for epochs, multiply it by steps_per_epoch = "
+        "total_steps // args.epochs)"]
+    assert schedule_length_notes(schedulers.MultiStepLR(sgd, [30, 60, 90]), 39000, 390) == [
+        "Note: recipe.make_scheduler's MultiStepLR (milestones=[30, 60, 90]) counts optimizer steps, 390 an epoch "
+        "here: the LR decays 3 times over the run's 39000 steps, to 0.001 times its start (for epochs, multiply "
+        "them by steps_per_epoch = total_steps // args.epochs)"]
+    [note] = schedule_length_notes(schedulers.ExponentialLR(sgd, 0.9), 400, 100)
+    assert note.startswith("Note: recipe.make_scheduler's ExponentialLR (gamma=0.9) counts optimizer steps, 100 an "
+                           "epoch here: the LR decays 400 times over the run's 400 steps, to 5e-19 times its "
+                           "start (for a gamma per epoch, give gamma ** (1 / steps_per_epoch)")
+
+
+def test_recipe_flags_that_an_edited_recipe_does_not_pass_on_are_named():
+    """recipe.py's adamw() edited to AdamW(lr=3e-4, weight_decay=0.02) and make_loss to its own
+    label_smoothing: the flags given for them changed nothing, and a Note says which; the same
+    flags passed on, or left at their defaults, say nothing."""
+    params = [torch.zeros(2, requires_grad=True)]
+    args = parse_args("t", ["--optimizer", "adamw", "--base-lr", "0.05", "--weight-decay", "0.3",
+                            "--label-smoothing", "0.3"])
+    edited = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.02), torch.nn.CrossEntropyLoss(label_smoothing=0.0)
+    assert tu.flags_not_passed_on(args, *edited) == (
+        "Note: recipe.py did not pass on --base-lr 0.05, --weight-decay 0.3, --label-smoothing 0.3 as given: the "
+        "Recipe line has what runs")
+    passed = torch.optim.AdamW(params, lr=0.05, weight_decay=0.3), torch.nn.CrossEntropyLoss(label_smoothing=0.3)
+    assert tu.flags_not_passed_on(args, *passed) is None
+    assert tu.flags_not_passed_on(parse_args("t", ["--optimizer", "adamw"]), *edited) is None  # none given
+    sgd = parse_args("t", ["--momentum", "0.5", "--no-nesterov"])
+    assert tu.flags_not_passed_on(sgd, torch.optim.SGD(params, lr=sgd.base_lr, momentum=0.9, nesterov=True,
+                                                        weight_decay=sgd.weight_decay),
+                                  torch.nn.CrossEntropyLoss(label_smoothing=sgd.label_smoothing)) == (
+        "Note: recipe.py did not pass on --momentum 0.5, --no-nesterov as given: the Recipe line has what runs")
 
 
 def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
@@ -414,6 +451,39 @@ def test_a_v2_transform_that_returns_what_the_loader_cannot_take_is_one_line_at_
                                          v2.Compose([made[transform]()]))
     with pytest.raises(UserError, match=expected):
         du.build_loaders(photos, plain, 8, loader="torchvision")
+
+
+@pytest.mark.oldest_torch  # reads the text of torch's re-raised worker exception
+def test_a_transform_that_shrinks_some_draws_or_images_is_one_line_at_start_or_in_a_worker(tmp_path):
+    """A RandomResize that makes one image in five smaller than the input is caught by the
+    start-up check's draws; one that the check cannot see (image 5 only) by the loader's own
+    check in a DataLoader worker, which torch re-raises with the worker's traceback as its
+    text: one line all the same, as is an exception of recipe.py's code in a worker."""
+    from torchvision.transforms import v2
+    images = np.random.default_rng(0).integers(30, 220, (16, 40, 48, 3), dtype=np.uint8)
+    plain = du.InMemoryImages(images, np.arange(16), du.preprocessing((40, 48, 3), (0.5,) * 3, (0.25,) * 3))
+    data, _ = du.with_image_transforms(plain, v2.Compose([v2.RandomResize(30, 80)]))
+    with pytest.raises(UserError, match=r"^recipe.py's per-image RandomResize returned torch.uint8 \(3, 3\d, \d+\) "
+                                        r"for a torch.uint8 \(3, 40, 48\) image in one draw; the loader takes"):
+        du.build_loaders(data, plain, 8, loader="torchvision")
+
+    images[5] = 1  # the one image the transforms below shrink or fail on (after --augment's zero padding)
+    marked = du.InMemoryImages(images, np.arange(16), plain.prep)
+    (tmp_path / "mine.py").write_text("def shrink(image):\n    return image[:, :2, :2] if image.max() == 1 else image\n"
+                                      "def fail(image):\n    if image.max() == 1:\n"
+                                      "        raise ValueError('no zero here')\n    return image\n")
+    shrink, fail = (load_plugin(f"{tmp_path / 'mine.py'}:{name}", "--model") for name in ("shrink", "fail"))
+    for function, expected in ((shrink, r"^recipe.py's per-image Lambda returned torch.uint8 \(3, 2, 2\) "
+                                                r"for training image 5 \(stored \(3, 40, 48\)\); the loader takes"),
+                               (fail, f"^{re.escape(str(tmp_path / 'mine.py'))}, line 5, in fail: "
+                                              "ValueError: no zero here$")):
+        data, _ = du.with_image_transforms(marked, v2.Compose([v2.Lambda(function)]))
+        train, _ = du.build_loaders(data, plain, 8, loader="torchvision", num_workers=1)
+        with pytest.raises(Exception) as raised:
+            list(train)
+        assert "DataLoader worker" in str(raised.value)  # torch's own text: a traceback
+        mistake = user_code_error(raised.value, [tmp_path / "mine.py"])
+        assert re.match(expected, str(mistake)) and "\n" not in str(mistake), str(mistake)
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():

@@ -769,6 +769,9 @@ def test_unwritable_outputs_fail_at_start_and_nothing_is_created(tmp_path):
         with pytest.raises(UserError, match=r"^--checkpoint-dir /proc/ck: cannot create it \(/proc takes no new files"):
             files.check_writable_dir("/proc/ck", "--checkpoint-dir")
     files.check_writable_dir(tmp_path / "new" / "ck", "--checkpoint-dir")  # fine, and created by the first write
+    with pytest.raises(UserError, match=f"^--metrics-file {tmp_path / 'ck'} is the folder of --checkpoint-dir: give "
+                                        "--metrics-file a file's name"):  # not made yet: each epoch's line lost
+        files.check_outputs({"--metrics-file": str(tmp_path / "ck")}, {"--checkpoint-dir": str(tmp_path / "ck")})
     files.check_writable(tmp_path / "new2" / "m.jsonl", "--metrics-file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]
     assert (tmp_path / "a_file").read_text() == "keep me"

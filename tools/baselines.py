@@ -3,9 +3,14 @@ DataLoader of PIL transforms and its own training loop), and torchvision's Rando
 as its references write it. Kept as written; the project's own recipe is recipe.py's.
 """
 
+import sys
 import time
 from itertools import islice
 from typing import NamedTuple
+
+if __name__ == "__main__":  # imported by tools/benchmark.py, whose folder is the project's
+    sys.exit("baselines.py: error: it holds what tools/benchmark.py measures against; run python "
+             "tools/benchmark.py --help")
 
 import torch
 import torchvision.transforms as transforms

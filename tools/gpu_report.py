@@ -471,4 +471,7 @@ def write(path, text):
 
 
 if __name__ == "__main__":  # the parts of a report, not a command of its own
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     sys.exit("gpu_report.py: error: it holds the parts of a GPU report; run python tools/benchmark.py --report FILE.md")

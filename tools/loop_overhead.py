@@ -50,10 +50,14 @@ class OneLinear(nn.Module):
 
 def parse(argv=None):
     parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", metavar="N", type=positive_int, default=1, help="torch's CPU threads")
-    parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=128, help="images per step")
-    parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=300, help="timed steps per repeat")
-    parser.add_argument("--repeats", metavar="N", type=positive_int, default=3, help="timed runs of each loop")
+    parser.add_argument("--threads", metavar="N", type=positive_int, default=1,
+                        help="torch's CPU threads (default: %(default)s)")
+    parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=128,
+                        help="images per step (default: %(default)s)")
+    parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=300,
+                        help="timed steps per repeat (default: %(default)s)")
+    parser.add_argument("--repeats", metavar="N", type=positive_int, default=3,
+                        help="timed runs of each loop (default: %(default)s)")
     parser.add_argument("--recipe", metavar="FLAGS", default="",
                         help="train.py flags for the project's loop alone, as one word: --recipe=\"--model-ema\"")
     return parser.parse_args(argv)

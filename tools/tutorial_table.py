@@ -100,14 +100,17 @@ def table(results, images, epochs, device):
 def build_parser():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", metavar="N", type=positive_int, default=10_000,
-                        help="MNIST training images to write (and N/5 test images); 60000 = all of them")
+                        help="MNIST training images to write (and N/5 test images); 60000 = all of them "
+                             "(default: %(default)s)")
     parser.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=3,
-                        help="epochs per row (the first is warm-up, not in images/s)")
-    parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256, help="images per step")
+                        help="epochs per row (the first is warm-up, not in images/s) (default: %(default)s)")
+    parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=256,
+                        help="images per step (default: %(default)s)")
     parser.add_argument("--model", metavar="FILE.py:NAME", type=plugin_ref, default=DEFAULT_MODEL,
                         help="the network, as train.py's --model (default: the guide's Wide ResNet)")
     parser.add_argument("--data-dir", metavar="DIR", default=str(default_data_dir()),
-                        help="where MNIST is (MNIST/raw/), else a learnable stand-in of its shape")
+                        help="where MNIST is (MNIST/raw/), else a learnable stand-in of its shape "
+                             "(default: %(default)s)")
     parser.add_argument("--rows", metavar="NAMES", default=",".join(ROWS),
                         help=f"the rows to measure, comma-separated (default: all: {', '.join(ROWS)})")
     parser.add_argument("--markdown", metavar="FILE.md", default=None, help="also append the table to this file")
