@@ -96,6 +96,9 @@ for i in "${!args[@]}"; do
         --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
         --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
         --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
+        --stop-file | --stop-file=*)  # training would watch it, not the file the USR1 trap creates
+            die "--stop-file: this script gives training its own, STOP_FILE=$STOP_FILE, which the time limit's" \
+                "USR1 creates; set STOP_FILE instead" ;;
     esac
 done
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one

@@ -198,9 +198,15 @@ def describe_regularization(args, steps_per_epoch, ema=None):
     return ", ".join(parts)
 
 
-def ema_warning(args, ema, total_steps):
+def ema_warning(args, ema, total_steps, warmup_steps=0):
     """[one warning line] when the average's half-life is longer than the run (``total_steps``
-    optimizer steps): it would hold mostly the weights of the run's start. Else []."""
+    optimizer steps): it would hold mostly the weights of the run's start; or when the LR
+    warm-up (``warmup_steps``), during which the average restarts from the model at each update
+    (engine/model_ema.py), lasts the whole run: it would be the model itself. Else []."""
+    if ema and warmup_steps >= total_steps:
+        return [f"WARNING: the model EMA restarts from the model at each update of the LR warm-up "
+                f"({count_steps(warmup_steps)}), which lasts this whole run of {count_steps(total_steps)}: the "
+                "average is the model itself; lower --warmup-epochs or train longer"]
     if not ema or ema.half_life <= total_steps:
         return []
     return [f"WARNING: the model EMA's half-life ({count_steps(round(ema.half_life))}) is longer than this run's "

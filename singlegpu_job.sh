@@ -77,12 +77,15 @@ for script in train.py tools/torchrun.py; do
 done
 
 # The folder training really uses: a --checkpoint-dir among the arguments overrides
-# CHECKPOINT_DIR (the training scripts accept no abbreviation of it).
+# CHECKPOINT_DIR (the training scripts accept no abbreviation of it); a --stop-file is refused.
 args=("$@")
 for i in "${!args[@]}"; do
     case "${args[i]}" in
         --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
         --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+        --stop-file | --stop-file=*)  # training would watch it, not the file the USR1 trap creates
+            die "--stop-file: this script gives training its own, STOP_FILE=$STOP_FILE, which the time limit's" \
+                "USR1 creates; set STOP_FILE instead" ;;
     esac
 done
 lr_flags=()  # unset: the --optimizer's own default LR (one GPU: the batch the recipe was made for)

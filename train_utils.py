@@ -576,6 +576,7 @@ class Run:
     ema_warmup: int = 0    # optimizer steps of the LR warm-up, during which ``ema`` restarts after each update
     compiled: object = None  # --compile: its mode and caches (engine/compiling.Compilation), else None
     regularization: dict = field(default_factory=dict)  # recipe.batch_settings: named in the metrics
+    optimizer_settings: str = ""  # describe_optimizer as recipe.py built it, before any scheduler moved it
 
     def record_fields(self):
         """What the run is, the same in each epoch's metrics record (engine.log.epoch_record)."""
@@ -588,7 +589,7 @@ class Run:
                 "regularization": self.regularization, "device": self.device_name}
 
     def recipe_code(self):
-        return recipe_code(self.loss_fn, self.task.data.prep)
+        return recipe_code(self.loss_fn, self.task.data.prep, self.optimizer_settings)
 
     def trained(self, record=None):
         """The weights --save-weights and model_best.pt keep: the --model-ema average when it
@@ -774,7 +775,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                 recipe.describe_regularization(args, steps, ema_schedule),
                                 type(own).__name__ if own is not None else None, compiled and compiled.describe()))
     ignored = None if args.eval_only else flags_not_passed_on(args, optimizer, loss_fn)
-    for line in [*header, *([ignored] if ignored else []), *recipe.ema_warning(args, ema_schedule, args.epochs * steps),
+    warmup = first_cycle(args.epochs, args.warmup_epochs, steps).warmup  # optimizer steps
+    for line in [*header, *([ignored] if ignored else []),
+                 *recipe.ema_warning(args, ema_schedule, args.epochs * steps, warmup),
                  *schedule_length_notes(own, args.epochs * steps, steps)]:
         log.info(line)
     if ctx.process_group:
@@ -792,7 +795,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
         state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps,
-                                             factor, own)
+                                             factor, own, described)
     else:
         if args.resume == "auto":
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
@@ -811,16 +814,18 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                                args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
-              ema_warmup=first_cycle(args.epochs, args.warmup_epochs, steps).warmup if ema_schedule else 0,
-              regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled)
+              ema_warmup=warmup if ema_schedule else 0,
+              regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled,
+              optimizer_settings=described)
     return run, state, rng_state
 
 
-def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps, factor, own=None):
+def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps, factor, own=None,
+           optimizer_settings=""):
     """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
     continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
     --epochs extends lr_factor's schedule by a warm restart (``own``: recipe.make_scheduler's
-    scheduler, which keeps the run's --epochs)."""
+    scheduler, which keeps the run's --epochs; ``optimizer_settings``: Run's)."""
     from engine.checkpoints import check_resumable, load_agreed_checkpoint, restore
     from engine.weights import check_state_fits
     module = unwrap(task.model)
@@ -828,7 +833,7 @@ def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, 
     check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
                     partial(check_state_fits, module, model_name=task.model_name), *resume_rules(),
                     scheduler_class=type(own).__name__ if own is not None else "LambdaLR",
-                    recipe_code=recipe_code(loss_fn, task.data.prep))
+                    recipe_code=recipe_code(loss_fn, task.data.prep, optimizer_settings))
     saved = checkpoint["args"]
     planned = saved["epochs"]
     # A checkpoint written before extensions existed has the one cycle its flags define.
@@ -857,15 +862,18 @@ def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, 
     return state, rng_state, scheduler
 
 
-def recipe_code(loss_fn, prep):
+def recipe_code(loss_fn, prep, optimizer_settings=""):
     """What recipe.py's code, beyond its flags, made of a run, in words: its loss, the
-    augmentation and the per-image transforms (``prep``: the data's Preprocessing). A checkpoint
-    records it, and a resume after an edit that changes it is refused (check_resumable)."""
+    augmentation, the per-image transforms (``prep``: the data's Preprocessing) and the
+    optimizer's settings as built (describe_optimizer: an edited weight_decay=0.5, which the
+    checkpoint's optimizer state would silently replace on a resume). A checkpoint records it,
+    and a resume after an edit that changes it is refused (check_resumable)."""
     per_image = "none" if prep.per_image is None else re.sub(r"\s+", " ", repr(prep.per_image))  # one line
     per_image = re.sub(r" at 0x[0-9a-fA-F]+", "", per_image)  # a plain object's repr, without its address
     operations = ", ".join(op.__name__ for op in prep.ops)
+    settings = {"optimizer settings": optimizer_settings} if optimizer_settings else {}
     return {"loss": describe_loss(loss_fn), "augmentation": f"{prep.augment} ({operations})",
-            "per-image transforms": per_image}
+            "per-image transforms": per_image, **settings}
 
 
 def step_mistake(run, err, state, where, steps_done):

@@ -23,7 +23,7 @@ import torch
 
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
-from engine.flags import KEEP_CHECKPOINTS
+from engine.flags import DATASETS, FOLDER, KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
@@ -309,6 +309,12 @@ def check_newest_flags(directory, flags, defaults, recipe_flags):
     saved = newest_checkpoint(directory)
     if saved is None:
         return {}
+    trained_on = {**defaults, **saved["args"]}["dataset"]
+    built_in = {*DATASETS, FOLDER}  # a FILE.py:NAME may be named two ways; check_resumable compares it
+    if trained_on != flags["dataset"] and {trained_on, flags["dataset"]} <= built_in:  # before a download
+        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset "
+                        f"{flags['dataset']}; resume with --dataset {trained_on}, or start a new run in another "
+                        "--checkpoint-dir")
     check_resume_flags({**defaults, **saved["args"]}, flags, recipe_flags)
     task = saved.get("task") or {}
     return {key: tuple(task[key]) for key in ("mean", "std") if key in task}

@@ -26,10 +26,12 @@ def tensor_bytes(obj):
     return 0
 
 
-def atomic_save(obj, path, what="file"):
+def atomic_save(obj, path, what="file", new=False):
     """torch.save to a temporary file, fsync, rename: a crash never leaves a truncated file, and
     a full disk is a ResourceProblem naming ``what``, the space needed and the space free (the
-    older file of that name, if any, is untouched). A write that cannot fit is not started."""
+    older file of that name, if any, is untouched). A write that cannot fit is not started.
+    ``new``: the file must not exist; one that another process wrote meanwhile is kept, and
+    NameTaken raised (a hard link, not a rename, makes the name: atomic, never over a file)."""
     path = Path(path)
     needed = tensor_bytes(obj)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -41,12 +43,32 @@ def atomic_save(obj, path, what="file"):
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if not new or not link_new(tmp, path):
+            os.replace(tmp, path)
+        tmp.unlink(missing_ok=True)
     except BaseException as err:  # disk full, Ctrl-C: leave no partial file behind
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise space_problem(what, path, err, needed) from None
         raise
+
+
+class NameTaken(Exception):
+    """atomic_save(new=True) found its file's name taken: the file there is another's, kept."""
+
+
+def link_new(source, path):
+    """Hard-link ``source`` as ``path`` when no file has that name (NameTaken if one has): True,
+    or False on a file system without hard links (then a rename has to do)."""
+    try:
+        os.link(source, path)
+    except FileExistsError:
+        raise NameTaken(path) from None
+    except OSError as err:
+        if err.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            return False
+        raise
+    return True
 
 
 def check_outputs(output_files, output_folders, group=None, json_lines=()):

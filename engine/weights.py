@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import ResourceProblem, UserError
-from engine.files import atomic_save
+from engine.files import NameTaken, atomic_save
 from engine.log import count, flag_value
 from engine.task import MODEL_FILE, MODEL_FILE_NEAR, held_out_again, names_sha256
 
@@ -30,14 +30,15 @@ class SavedWeights(NamedTuple):
     metadata: dict  # what they were trained on (DataInfo.weights_metadata plus "model"), {} when unknown
 
 
-def save_weights(model, path, metadata=None, what="--save-weights"):
+def save_weights(model, path, metadata=None, what="--save-weights", new=False):
     """The model's state_dict, written atomically, with ``metadata`` (the data's classes,
     image size, normalization) in its ``_metadata``: torch.load returns it with the tensors,
-    and load_state_dict ignores it, so the file loads strictly into the model as the guide's did."""
+    and load_state_dict ignores it, so the file loads strictly into the model as the guide's did.
+    ``new``: never over a file (files.atomic_save)."""
     state = model.state_dict()
     if metadata is not None:
         state._metadata[""] = {**state._metadata.get("", {}), WEIGHTS_METADATA: with_model_file(metadata, path)}
-    atomic_save(state, path, what)
+    atomic_save(state, path, what, new)
 
 
 def save_trained_weights(model, path, metadata, checkpoint=None):
@@ -52,13 +53,18 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     if folder:
         metadata = {**metadata, WRITTEN_FROM: str(folder.resolve())}
     written, note = Path(path), ""
+    beside = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
+    appeared = f" ({path} appeared during this run, from another run, and is kept)"
     if os.path.isfile(path) and not is_runs_own(path, folder):
-        written = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
-        note = f" ({path} appeared during this run, from another run, and is kept)"
+        written, note = beside, appeared
     elif os.path.isfile(path):  # the run continued (check_weights_target let it): its own earlier weights
         note = ", in place of this run's earlier ones"
     try:
-        save_weights(model, written, metadata)
+        try:
+            save_weights(model, written, metadata, new=not note.startswith(", in place"))
+        except NameTaken:  # written by another run since the look above: kept, as there
+            written, note = beside, appeared
+            save_weights(model, written, metadata, new=True)
         return f"Model weights written to {written}{note}"
     except ResourceProblem as err:
         if checkpoint:

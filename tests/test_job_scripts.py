@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -339,9 +340,15 @@ def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
 
 
 def test_a_job_whose_training_ended_before_the_stop_is_not_requeued(tmp_path):
-    """Training that never acted on the stop file (here it watches another: a finished run
-    looks the same) leaves it in place: the job is done, and says so, not requeued."""
-    log = warned_job(tmp_path, job_env(tmp_path), "--stop-file", tmp_path / "other.stop")
+    """Training that never acted on the stop file (here a launcher, TORCHRUN_PATH, gives it
+    another to watch: a finished run looks the same) leaves it in place: the job is done, and
+    says so, not requeued."""
+    launcher = tmp_path / "torchrun_watching_another_file"
+    launcher.write_text(f"#!{sys.executable}\nimport os, sys\nargs = sys.argv[1:]\n"
+                        f"args[args.index('--stop-file') + 1] = {str(tmp_path / 'other.stop')!r}\n"
+                        f"os.execv(sys.executable, [sys.executable, {str(REPO / 'tools' / 'torchrun.py')!r}, *args])\n")
+    launcher.chmod(0o755)
+    log = warned_job(tmp_path, job_env(tmp_path, TORCHRUN_PATH=launcher))
     assert "Training complete." in log and "Stopped after" not in log
     assert "Training finished before the stop request took effect: the job is done, not requeued" in log
     assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
@@ -370,6 +377,21 @@ def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, scrip
         f"error: STOP_FILE={own} exists and is not an empty file, and the job removes its stop file; set STOP_FILE "
         "to a path of its own\n")
     assert own.read_text() == "my notes\n"
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_stop_file_among_the_arguments_is_refused_at_start(tmp_path, script):
+    """train.py's --stop-file after the script's name: training would watch it and not the
+    script's STOP_FILE, which the time limit's USR1 creates, so the job would neither stop nor
+    requeue before the limit. Refused in one line, naming the variable to set instead."""
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  STOP_FILE=tmp_path / "job.stop")
+    for given in (("--stop-file", "mine.stop"), ("--stop-file=mine.stop",)):
+        result = run_job(script, tmp_path, env, *TRAIN_ARGS, *given)
+        assert result.returncode == 2 and result.stderr == (
+            f"error: --stop-file: this script gives training its own, STOP_FILE={tmp_path / 'job.stop'}, which the "
+            "time limit's USR1 creates; set STOP_FILE instead\n")
+        assert not (tmp_path / "checkpoints").exists()  # nothing trained
+
 
 def test_a_job_that_fails_is_not_requeued(tmp_path):
     result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path), "--batch-size", "0")

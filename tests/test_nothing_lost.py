@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import data_formats
+from engine import data_formats, files
 from engine import weights as weights_file
 from conftest import (FAST, REPO, TINY_MODEL, error_lines, python_cmd, run, run_main, start, torchrun_cmd, clean_env,
                       unavailable, write_cifar100)
@@ -225,6 +225,23 @@ def test_weights_that_appear_during_a_run_are_kept(tmp_path):
     assert line.endswith(f" ({theirs} appeared during this run, from another run, and is kept)")
     assert theirs.read_bytes() == b"the other run's weights"
     assert weights_file.read_weights(written).state.keys() == model.state_dict().keys()
+
+    # Two runs that end at the same moment: the other's file appears after the look above (here
+    # while the state_dict is taken), and is kept all the same; this run's goes beside it.
+    class Racing(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            if not raced.exists():
+                raced.write_bytes(b"written alongside")
+            return super().state_dict(*args, **kwargs)
+
+    raced = tmp_path / "race.pt"
+    line = weights_file.save_trained_weights(Racing(2, 3), raced, {"model": "m"})
+    assert raced.read_bytes() == b"written alongside"
+    assert line.endswith(f" ({raced} appeared during this run, from another run, and is kept)"), line
+    assert len(list(tmp_path.glob("race-*.pt"))) == 1 and not list(tmp_path.glob(".*tmp*"))
+    with pytest.raises(files.NameTaken):
+        files.atomic_save({"x": 1}, raced, new=True)
+    assert raced.read_bytes() == b"written alongside" and not list(tmp_path.glob(".*tmp*"))
 
     ck = tmp_path / "ck"  # this run's own file (it names the run's folder): replaced in place
     ck.mkdir()

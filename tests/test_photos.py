@@ -584,6 +584,13 @@ def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, t
     assert error_lines(capsys.readouterr().err) == [
         "error: --resume continues the checkpoint's run, which had --seed 0 (now 1), --val-fraction 0.2 (now 0.3); "
         "rerun with its values or start a new --checkpoint-dir"]
+    # Another built-in data set: refused before it is looked for (and downloaded), not after.
+    assert run_main("train.py", "--model", "pixel_net.py:Net", "--checkpoint-dir", tmp_path / "ck", "--resume",
+                    "--dataset", "cifar10", "--data-dir", tmp_path / "none", "--epochs", "3") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: the checkpoint was trained on --dataset folder, this run is --dataset cifar10; resume with --dataset "
+        "folder, or start a new run in another --checkpoint-dir"]
+    assert not (tmp_path / "none").exists()
     resumed = run(python_cmd("train.py", *common, "--image-size", "32", "--epochs", "3", "--metrics-file",
                              tmp_path / "m.jsonl"), cwd=photos)
     assert resumed.returncode == 0, resumed.stderr

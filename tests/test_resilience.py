@@ -349,6 +349,13 @@ def test_resume_refuses_another_model_data_set_or_recipe():
                                         r"transforms Compose\( ColorJitter\(brightness=\(0.6, 1.4\)\)\) \(now none\); "):
         check(saved, optimizer_class="RMSprop", scheduler_class="MultiStepLR",
               recipe_code=tu.recipe_code(torch.nn.MSELoss(), prep))
+    # A hyperparameter edited in recipe.py: the checkpoint's optimizer state would put the old one back.
+    built = "SGD (lr 0.01, momentum 0.9, nesterov True, weight_decay 0.0005)"
+    saved = {**_checkpoint_like(args, data, model), "recipe_code": tu.recipe_code(torch.nn.MSELoss(), prep, built)}
+    check(saved, recipe_code=tu.recipe_code(torch.nn.MSELoss(), prep, built))
+    with pytest.raises(UserError, match=re.escape(f"made another since: its optimizer settings {built} (now "
+                                                  f"{built.replace('0.0005', '0.5')}); restore recipe.py")):
+        check(saved, recipe_code=tu.recipe_code(torch.nn.MSELoss(), prep, built.replace("0.0005", "0.5")))
 
 
 def test_metrics_reconcile_keeps_each_epoch_of_the_run_once(tmp_path):

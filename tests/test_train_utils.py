@@ -363,6 +363,11 @@ def test_model_ema_follows_the_runs_length_by_default():
         "mostly the early weights; lower --model-ema-decay (now 0.99) or --model-ema-steps (now 3), or leave both "
         "out for a half-life of 5% of the run"]
     assert recipe.ema_schedule(tu.parse_args("test", []), 360) is None
+    # A run no longer than its LR warm-up: each update restarts the average from the model.
+    assert recipe.ema_warning(args, recipe.ema_schedule(args, 32), 32, warmup_steps=32) == [
+        "WARNING: the model EMA restarts from the model at each update of the LR warm-up (32 steps), which lasts "
+        "this whole run of 32 steps: the average is the model itself; lower --warmup-epochs or train longer"]
+    assert recipe.ema_warning(args, recipe.ema_schedule(args, 32), 32, warmup_steps=31) == []
 
 
 def test_a_run_from_before_the_derived_ema_defaults_resumes_without_its_flags():
