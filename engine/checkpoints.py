@@ -193,9 +193,7 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
     saved = {**defaults, **checkpoint["args"]}
     trained_on = checkpoint["data"].get("dataset", defaults["dataset"])
     if trained_on != fingerprint["dataset"]:
-        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset "
-                        f"{flags['dataset']}; "
-                        f"resume with --dataset {saved['dataset']}, or start a new run in another --checkpoint-dir")
+        raise other_data_set(trained_on, flags["dataset"], saved["dataset"])
     if checkpoint.get("model_key", defaults["model"]) != model_key:
         raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model "
                         f"{flags['model']}; "
@@ -230,6 +228,13 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         raise UserError("--resume needs the checkpoint's recipe, but recipe.py made another since: its "
                         + ", ".join(edited) + "; restore recipe.py as it was, or start a new run in another "
                         "--checkpoint-dir (--weights takes the checkpoint's model)")
+
+
+def other_data_set(trained_on, now, given):
+    """The refusal of a resume on --dataset ``now`` from a checkpoint trained on ``trained_on``
+    (``given``: that run's --dataset as it was typed, to give again)."""
+    return UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset {now}; resume "
+                     f"with --dataset {given}, or start a new run in another --checkpoint-dir")
 
 
 def recipe_edits(checkpoint, now):
@@ -312,9 +317,7 @@ def check_newest_flags(directory, flags, defaults, recipe_flags):
     trained_on = {**defaults, **saved["args"]}["dataset"]
     built_in = {*DATASETS, FOLDER}  # a FILE.py:NAME may be named two ways; check_resumable compares it
     if trained_on != flags["dataset"] and {trained_on, flags["dataset"]} <= built_in:  # before a download
-        raise UserError(f"the checkpoint was trained on --dataset {trained_on}, this run is --dataset "
-                        f"{flags['dataset']}; resume with --dataset {trained_on}, or start a new run in another "
-                        "--checkpoint-dir")
+        raise other_data_set(trained_on, flags["dataset"], trained_on)
     check_resume_flags({**defaults, **saved["args"]}, flags, recipe_flags)
     task = saved.get("task") or {}
     return {key: tuple(task[key]) for key in ("mean", "std") if key in task}

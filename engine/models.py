@@ -113,14 +113,17 @@ def check_output(model, ref, image_shape, num_classes, device="cpu", layout=torc
     weights were trained at); else whether --image-size sets it, and then an error about the
     images' size is one line saying which size to give (wrong_size)."""
     images = torch.zeros(2, *image_shape, device=device).contiguous(memory_format=layout)
-    what = f"--model {ref} on images (2, {', '.join(map(str, image_shape))})" + (
-        "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
+
+    def on(batch):  # the forward pass's words in a line about it
+        return f"--model {ref} on images ({batch}, {', '.join(map(str, image_shape))})" + (
+            "" if layout == torch.contiguous_format else " in channels_last layout (--no-channels-last avoids it)")
+    what = on(2)
     model.eval()
     with torch.set_grad_enabled(trains):
         out = call_user_code(lambda: first_forward(model, images, ref, resizable), what, ref)
     check_logits(out, ref, image_shape, num_classes)
     with torch.no_grad():  # the last batch of an evaluation, or predict.py's, may hold one image
-        one = call_user_code(lambda: model(images[:1]), what.replace("(2, ", "(1, ", 1), ref)
+        one = call_user_code(lambda: model(images[:1]), on(1), ref)
     model.train()
     check_logits(one, ref, image_shape, num_classes, batch=1)
     if trains and not out.requires_grad and any(p.requires_grad for p in model.parameters()):

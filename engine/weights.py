@@ -55,13 +55,14 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     written, note = Path(path), ""
     beside = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
     appeared = f" ({path} appeared during this run, from another run, and is kept)"
-    if os.path.isfile(path) and not is_runs_own(path, folder):
-        written, note = beside, appeared
-    elif os.path.isfile(path):  # the run continued (check_weights_target let it): its own earlier weights
+    own = os.path.isfile(path) and is_runs_own(path, folder)  # the run continued (check_weights_target let it)
+    if own:
         note = ", in place of this run's earlier ones"
+    elif os.path.isfile(path):
+        written, note = beside, appeared
     try:
         try:
-            save_weights(model, written, metadata, new=not note.startswith(", in place"))
+            save_weights(model, written, metadata, new=not own)
         except NameTaken:  # written by another run since the look above: kept, as there
             written, note = beside, appeared
             save_weights(model, written, metadata, new=True)
