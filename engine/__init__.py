@@ -21,7 +21,6 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_list.py    --loader dali's list of an image folder: each image checked once, no copy kept
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     dali_loader.py   --loader dali: DALI's pipeline per epoch, the project's order and shards
-    batched_crops.py boxes in a whole batch on the device: resized crops, erasing
     memory.py        out of memory in one line; the memory a training step needs, measured
     seeds.py         every random stream from (seed, epoch, rank)
     compiling.py     --compile: its mode (CUDA graphs where safe), its caches in the checkpoint folder so a

@@ -20,7 +20,6 @@ from PIL import Image
 import dataset_utils as du
 import recipe
 from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
-from engine import batched_crops
 from engine.errors import UserError
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
@@ -197,7 +196,7 @@ def test_crop_resize_is_torchvisions_resized_crop():
         height, width = int(rng.integers(8, 41)), int(rng.integers(8, 51))
         top, left = int(rng.integers(0, 41 - height)), int(rng.integers(0, 51 - width))
         box = [torch.tensor([float(v)], dtype=torch.float64) for v in (top, left, height, width)]
-        ours = batched_crops.crop_resize(image[None], *box, (24, 30))[0]
+        ours = recipe.crop_resize(image[None], *box, (24, 30))[0]
         theirs = TF.resized_crop(image.permute(2, 0, 1), top, left, height, width, [24, 30],
                                  antialias=False).permute(1, 2, 0)
         assert (ours.int() - theirs.int()).abs().max() <= 1  # both round a float; ties may differ
@@ -219,7 +218,7 @@ def test_crop_resize_of_fractional_boxes_is_torchvisions_roi_align():
     top = torch.rand(64, generator=generator, dtype=torch.float64) * (40 - height)
     left = torch.rand(64, generator=generator, dtype=torch.float64) * (50 - width)
     assert (height.frac() > 0).all() and (top.frac() > 0).all()  # fractional boxes, as training draws them
-    ours = batched_crops.crop_resize(images, top, left, height, width, size).int()  # (B, h, w, C)
+    ours = recipe.crop_resize(images, top, left, height, width, size).int()  # (B, h, w, C)
     boxes = torch.stack([torch.arange(64, dtype=torch.float64), left, top, left + width, top + height], 1).float()
     theirs = roi_align(images.permute(0, 3, 1, 2).float(), boxes, size, spatial_scale=1.0, sampling_ratio=1,
                        aligned=True).round().int().permute(0, 2, 3, 1)
@@ -266,7 +265,7 @@ def test_resized_crop_boxes_are_drawn_as_torchvisions(height, width):
     on an image so wide that most draws miss."""
     n = 4000
     rand = torch.rand((n, 4), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    top, left, box_h, box_w = (v.numpy() for v in batched_crops.random_boxes(rand, height, width, (0.25, 1.0),
+    top, left, box_h, box_w = (v.numpy() for v in recipe.random_boxes(rand, height, width, (0.25, 1.0),
                                                                              (3 / 4, 4 / 3)))
     torch.manual_seed(3)
     image = torch.zeros(3, height, width)

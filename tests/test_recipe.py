@@ -17,7 +17,6 @@ import torch
 
 import dataset_utils as du
 import recipe
-from engine.batched_crops import random_erase
 from engine.cli import user_code_error
 from engine.errors import UserError
 from engine.plugins import load_plugin
@@ -378,7 +377,7 @@ def test_random_erasing_boxes_as_torchvisions_random_erasing():
     area, about as often and as large as torchvision's RandomErasing(P) erases image by image."""
     torch.manual_seed(0)
     ones = torch.ones(2000, 1, 32, 32)
-    ours = random_erase(ones, 0.5)
+    ours = recipe.random_erase(ones, 0.5)
     from torchvision.transforms import v2
     theirs = torch.stack([v2.RandomErasing(0.5)(image) for image in ones])
     for erased in (ours, theirs):
@@ -391,7 +390,7 @@ def test_random_erasing_boxes_as_torchvisions_random_erasing():
     sizes = [s[s > 0] for s in share]
     assert sizes[0].min() >= 0.01 and sizes[0].max() <= 0.4  # 2%-33%, each side rounded to pixels
     assert abs(sizes[0].mean() - sizes[1].mean()) < 0.02
-    assert torch.equal(random_erase(ones[:4], 0.0), ones[:4])
+    assert torch.equal(recipe.random_erase(ones[:4], 0.0), ones[:4])
 
 
 def test_a_v2_transform_added_as_docs_recipe_shows_is_applied_to_each_image():
