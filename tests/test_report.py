@@ -140,6 +140,10 @@ def test_picture_and_gpu_log(metrics, tmp_path, capsys):
                                            "wrote: choose a new file name, or move that file away first; nothing is "
                                            "overwritten\n")
         assert kept.read_bytes() == before
+    jpeg = tmp_path / "runs.jpg"  # matplotlib would write a PNG under that name
+    assert report.main([str(metrics[1]), "--plot", str(jpeg)]) == 2 and not jpeg.exists()
+    assert capsys.readouterr().err == (f"report.py: error: --plot {jpeg}: report.py writes PNG pictures; give a name "
+                                       "ending in .png, such as runs.png\n")
 
 
 def test_without_matplotlib_the_tables_and_a_one_line_hint(metrics, tmp_path, capsys, monkeypatch):

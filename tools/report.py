@@ -301,6 +301,9 @@ def check_plot_path(path):
     if path.exists() and not written_by_report(path):
         raise ReportError(f"--plot {path} exists and is not a picture report.py wrote: choose a new file name, or "
                           "move that file away first; nothing is overwritten")
+    if path.suffix.lower() != ".png":  # savefig would write a PNG under any name: a runs.jpg no viewer opens
+        raise ReportError(f"--plot {path}: report.py writes PNG pictures; give a name ending in .png, such as "
+                          f"{path.with_suffix('.png').name}")
 
 
 def written_by_report(path):
