@@ -79,8 +79,11 @@ def user_code_error(err, files):
     worker = worker_error(err)
     if worker:  # raised in a DataLoader worker: its traceback is the text of this one
         kind, frames, line = worker
-        if kind == "UserError":  # the loader's own check of an image (dataset_utils.loader_mistake)
-            return rank0_first(UserError(line, same_on_every_rank=False))
+        kind_of = user_error_class(kind)
+        if kind_of:  # one of ours, e.g. the loader's own check of an image (dataset_utils.loader_mistake)
+            mistake = UserError(line, same_on_every_rank=False)
+            mistake.exit_code = kind_of.exit_code  # an OutOfMemory's 1, a RunAborted's 3
+            return rank0_first(mistake)
         frames, what = [frame for frame in frames if not is_library(frame[0])], f"{kind}: {line}"
     elif isinstance(err, (UserError, TrainingStopped)) or "CUDA error" in str(err):
         return None
@@ -94,6 +97,18 @@ def user_code_error(err, files):
     path = Path(filename).resolve()
     shown = path.relative_to(PROJECT) if path.is_relative_to(PROJECT) else path
     return rank0_first(UserError(f"{shown}, line {lineno}, in {name}: {what}", same_on_every_rank=False))
+
+
+def user_error_class(name):
+    """UserError or the subclass of it named ``name`` (the type of an exception a DataLoader
+    worker raised, which reaches this process as text only); None for any other name."""
+    classes = [UserError]
+    while classes:
+        kind = classes.pop()
+        if kind.__name__ == name:
+            return kind
+        classes.extend(kind.__subclasses__())
+    return None
 
 
 def rank0_first(mistake):

@@ -470,12 +470,17 @@ def test_a_transform_that_shrinks_some_draws_or_images_is_one_line_at_start_or_i
     marked = du.InMemoryImages(images, np.arange(16), plain.prep)
     (tmp_path / "mine.py").write_text("def shrink(image):\n    return image[:, :2, :2] if image.max() == 1 else image\n"
                                       "def fail(image):\n    if image.max() == 1:\n"
-                                      "        raise ValueError('no zero here')\n    return image\n")
-    shrink, fail = (load_plugin(f"{tmp_path / 'mine.py'}:{name}", "--model") for name in ("shrink", "fail"))
+                                      "        raise ValueError('no zero here')\n    return image\n"
+                                      "def refuse(image):\n    from engine.memory import OutOfMemory\n"
+                                      "    if image.max() == 1:\n        raise OutOfMemory('no room for it')\n"
+                                      "    return image\n")
+    shrink, fail, refuse = (load_plugin(f"{tmp_path / 'mine.py'}:{name}", "--model")
+                            for name in ("shrink", "fail", "refuse"))
     for function, expected in ((shrink, r"^recipe.py's per-image Lambda returned torch.uint8 \(3, 2, 2\) "
                                                 r"for training image 5 \(stored \(3, 40, 48\)\); the loader takes"),
                                (fail, f"^{re.escape(str(tmp_path / 'mine.py'))}, line 5, in fail: "
-                                              "ValueError: no zero here$")):
+                                              "ValueError: no zero here$"),
+                               (refuse, "^no room for it$")):  # a UserError subclass: its line and exit status
         data, _ = du.with_image_transforms(marked, v2.Compose([v2.Lambda(function)]))
         train, _ = du.build_loaders(data, plain, 8, loader="torchvision", num_workers=1)
         with pytest.raises(Exception) as raised:
@@ -483,6 +488,7 @@ def test_a_transform_that_shrinks_some_draws_or_images_is_one_line_at_start_or_i
         assert "DataLoader worker" in str(raised.value)  # torch's own text: a traceback
         mistake = user_code_error(raised.value, [tmp_path / "mine.py"])
         assert re.match(expected, str(mistake)) and "\n" not in str(mistake), str(mistake)
+        assert mistake.exit_code == (1 if function is refuse else 2)  # OutOfMemory's status, not a mistake's
 
 
 def test_the_guides_sgd_and_adamw_are_what_their_flags_say():
