@@ -1,7 +1,8 @@
 """The one training loop behind train.py and train_ddp.py, read top down: ``fit`` runs the
 epochs and ``finish`` ends the run (the summary, --save-weights), ``run_epoch`` trains and
 evaluates one, ``train_steps`` keeps the books around ``train_step``, the step itself;
-``evaluate`` is the test loop; then what they keep as they run (``Progress``, ``LossBooks``).
+``evaluate`` is the test loop; then what they keep as they run (``Progress``, ``LossBooks``)
+and the lines they print (``epoch_line``, ``summarize``).
 Then how a run is built: the command line, the task (``build_task``), the start-up block and
 the run's objects (``prepare_run``, ``resume``).
 Between two steps the loop calls one piece of machinery, ``run.stop`` (engine/stopping.py);
@@ -44,10 +45,9 @@ from device_utils import (Precision, broadcast_buffers, check_every_parameter_le
 from engine import flags
 from engine.cli import user_code_error
 from engine.errors import RunAborted, UserError
-from engine.log import (RunClock, RunLogger, accuracy_scope, count, describe_data, describe_device, describe_length,
-                        describe_resume, duration, epoch_line, epoch_record, eta_seconds, flag_value, per_process,
-                        processes, reconcile_metrics, size_warning, summarize, timestamp, validated, validated_ema,
-                        which_weights)
+from engine.log import (RunClock, RunLogger, count, describe_data, describe_device, describe_length, describe_resume,
+                        epoch_record, flag_value, per_process, processes, reconcile_metrics, size_warning, throughput,
+                        validated, validated_ema)
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.models import build_model
 from engine.monitor import Monitors
@@ -409,6 +409,117 @@ class Progress:
         if self.shown and self.terminal:
             self.stream.write("\r\033[K")
             self.stream.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# The lines the loop prints between its progress lines: each epoch's (the guide's, with a
+# timestamp, elapsed time and ETA) and the final summary.
+
+def timestamp(now=None):
+    """Local wall-clock time, as a batch log wants it: 2026-11-21 14:03:07."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+
+
+def duration(seconds):
+    """H:MM:SS (or D days, H:MM:SS) for elapsed times and ETAs; '?' when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(round(max(seconds, 0)), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{f'{days}d ' if days else ''}{hours}:{minutes:02d}:{secs:02d}"
+
+
+def eta_seconds(epoch_walls, remaining_epochs):
+    """Seconds left for ``remaining_epochs`` at this process's pace: the mean wall time per epoch
+    (training, evaluation, checkpoint), leaving out this process's first epoch once there are
+    others (it includes cuDNN autotuning, compilation and loader start-up). None if unknown."""
+    if remaining_epochs <= 0:
+        return 0.0
+    steady = epoch_walls[1:] or epoch_walls
+    return sum(steady) / len(steady) * remaining_epochs if steady else None
+
+
+def epoch_line(record, epochs, elapsed_s, eta_s):
+    """The guide's epoch line, with a timestamp in front, this GPU's peak memory (the headroom
+    left), and the run's elapsed time and ETA at the end (ETA: until --epochs; early stopping
+    may end the run sooner)."""
+    peak = record.get("peak_memory_gib")
+    return (f"{timestamp()} Epoch {record['epoch']}/{epochs}: Time={record['epoch_time_s']:.3f}s, "
+            f"Train Loss={record['train_loss']:.4f}, Val Loss={record['val_loss']:.4f}, "
+            f"Val Accuracy={record['val_accuracy']:.4f}{scores(record)}, "
+            f"Throughput={record['images_per_sec']:.1f} img/s, "
+            f"LR={record['lr']:.5g}, Eval={record['eval_time_s']:.1f}s"
+            + (f", Peak memory={peak:.1f} GiB" if peak is not None else "")
+            + f" | elapsed {duration(elapsed_s)}, ETA {duration(eta_s)}")
+
+
+def scores(record):
+    """What the epoch line adds to the guide's Val Accuracy: ', Top-5=0.9812' (more than 5
+    classes) and ', EMA Accuracy=0.9120' (--model-ema's average); '' for neither."""
+    top5, ema = record.get("val_top5"), record.get("ema_val_accuracy")
+    return (f", Top-5={top5:.4f}" if top5 is not None else "") + (f", EMA Accuracy={ema:.4f}" if ema is not None
+                                                                  else "")
+
+
+def accuracy_scope(record, test_size, held_out=False):
+    """'on 320 of 10000 test images' (with why, when it is not all of them); 'held-out images'
+    for --val-fraction's."""
+    seen, images = record.get("val_samples"), "held-out images" if held_out else "test images"
+    if seen is None or test_size is None or seen == test_size:
+        return f"on all {seen if seen is not None else '?'} {images}"
+    return f"on {seen} of {test_size} {images} (--limit-batches)"
+
+
+def which_weights(record):
+    """' (the EMA average: ...)' after the weights line, when the run kept one; else ''."""
+    if not record or record.get("ema_val_accuracy") is None:
+        return ""
+    ema, model = record["ema_val_accuracy"], record["val_accuracy"]
+    return (f" (the model's EMA average, which validated better: {ema:.4f} against the model's {model:.4f})"
+            if validated_ema(record) else
+            f" (the model, which validated at least as well as its EMA average: {model:.4f} against {ema:.4f})")
+
+
+def more_scores(record):
+    """[the summary's line of top-5 and --model-ema accuracy] of the final epoch's ``record``, or []."""
+    top5, ema, ema_top5 = record.get("val_top5"), record.get("ema_val_accuracy"), record.get("ema_val_top5")
+    parts = ([f"Top-5 Accuracy: {top5:.4f}"] if top5 is not None else []) + (
+        [f"EMA average: Accuracy {ema:.4f}" + (f", Top-5 {ema_top5:.4f}" if ema_top5 is not None else "")]
+        if ema is not None else [])
+    return ["; ".join(parts)] if parts else []
+
+
+def summarize(records, ctx, test_size=None, wall_s=None, resumed=False, held_out=False):
+    """The guide's final summary: accuracy and on how many images, training, evaluation and
+    wall time apart, and throughput with the warm-up epoch separated from the steady state.
+    ``resumed``: this process continued a run, so some epochs ran before it; ``held_out``:
+    validation ran on training images held out (--val-fraction), not a test set."""
+    if not records:
+        return []
+    last = records[-1]
+    best = max(records, key=validated)
+    accel = "GPUs" if ctx.device.type == "cuda" else "CPU processes"
+    train_s = sum(r["epoch_time_s"] for r in records)
+    eval_s = sum(r.get("eval_time_s", 0.0) for r in records)
+    of_best = ", the EMA average's" if validated_ema(best) else ""
+    lines = [f"\n{timestamp()} Training complete. Final Accuracy: {last['val_accuracy']:.4f} "
+             f"{accuracy_scope(last, test_size, held_out)} (best {validated(best):.4f} at epoch {best['epoch']}"
+             f"{of_best})", *more_scores(last),
+             f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
+             f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
+             + (f"; wall time {wall_s:.1f}s (reading the data, start-up and checkpoints included; "
+                "Python's imports not)" if wall_s is not None else ""),
+             f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
+    if len(records) > 1:
+        lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "
+                     f"epoch 1: {throughput(records[:1]):.1f} img/s")
+    lines.append(f"Number of nodes: {ctx.num_nodes}, {accel} per node: {ctx.local_world_size}, "
+                 f"total {accel}: {ctx.world_size}")
+    if "device" in last:  # (records of runs saved before it was recorded lack it)
+        peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+        lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))
+    return lines
 
 
 # The books are kept on the device, so that no step waits for the GPU, and summed over the ranks

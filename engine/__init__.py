@@ -34,7 +34,7 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     files.py         atomic writes, outputs checked at start
     folder_lock.py   one run per checkpoint folder
     stopping.py      signals and --stop-file: all ranks stop after the same step
-    log.py           what is printed, and the metrics file
+    log.py           the run's clock, the start-up block's pieces, each epoch's record and the metrics file
     monitor.py       GPU utilization and power, and the Monitors the loop sees
     profiling.py     --profile-dir: a torch.profiler window of a few steps, its trace and top operators
     tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run

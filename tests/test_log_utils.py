@@ -1,6 +1,6 @@
-"""engine/log.py and train_utils.Progress: progress lines for terminals and batch logs, epoch
-lines, ETA, the summary, and a metrics file that survives a failing disk. Pure functions are
-called directly."""
+"""train_utils.py's lines (progress for terminals and batch logs, epoch lines, ETA, the
+summary), and engine/log.py's run clock and a metrics file that survives a failing disk. Pure
+functions are called directly."""
 
 import io
 from types import SimpleNamespace
@@ -77,14 +77,14 @@ def test_progress_of_a_resumed_epoch_counts_only_its_own_batches():
 @pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.6, "0:01:00"), (3725, "1:02:05"),
                                            (90000, "1d 1:00:00"), (None, "?"), (float("nan"), "?")])
 def test_duration(seconds, text):
-    assert run_log.duration(seconds) == text
+    assert tu.duration(seconds) == text
 
 
 def test_eta_leaves_out_this_processs_first_epoch():
-    assert run_log.eta_seconds([], 5) is None
-    assert run_log.eta_seconds([30.0], 2) == 60.0  # nothing else known yet
-    assert run_log.eta_seconds([30.0, 10.0, 12.0], 3) == pytest.approx(33.0)
-    assert run_log.eta_seconds([30.0, 10.0], 0) == 0.0
+    assert tu.eta_seconds([], 5) is None
+    assert tu.eta_seconds([30.0], 2) == 60.0  # nothing else known yet
+    assert tu.eta_seconds([30.0, 10.0, 12.0], 3) == pytest.approx(33.0)
+    assert tu.eta_seconds([30.0, 10.0], 0) == 0.0
 
 
 def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epoch():
@@ -94,7 +94,7 @@ def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epo
     clock = run_log.RunClock(now=lambda: next(ticks))
     clock.loop_started()
     clock.epoch_done(0.5)
-    assert clock.epoch_walls == [8.0] and run_log.eta_seconds(clock.epoch_walls, 2) == 16.0
+    assert clock.epoch_walls == [8.0] and tu.eta_seconds(clock.epoch_walls, 2) == 16.0
     clock.epoch_done()
     assert clock.epoch_walls == [8.0, 8.0] and clock.elapsed() == 33.0
     assert run_log.RunClock(now=lambda: 5.0).epoch_walls == []
@@ -103,7 +103,7 @@ def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epo
 def test_epoch_line_starts_with_a_timestamp_and_ends_with_elapsed_and_eta():
     record = {"epoch": 3, "epoch_time_s": 9.8191, "train_loss": 3.12341, "val_loss": 2.6997, "val_accuracy": 0.3386,
               "images_per_sec": 5084.21, "lr": 0.0099, "eval_time_s": 1.04}
-    line = run_log.epoch_line(record, 100, 125.0, 3600.4)
+    line = tu.epoch_line(record, 100, 125.0, 3600.4)
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d Epoch 3/100: Time=9\.819s, Train Loss=3\.1234, "
                         r"Val Loss=2\.6997, Val Accuracy=0\.3386, Throughput=5084\.2 img/s, LR=0\.0099, "
                         r"Eval=1\.0s \| elapsed 0:02:05, ETA 1:00:00", line)
@@ -138,15 +138,15 @@ def _record(epoch, seconds, accuracy, **extra):
 def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     records = [_record(1, 4.0, 0.1), _record(2, 1.0, 0.3), _record(3, 1.0, 0.2, device="CPU: x", peak_memory_gib=None)]
     ctx = DistContext(device=torch.device("cpu"), world_size=8, local_world_size=4)
-    text = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5))
+    text = "\n".join(tu.summarize(records, ctx, test_size=10_000, wall_s=9.5))
     assert "Final Accuracy: 0.2000 on 320 of 10000 test images (--limit-batches) (best 0.3000 at epoch 2)" in text
     assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time 9.5s (reading the data, start-up "
             "and checkpoints included; Python's imports not)") in text
-    resumed = "\n".join(run_log.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
+    resumed = "\n".join(tu.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
     assert "over the run's 3 epochs (those before the resume too); wall time" in resumed
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
-    assert "on all 320 test images" in "\n".join(run_log.summarize(records, ctx, test_size=320))
+    assert "on all 320 test images" in "\n".join(tu.summarize(records, ctx, test_size=320))
 
 
 def test_a_data_set_of_the_wrong_size_is_said():
