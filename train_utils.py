@@ -45,12 +45,11 @@ from device_utils import (Precision, broadcast_buffers, check_every_parameter_le
 from engine import flags
 from engine.cli import user_code_error
 from engine.errors import RunAborted, UserError
-from engine.log import (RunClock, RunLogger, count, describe_data, describe_device, describe_length, describe_resume,
-                        epoch_record, flag_value, per_process, processes, reconcile_metrics, size_warning, throughput,
-                        validated, validated_ema)
+from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, describe_device, describe_length,
+                        describe_resume, epoch_record, flag_value, per_process, processes, reconcile_metrics,
+                        size_warning, throughput, validated, validated_ema)
 from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
 from engine.models import build_model
-from engine.monitor import Monitors
 from engine.optimization import (Cycle, check_loss, check_scheduler, describe_extension, describe_loss,
                                  describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
                                  make_scheduler, prefill_momentum, schedule_length_notes)
@@ -81,7 +80,7 @@ def fit(task, args, ctx, clock=None):
         # To the end of the run a signal only sets a flag: one that comes after the last step
         # (Ctrl-C, scancel during the summary) waits for the final weights, which are written.
         with run.stop:
-            with run.monitor:
+            with run.monitor or nullcontext():
                 while state.epoch <= args.epochs and not reached():
                     run_epoch(run, state, rng_state)
                     rng_state = None
@@ -179,7 +178,8 @@ def run_epoch(run, state, rng_state=None):
     done = train_steps(run, batches, state)
     synchronize(run.ctx.device)
     train_end = time.perf_counter()
-    phase = run.monitor.end_of_training_phase(start, train_end)  # a partial epoch resumed: its last part only
+    # What the monitors saw (a partial epoch resumed: its last part only); nothing watched: UNWATCHED.
+    phase = run.monitor.end_of_training_phase(start, train_end) if run.monitor else UNWATCHED
     # A resumed epoch adds its steps to those the interrupted run had trained of it.
     loss_sum = state.partial[0] + done.loss_sum
     images = state.partial[1] + done.images
@@ -215,7 +215,8 @@ def run_epoch(run, state, rng_state=None):
         if run.checkpointer.due():
             run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
     run.log.record(record)
-    run.monitor.record(record)
+    if run.monitor:
+        run.monitor.record(record)
     run.clock.epoch_done(1 - skipped / run.steps)
     eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
     run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
@@ -290,7 +291,7 @@ def train_steps(run, batches, state):
             update_model_ema(run.ema, run.module, run.scheduler.last_epoch, run.ema_warmup, run.ema_every)
         books.add(loss, y.size(0))
         state.step = step
-        if run.monitor.profile is not None:  # --profile-dir: the profiler's window counts the steps
+        if run.monitor and run.monitor.profile is not None:  # --profile-dir: the profiler's window counts the steps
             run.monitor.step(state.epoch, step)
         # Reads the running loss (a GPU sync) only when a line is shown.
         progress.update(step, books.images * run.ctx.world_size,
@@ -680,7 +681,7 @@ class Run:
     device_name: str       # what runs: GPU model and memory, or the CPU
     clock: RunClock = field(default_factory=RunClock)
     stop: StopRequests = None  # entered by fit: the signal handlers and the stop-file thread
-    monitor: Monitors = field(default_factory=Monitors)  # GPU sampling, TensorBoard, profiler: all off
+    monitor: object = None  # engine/monitor.Monitors: GPU sampling, TensorBoard, profiler; None: none of them
     mix: object = None     # recipe.make_batch_transform: (x, labels) -> (x, soft labels), or None
     ema: nn.Module = None  # recipe.make_model_ema: the weights' moving average (an AveragedModel), or None
     ema_every: int = 0     # optimizer steps between updates of ``ema`` (recipe.ema_schedule)
@@ -920,15 +921,25 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               args=args, task=task, log=log, steps=steps,
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
               stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
-              monitor=Monitors(ctx, log, state.run_id, state.records[-1] if state.records else None, continuing,
-                               (args.epochs - state.epoch + 1) * steps - state.step, steps, args.tensorboard,
-                               args.profile_dir, args.profile_skip, args.profile_steps),
+              monitor=monitors(ctx, log, state, continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps,
+                               args.tensorboard, args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
               ema_warmup=warmup if ema_schedule else 0,
               regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled,
               optimizer_settings=described)
     return run, state, rng_state
+
+
+def monitors(ctx, log, state, continuing, steps_left, steps_per_epoch, tensorboard, profile_dir, profile_skip,
+             profile_steps):
+    """engine/monitor.Monitors for a run on a GPU (NVML), or with --tensorboard or --profile-dir;
+    None for any other (a CPU run watches nothing: the module is not imported)."""
+    if ctx.device.type != "cuda" and not tensorboard and not profile_dir:
+        return None
+    from engine.monitor import Monitors
+    return Monitors(ctx, log, state.run_id, state.records[-1] if state.records else None, continuing, steps_left,
+                    steps_per_epoch, tensorboard, profile_dir, profile_skip, profile_steps)
 
 
 def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps, factor, own=None,

@@ -168,6 +168,11 @@ def sizes_warning(title, expected, found):
             "incomplete one, or other files?"]
 
 
+# The metrics record's fields from engine/monitor.py (Monitors.end_of_training_phase), as a run
+# that watches nothing has them: no GPU utilization or power, no profile.
+UNWATCHED = {"gpu_util_percent": None, "gpu_power_w": None, "gpu_power_min_w": None, "profiled": False}
+
+
 def epoch_record(state, fields, train_loss, result, images, train_time, eval_time, lr, phase, peak_gib, average=None):
     """One line of --metrics-file: ``fields``, what the run is (the same every epoch: world
     size, batch size, data set, model, optimizer...), and what this epoch did. Times in

@@ -5,10 +5,11 @@ steps (--profile-dir DIR, engine/profiling.py).
 
 The loop (train_utils.py) sees one object, ``Monitors``: ``step()`` after each training step
 (with --profile-dir only), ``end_of_training_phase(start, end)`` once per epoch,
-``record(record)`` with each epoch's metrics. Each
-part is off unless asked for (or, for NVML, unless there is a GPU and pynvml), and costs
-nothing per step then: no profiler, no writer, no thread. Only global rank 0 prints and
-writes TensorBoard events; every rank samples its own GPU and writes its own trace.
+``record(record)`` with each epoch's metrics; a CPU run without --tensorboard or
+--profile-dir has none, and does not import this module. Each part is off unless asked for
+(or, for NVML, unless there is a GPU and pynvml), and costs nothing per step then: no
+profiler, no writer, no thread. Only global rank 0 prints and writes TensorBoard events;
+every rank samples its own GPU and writes its own trace.
 
 The optional packages (tensorboard, pynvml from nvidia-ml-py) are imported only here and only
 when used; the NGC PyTorch container has both.
@@ -155,7 +156,8 @@ def gpu_fields(windows):
 
 class Monitors:
     """The parts a run asked for, entered by ``fit`` once the run ID and first epoch are known.
-    ``Monitors()`` is all off (tools/benchmark.py's timed steps)."""
+    ``Monitors()`` is all off. A run with nothing to watch (no GPU, no --tensorboard, no
+    --profile-dir) builds none (train_utils.monitors): its records get log.UNWATCHED."""
 
     def __init__(self, ctx=None, log=None, run_id=None, last_record=None, resumed=False, steps_left=None,
                  steps_per_epoch=None, tensorboard=None, profile_dir=None, profile_skip=0, profile_steps=0):

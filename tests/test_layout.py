@@ -59,7 +59,7 @@ def test_the_engines_docstring_names_each_of_its_modules():
 # Machinery a plain run does not use, imported where its feature is on (issue 52).
 FEATURES = {"engine.dali_loader", "engine.image_cache", "engine.image_folder", "engine.image_list", "engine.user_data",
             "engine.finetune", "engine.model_ema", "engine.folder_lock", "engine.tensorboard_log", "engine.interfaces",
-            "engine.nccl_log", "engine.profiling",
+            "engine.nccl_log", "engine.profiling", "engine.monitor",
             "engine.compiling", "engine.checkpoints", "engine.weights", "engine.files"}
 
 
@@ -107,7 +107,7 @@ def test_no_engine_module_but_flags_reads_the_command_line():
 def test_a_plain_run_imports_no_machinery_it_does_not_use():
     """train.py --synthetic without a checkpoint folder, --weights, --save-weights, --metrics-file,
     DALI, an image folder, your data, --finetune, --model-ema or --tensorboard imports none of their
-    modules (nor DDP's network checks)."""
+    modules (nor DDP's network checks, nor the monitors: on a CPU they would watch nothing)."""
     code = ("import runpy, sys\n"
             f"sys.argv = ['train.py', '--synthetic', '--epochs', '1', '--limit-batches', '1', '--batch-size', '8', "
             f"*{list(TINY_MODEL)!r}]\n"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from device_utils import single_process_context
-from engine import monitor, profiling, tensorboard_log
+from engine import log as run_log, monitor, profiling, tensorboard_log
 from train_utils import parse_args
 from conftest import (FAST, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd,
                       write_cifar100)
@@ -323,7 +323,7 @@ def test_no_profiler_and_no_thread_unless_asked(tmp_path):
         assert (monitors.sampler, monitors.tensorboard, monitors.profile) == (None, None, None)
         assert not any(t.name == "gpu-sampler" for t in threading.enumerate())
         assert monitors.end_of_training_phase(0, time.perf_counter()) == {
-            **monitor.gpu_fields([monitor.GpuWindow(None, None, 0)]), "profiled": False}
+            **monitor.gpu_fields([monitor.GpuWindow(None, None, 0)]), "profiled": False} == run_log.UNWATCHED
 
 
 def _cpu_context():
