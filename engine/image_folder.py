@@ -351,14 +351,19 @@ def image_notes(headers, size, mode, why, ignored, splits):
     enlarged = enlargement_note([h.size for h in decoded], size)
     if enlarged:
         notes.append(enlarged)
-    if ignored:
-        notes.append(f"Ignored {count(len(ignored), 'file that is not an image', 'files that are not images')}, "
-                     f"e.g. {ignored[0]}")
+    notes += ignored_note(len(ignored), ignored[:1])
     undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
     if undecodable:
         notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
                      "read all the same")
     return notes
+
+
+def ignored_note(number, examples):
+    """[the line on ``number`` files left out as not images, naming the first of ``examples``], or []."""
+    if not number:
+        return []
+    return [f"Ignored {count(number, 'file that is not an image', 'files that are not images')}, e.g. {examples[0]}"]
 
 
 def enlargement_note(sizes, size, most=ENLARGE_NOTE_FACTOR):

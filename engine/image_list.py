@@ -24,7 +24,7 @@ from engine.data_formats import DatasetError
 from engine.errors import NO_SPACE, space_problem
 from engine.image_cache import SizeRequest, cache_root, folder_version, unreadable_notes
 from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable, check_left, folder_stats, header,
-                                 map_threads, scan)
+                                 ignored_note, map_threads, scan)
 from engine.log import count
 from engine.processes import available_cores
 from engine.task import names_sha256
@@ -117,7 +117,9 @@ def build_list(root, scanned, workers, log):
     return {"format": LIST_FORMAT, "classes": list(scanned.classes), "layout": scanned.layout, "splits": splits,
             "mean": mean, "std": std, "gray": gray, "stats": folder_stats(sizes)._asdict(),
             "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
-                        for split, errs in skipped.items()}}
+                        for split, errs in skipped.items()},
+            "ignored": {"count": len(scanned.ignored),  # files that are not images: how many, and the first
+                        "first": [str(Path(path).relative_to(root)) for path in scanned.ignored[:1]]}}
 
 
 def decoded_bytes(root, held_out, request, sample=100):
@@ -179,9 +181,11 @@ def read_list(target, root):
               for split, errs in listed["skipped"].items()}
     stats = FolderStats(**{**listed["stats"], "common_size": tuple(listed["stats"]["common_size"])})
     images = sum(len(labels) for _, labels in splits.values())
+    ignored = listed.get("ignored", {})  # a list made before it was recorded: nothing said
     notes = (f"Images: {images} files decoded by DALI every epoch (none kept decoded: training crops the whole "
              "image, validation resizes it to cover the stored size below and takes the centre), "
              + ("gray (every image is gray)" if listed["gray"] else "RGB") + f"; checked once, listed in {target}",
+             *ignored_note(ignored.get("count", 0), [given / name for name in ignored.get("first", [])]),
              *unreadable_notes(errors, target))
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}
     return FolderList(splits["train"], splits.get("test"), tuple(listed["classes"]), tuple(listed["mean"]),

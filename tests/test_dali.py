@@ -325,6 +325,7 @@ def test_the_list_names_unreadable_files_within_the_data_dir_as_given(photos, tm
         out = capsys.readouterr().out
         assert re.search(r"^  photos/dog/cut\.jpg: image file is truncated", out, re.M), out
         assert "\n  photos/dog/anim.gif: a .gif file, which DALI does not decode" in out
+        assert "\nIgnored 4 files that are not images, e.g. photos/cat/Thumbs.db\n" in out  # as the cache says too
         assert f"{absolute}/dog" not in out and f"{tmp_path}/p/photos/dog" not in out
 
 
