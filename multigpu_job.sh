@@ -58,8 +58,9 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 [[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
-[[ -z "$BASE_LR" || "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
-    die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
+# A non-negative decimal as Python's float() reads it, and not zero (0, 0.0, 0e5): nothing would train.
+[[ -z "$BASE_LR" || ( "$BASE_LR" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ &&
+   ! "$BASE_LR" =~ ^0*[.]?0*([eE].*)?$ ) ]] || die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 gpu_log_dir="$(dirname -- "$GPU_LOG_FILE")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
@@ -137,6 +138,26 @@ trap 'kill "$monitor_pid" 2>/dev/null || true; rm -f "$STOP_FILE"' EXIT
 stop_requested=""
 trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
 
+# Ctrl-C where the script runs at a terminal (bash multigpu_job.sh): torchrun passes the SIGINT on, and
+# training stops after its current step with a checkpoint; the script waits for that instead of
+# returning to the prompt with training still printing. The stop file asks the same of a launcher
+# that ignores SIGINT. The job is not requeued: the same command continues from the checkpoint.
+# A second Ctrl-C ends training at once (SIGTERM: a checkpoint too, if it can).
+training_pid=""
+interrupted=""
+# shellcheck disable=SC2329  # run by the trap below
+on_interrupt() {
+    [[ -n "$training_pid" ]] || exit 130  # training has not started: nothing to stop
+    if [[ -n "$interrupted" ]]; then
+        kill -TERM "$training_pid" 2>/dev/null || true
+        return
+    fi
+    interrupted=1
+    touch "$STOP_FILE" 2>/dev/null || true
+    echo "Ctrl-C: training stops after its current step and writes a checkpoint (Ctrl-C again: at once)" >&2
+}
+trap on_interrupt INT
+
 # A job that ran less than REQUEUE_MIN_S (300 s, the signal's margin) is not requeued: its time
 # limit leaves so little past the margin that each requeued run would stop soon after starting.
 requeue() {
@@ -169,6 +190,10 @@ while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the 
     status=0
     wait "$training_pid" || status=$?
 done
+if [[ -n "$interrupted" ]]; then
+    echo "Interrupted (Ctrl-C): the same command continues from $CHECKPOINT_DIR (--resume=auto)" >&2
+    exit 130
+fi
 if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
     if [[ -e "$STOP_FILE" ]]; then  # training removes the stop file it stops on: it finished first
         echo "Training finished before the stop request took effect: the job is done, not requeued"

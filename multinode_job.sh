@@ -118,7 +118,9 @@ done
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
-[[ -z "$BASE_LR" || "$BASE_LR" =~ $number ]] || die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
+zero='^0*[.]?0*([eE].*)?$'  # 0, 0.0, 0e5: nothing would train
+[[ -z "$BASE_LR" || ( "$BASE_LR" =~ $number && ! "$BASE_LR" =~ $zero ) ]] ||
+    die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
 [[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
 gpu_log_dir="$(dirname -- "$GPU_LOG_PREFIX")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||

@@ -278,6 +278,7 @@ def test_a_checkpoint_dir_given_as_an_argument_is_where_the_requeued_job_resumes
     ("PER_GPU_BATCH", "abc", "PER_GPU_BATCH=abc is not a positive whole number of images"),
     ("BASE_LR", "fast", "BASE_LR=fast is not a positive number (e.g. 0.01 or 1e-2)"),
     ("BASE_LR", "-0.1", "BASE_LR=-0.1 is not a positive number (e.g. 0.01 or 1e-2)"),
+    ("BASE_LR", "0.0e3", "BASE_LR=0.0e3 is not a positive number (e.g. 0.01 or 1e-2)"),  # train.py's --base-lr 0
     ("GPU_LOG_INTERVAL", "0", "GPU_LOG_INTERVAL=0 is not a positive whole number of seconds"),
 ])
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
@@ -324,6 +325,50 @@ def warned_job(tmp_path, env, *args):
     return (tmp_path / "job.log").read_text()
 
 
+def session_pythons(session):
+    """The command lines of the live Python processes (torchrun, training) in session
+    ``session`` (a job started by conftest.start)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X") and "python" in command:
+            found.append(command)
+    return found
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS[:2])
+def test_ctrl_c_at_a_terminal_stops_training_with_a_checkpoint_before_the_prompt(tmp_path, script):
+    """bash singlegpu_job.sh at a terminal, then Ctrl-C: the script returned to the prompt at
+    once, and training, which torchrun stops on the SIGINT, printed its stop line and wrote its
+    checkpoint after it. Now the script waits for that stop, exits 130 (not requeued), and the
+    same command continues from the checkpoint."""
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1)
+    folder, go = f"checkpoints/{script.removesuffix('_job.sh')}_{JOB_ID}", tmp_path / "go"
+    job = start(["bash", REPO / script, *TRAIN_ARGS], tmp_path, tmp_path / "job.log",
+                env={**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"})
+    wait_held(go, job)
+    os.killpg(job.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the foreground group
+    wait_for_path(tmp_path / f".{script.removesuffix('_job.sh')}_{JOB_ID}.stop", job)  # the script's handler
+    time.sleep(STOP_FILE_POLL_S * 1.5)  # still held: training's watcher thread sees the file meanwhile
+    go.touch()
+    assert job.wait(timeout=120) == 130
+    assert not session_pythons(job.pid), "training went on after the script returned"
+    log = (tmp_path / "job.log").read_text()
+    [stop_line] = [line for line in log.splitlines() if line.startswith("Stopped ")]
+    # (DDP's ranks agree on a stop one step after it is seen: train_ddp.py stops after step 2)
+    assert re.match(rf"Stopped after step [12] of epoch 2 \(SIGINT\); checkpoint {folder}/checkpoint_", stop_line)
+    assert log.index(stop_line) < log.index(f"Interrupted (Ctrl-C): the same command continues from {folder} "
+                                            "(--resume=auto)")
+    assert "Requeueing" not in log and "Traceback" not in log
+    again = run_job(script, tmp_path, env, *TRAIN_ARGS)
+    assert again.returncode == 0 and f"Resuming from {folder}/checkpoint_" in again.stdout, again.stderr
+    assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
     """A --time within the signal's 300 s margin warns right after the start: the job stops
     with a checkpoint and says how to go on, instead of requeueing itself over and over."""
@@ -364,7 +409,6 @@ def test_a_stop_file_that_cannot_be_created_is_refused_at_start(tmp_path, script
         "limit needs it (set STOP_FILE)\n")
 
 
-
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, script):
     """STOP_FILE naming a file with data in it: the start-up check created and removed it (rm
@@ -377,6 +421,7 @@ def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, scrip
         f"error: STOP_FILE={own} exists and is not an empty file, and the job removes its stop file; set STOP_FILE "
         "to a path of its own\n")
     assert own.read_text() == "my notes\n"
+
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_a_stop_file_among_the_arguments_is_refused_at_start(tmp_path, script):
