@@ -68,7 +68,7 @@ from engine.all_reduce_timing import (NCCL_ERRORS_RAISE, QUEUED_AHEAD, Clock, ho
                                      wait_for_device)
 from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
 from engine.cli import run_cli
-from engine.errors import RunAborted, UserError, first_line
+from engine.errors import RunAborted, UserError, first_sentences
 from engine.flags import OneLineParser, non_negative_int, positive_float, positive_int
 from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
@@ -256,7 +256,7 @@ def allocate(max_count, ctx):
         buffers = (values * float(ctx.rank + 1), torch.empty_like(values), values * float(sum_of_ranks(ctx.world_size)))
         del values
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
-        why = first_line(err)[:120]
+        why = first_sentences(err)  # the allocator's words, with the bytes it was asked for
     if any_rank(why is not None, ctx.control_group):
         if why is not None:
             raise UserError(f"cannot allocate 3 buffers of {size} on {ctx.device} ({why}): choose a smaller "

@@ -8,6 +8,7 @@ Ctrl-C during the entry point's imports from ending in a traceback. No torch imp
 """
 
 import errno
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -74,6 +75,19 @@ def first_line(err):
     """The first line of an exception's message (libraries go on with advice and stacks), or
     its type's name when it has none."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def first_sentences(err, limit=160):
+    """The first line of ``err``'s message (first_line) cut after its last whole sentence within
+    ``limit`` characters, the first sentence at least: never in the middle of a number, as
+    "... you tried to allocate 17179869184 bytes." cut at a fixed width would be."""
+    sentences = re.split(r"(?<=\.) ", first_line(err))
+    kept = sentences[0]
+    for sentence in sentences[1:]:
+        if len(kept) + 1 + len(sentence) > limit:
+            break
+        kept += " " + sentence
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,20 @@ def test_a_wrong_result_is_one_line_naming_size_iterations_and_ranks():
     assert run_log.rank_list([0, 1, 2, 3, 8]) == "[0-3, 8]" and run_log.rank_list([5]) == "[5]"
 
 
+def test_buffers_that_cannot_be_allocated_are_one_line_with_the_bytes_asked_for():
+    """The allocator's message was cut at 120 characters, inside the byte count on the CPU. A
+    size beyond any address space (2**46 float32 values) fails at once, whatever the overcommit."""
+    with pytest.raises(errors.UserError) as raised:
+        cn.allocate(2**46, device_utils.single_process_context("cpu"))
+    assert re.fullmatch(r"cannot allocate 3 buffers of \S+ GiB on cpu \(.*you tried to allocate 281474976710656 "
+                        r"bytes\.\): choose a smaller --max-size", str(raised.value)), str(raised.value)
+    cuda = ("CUDA out of memory. Tried to allocate 16.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
+            "1.25 GiB is free. Including non-PyTorch memory, this process has 77.84 GiB memory in use.")
+    assert errors.first_sentences(RuntimeError(cuda)) == ("CUDA out of memory. Tried to allocate 16.00 GiB. GPU 0 "
+                                                         "has a total capacity of 79.10 GiB of which 1.25 GiB is free.")
+    assert errors.first_sentences(RuntimeError("x" * 300)) == "x" * 300  # one sentence: whole
+
+
 def test_the_fault_hook_is_parsed_strictly():
     assert cn.parse_fault(None) is None and cn.parse_fault("") is None
     assert cn.parse_fault("1:4K:2") == cn.Fault(rank=1, nbytes=4096, iteration=2)
