@@ -63,7 +63,7 @@ quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command witho
 import torch
 import torch.distributed as dist
 
-from device_utils import device_name, nccl_report, network_report, setup_distributed
+from device_utils import device_name, setup_distributed
 from engine.all_reduce_timing import (NCCL_ERRORS_RAISE, QUEUED_AHEAD, Clock, host_wait, start_all_reduce,
                                      wait_for_device)
 from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
@@ -72,7 +72,8 @@ from engine.errors import RunAborted, UserError, first_sentences
 from engine.flags import OneLineParser, non_negative_int, positive_float, positive_int
 from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
-from engine.nccl_log import describe_network, nccl_debug_file, nccl_log_settings, network_label, read_nccl_log
+from engine.nccl_log import (describe_network, nccl_debug_file, nccl_log_settings, nccl_report, network_label,
+                             network_report, read_nccl_log)
 from engine.lost_ranks import process_group_scope
 from engine.exact_sums import (DTYPE, check_result, max_world_size, mismatch_message, mismatches, pattern,
                                sum_of_ranks)

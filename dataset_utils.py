@@ -45,10 +45,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from engine.data_formats import DatasetError  # noqa: F401 (raised by the functions here, part of this module's API)
-from engine.data_formats import (DATASETS, class_names, data_root, default_data_dir, missing_files, prepare,
-                                 read_split)
-from engine.errors import UserError, first_line, size_text
+from engine.errors import DatasetError, UserError, first_line, size_text
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
@@ -56,7 +53,7 @@ from engine.plugins import plugin_key
 from engine.processes import available_cores, from_rank0
 from engine.seeds import derived_seed
 from engine.stopping import ignore_ctrl_c
-from engine.task import (DataInfo, check_labels, data_fingerprint, describe_split, held_out_record,
+from engine.task import (DATASETS, DataInfo, check_labels, data_fingerprint, describe_split, held_out_record,
                          stratified_split)
 import recipe  # noqa: I001 (the user's file, after the engine's)
 
@@ -203,6 +200,7 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
     if synthetic:
         splits = {split: synthetic_split(split, seed, spec) for split in spec.split_sizes}
     else:
+        from engine.data_formats import read_split  # the files' readers: not for random images
         root = builtin_root(data_dir, spec)
         # Global rank 0 fetches what is missing; the others wait, and get its error if any.
         from_rank0(lambda: fetch(root, spec, download) if rank == 0 else None, group, patient=True)
@@ -214,6 +212,7 @@ def build_datasets(data_dir=None, download=True, synthetic=False, seed=0, rank=0
 def fetch(root, spec, download=True):
     """The files of data set ``spec`` in ``root``, fetched when missing (engine/data_formats.py);
     but never into an image folder: that is --dataset folder forgotten."""
+    from engine.data_formats import missing_files, prepare
     if len(missing_files(root, spec)) == len(spec.all_files()):
         from engine.image_folder import image_folder_layout  # only when the data set is not there
         layout = image_folder_layout(root)
@@ -225,6 +224,7 @@ def fetch(root, spec, download=True):
 
 def builtin_root(data_dir, spec):
     """Where the files of data set ``spec`` are under --data-dir ``data_dir`` (None: datasets/)."""
+    from engine.data_formats import data_root, default_data_dir
     return data_root(Path(data_dir).expanduser() if data_dir else default_data_dir(), spec)
 
 
@@ -711,8 +711,11 @@ def builtin_data(args, ctx):
                                  args.augment, ctx.control_group)
     source = ("SYNTHETIC random images and labels: accuracy is meaningless" if args.synthetic
               else f"{spec.title} from {args.data_dir or 'datasets/ beside the scripts'}")
-    classes = (tuple(str(label) for label in range(spec.num_classes)) if args.synthetic  # CIFAR's: read in its meta
-               else class_names(builtin_root(args.data_dir, spec), spec))
+    if args.synthetic:
+        classes = tuple(str(label) for label in range(spec.num_classes))
+    else:  # CIFAR's: read in its meta
+        from engine.data_formats import class_names
+        classes = class_names(builtin_root(args.data_dir, spec), spec)
     return train, test, DataInfo(spec.name, spec.title, source, classes, train.prep,
                                  data_fingerprint(spec.name, args.synthetic, train.labels, len(test),
                                                   images=None if args.synthetic else train.source),
@@ -846,6 +849,7 @@ def dali_choice(args, device, group=None, per_image=None):
 
 def plugin_data(args):
     """NAME(data_dir) of --dataset FILE.py:NAME, read whole into memory."""
+    from engine.data_formats import default_data_dir
     from engine.image_folder import channel_stats
     from engine.user_data import read_user_data
     ref, data_dir = args.dataset, args.data_dir or str(default_data_dir())
@@ -891,6 +895,7 @@ def main(argv=None):
     try:
         if args.dataset == FOLDER:
             return prepare_image_folder(args) if args.loader == "cache" else list_image_folder(args)
+        from engine.data_formats import class_names, prepare, read_split
         spec = DATASETS[args.dataset]
         data_dir = builtin_root(args.data_dir, spec)
         prepare(data_dir, spec, download=True)

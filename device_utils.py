@@ -6,11 +6,9 @@ LOCAL_RANK (index on this node, which GPU to use), WORLD_SIZE and LOCAL_WORLD_SI
 rank 0 is the one process that prints and writes files; local rank only picks the GPU.
 """
 
-import ctypes
 import inspect
 import os
 import platform
-import re
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -302,75 +300,3 @@ def check_replicas_in_sync(module: torch.nn.Module, where: str):
         raise RunAborted(f"model parameters on rank(s) {differing} differ from rank 0 {where}{nonfinite}: the replicas "
                          "are out of sync (silent data corruption in communication; check NCCL_PROTO=^LL128 and "
                          "the network settings); stopping without writing a checkpoint")
-
-
-# HPE's recommended settings for NCCL over Slingshot between GH200 nodes, and the LL128
-# workaround for NVIDIA/nccl issue 2001 (see README).
-MULTINODE_SETTINGS = {
-    "FI_PROVIDER": "cxi", "FI_CXI_RX_MATCH_MODE": "hybrid", "FI_MR_CACHE_MONITOR": "userfaultfd",
-    "FI_CXI_DISABLE_HOST_REGISTER": "1", "FI_CXI_DEFAULT_CQ_SIZE": "131072", "FI_CXI_DEFAULT_TX_SIZE": "2048",
-    "FI_CXI_RDZV_PROTO": "alt_read", "FI_CXI_RDZV_EAGER_SIZE": "0", "FI_CXI_RDZV_THRESHOLD": "0",
-    "FI_CXI_RDZV_GET_MIN": "0", "NCCL_CROSS_NIC": "1", "NCCL_NET_GDR_LEVEL": "PHB",
-    "NCCL_SOCKET_IFNAME": "hsn0,hsn1,hsn2,hsn3", "NCCL_PROTO": "^LL128", "GLOO_SOCKET_IFNAME": "hsn0",
-}
-
-
-def nccl_version_name(code: int) -> str:
-    """ncclGetVersion's integer as "major.minor.patch" (NCCL_VERSION_CODE: X*10000 + Y*100 + Z
-    since NCCL 2.9, X*1000 + Y*100 + Z before)."""
-    major, rest = divmod(code, 10000) if code >= 20900 else divmod(code, 1000)
-    return f"{major}.{rest // 100}.{rest % 100}"
-
-
-def loaded_library(name: str, maps: str) -> str | None:
-    """Path of the shared library ``name``.so (or ``name``.so.2, .so.2.21.5, ...) in a
-    /proc/PID/maps text. Exactly that name: libnccl-net.so (the aws-ofi-nccl plugin, mapped
-    in the same process) and libnccl-tuner.so are not libnccl."""
-    pattern = re.compile(re.escape(name) + r"\.so(\.\d+)*")
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path
-        if len(fields) == 6 and pattern.fullmatch(os.path.basename(fields[5])):
-            return fields[5]
-    return None
-
-
-def nccl_report() -> str:
-    """The NCCL that runs, not only the one PyTorch was built against: multinode_job.sh puts
-    the host's NCCL first on the library path, and the LL128 corruption (NVIDIA/nccl issue
-    2001) depends on the version that is loaded. Asks the loaded library (ncclGetVersion)."""
-    built = torch.cuda.nccl.version()  # a tuple in recent PyTorch, an int in old ones
-    built = ".".join(map(str, built)) if isinstance(built, tuple) else str(built)
-    try:
-        with open("/proc/self/maps") as f:
-            path = loaded_library("libnccl", f.read())
-    except OSError:
-        path = None
-    if path is None:
-        return f"NCCL version: {built} (linked into PyTorch)"
-    try:
-        code = ctypes.c_int()
-        ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code))
-        loaded = nccl_version_name(code.value)
-    except (OSError, AttributeError):
-        loaded = "unknown"
-    return f"NCCL version: {loaded}, loaded from {path} (PyTorch was built with {built})"
-
-
-def network_report(ctx: DistContext, environ=None) -> list:
-    """Lines for rank 0 to print at start: NCCL version, network variables in effect, and a
-    warning for each recommended multi-node setting that is missing."""
-    environ = os.environ if environ is None else environ
-    lines = []
-    if ctx.device.type == "cuda":
-        lines.append(nccl_report())
-    in_effect = [f"{name}={environ[name]}" for name in sorted(environ)
-                 if name.startswith(("NCCL_", "FI_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_"))
-                 or name in ("MASTER_ADDR", "MASTER_PORT")]
-    lines.append("Network settings: " + (" ".join(in_effect) or "none"))
-    if ctx.num_nodes > 1:
-        missing = [name for name in MULTINODE_SETTINGS if name not in environ]
-        if missing:
-            lines.append(f"WARNING: multi-node run without the recommended settings {', '.join(missing)} "
-                         "(see README: without NCCL_PROTO=^LL128 NCCL can silently corrupt gradients "
-                         "between GH200 nodes)")
-    return lines

@@ -40,7 +40,7 @@ import recipe
 from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
                            default_num_workers, set_loader_epoch, skip_batches, with_image_transforms)
 from device_utils import (Precision, broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync,
-                          configure_precision, device_name, memory_format, network_report, peak_memory_gib,
+                          configure_precision, device_name, memory_format, peak_memory_gib,
                           reset_peak_memory)
 from engine import flags
 from engine.cli import user_code_error
@@ -892,7 +892,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
                  *recipe.ema_warning(args, ema_schedule, args.epochs * steps, warmup),
                  *schedule_length_notes(own, args.epochs * steps, steps)]:
         log.info(line)
-    if ctx.process_group:
+    if ctx.process_group:  # the NCCL that is loaded, the network variables in effect
+        from engine.nccl_log import network_report
         for line in network_report(ctx):
             log.info(line)
     if args.synthetic:

@@ -4,19 +4,19 @@ optimizer, so yours plug in without changes here. Imports flow one way: the top-
 scripts import the engine, and the engine imports no top-level module except the user's
 files named on the command line (--model, --dataset FILE.py:NAME).
 
-    errors.py        UserError, RunAborted, TrainingStopped: what ends a run with one line, its exit status;
-                     a full disk
+    errors.py        UserError, RunAborted, DatasetError, TrainingStopped: what ends a run with one line, its
+                     exit status; a full disk
     cli.py           run_cli: those as one line and an exit status
     processes.py     who this process is (torchrun's variables) and how the ranks agree
     lost_ranks.py    a rank that stopped answering, named in one line
     flags.py         the engine's flags, parsed with recipe.py's
-    task.py          Task and DataInfo: where the loop meets the model and the data; labels checked,
-                     --val-fraction's stratified split
+    task.py          Task and DataInfo: where the loop meets the model and the data; what each built-in
+                     --dataset is (DATASETS); labels checked, --val-fraction's stratified split
     plugins.py       loading the user's FILE.py:NAME
     models.py        --model built, probed and given --weights
     finetune.py      --finetune: the weights that fit, a new head, --freeze-backbone
     user_data.py     --dataset FILE.py:NAME read into memory
-    data_formats.py  the built-in data sets' files: fetched, read, checked
+    data_formats.py  the built-in data sets' files: fetched, read, checked (not by --synthetic)
     image_folder.py  --dataset folder: scanned and decoded
     image_list.py    --loader dali's list of an image folder: each image checked once, no copy kept
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
@@ -38,7 +38,8 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     monitor.py       GPU utilization and power, and the Monitors the loop sees
     profiling.py     --profile-dir: a torch.profiler window of a few steps, its trace and top operators
     tensorboard_log.py  --tensorboard: each epoch's scalars, one folder per run
-    nccl_log.py      which network NCCL chose, from its own log (check_network.py)
+    nccl_log.py      a DDP run's NCCL report (the library loaded, the network settings, the multi-node ones
+                     missing); which network NCCL chose, from its own log (check_network.py)
     interfaces.py    GLOO_/NCCL_SOCKET_IFNAME checked against this node's interfaces
     exact_sums.py    check_network.py's data: sums exact in any order, a wrong one in one line
     bandwidth.py     message sizes, algbw and busbw as nccl-tests defines them

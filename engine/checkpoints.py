@@ -23,11 +23,11 @@ import torch
 
 from engine.errors import ResourceProblem, UserError
 from engine.files import atomic_save
-from engine.flags import DATASETS, FOLDER, KEEP_CHECKPOINTS
+from engine.flags import FOLDER, KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
-from engine.task import fingerprints_differ
+from engine.task import DATASETS, fingerprints_differ
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT = "checkpoint_", 1
 

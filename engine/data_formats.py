@@ -1,5 +1,6 @@
-"""The four data sets on disk: what they are, where their files go, how they are fetched, and
-how they are read and checked. Files are torchvision's own layout, so a folder torchvision
+"""The four built-in data sets on disk (engine/task.py's DATASETS says what each is): where
+their files go, how they are fetched, and how they are read and checked; imported by a run
+that reads them (a --synthetic run makes its images without them). Files are torchvision's own layout, so a folder torchvision
 filled works here and the other way round:
 
     cifar100       DIR/cifar-100-python/{train,test,meta}                  Python pickles
@@ -23,75 +24,16 @@ import socket
 import tarfile
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from engine.errors import UserError
+from engine.errors import DatasetError
 
 IDX_IMAGES, IDX_LABELS = 2051, 2049  # the idx files' magic numbers: uint8 data, 3 or 1 dimensions
 # A download that receives nothing for this long fails (seconds): a compute node whose network
 # never answers (a firewall that drops packets, a dead proxy) must not hang until the time limit.
 DOWNLOAD_STALL_S = 60.0
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """One data set: its files, shape, classes and the augmentation and normalization used."""
-    name: str                 # the --dataset value
-    title: str                # for people
-    folder: str               # under --data-dir, as torchvision lays it out
-    num_classes: int
-    image_shape: tuple        # (H, W, C) of the stored uint8 images
-    split_sizes: dict         # images per split in the official files
-    mean: tuple               # per channel, of the training images scaled to 0..1
-    std: tuple
-    augment: str              # --augment auto: flip-crop, or crop for digits (a mirrored 3 is no 3)
-    padding: int              # zero padding (pixels) around the image before the random crop
-    files: dict               # split -> the files it is read from (names inside ``folder``)
-    source: str               # torchvision's class for it: where the files are downloaded from
-    label_key: str = ""       # CIFAR pickles: the key of the labels ("" for idx files)
-    extra_files: tuple = ()   # CIFAR: the file of the class names (read by class_names)
-    names: tuple = ()         # idx files: the class names, which no file holds (torchvision's)
-
-    @property
-    def channels(self):
-        return self.image_shape[2]
-
-    @property
-    def is_idx(self):
-        """MNIST's idx files (else CIFAR's pickles)."""
-        return not self.label_key
-
-    def all_files(self):
-        return [name for split in ("train", "test") for name in self.files[split]] + list(self.extra_files)
-
-
-_IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-
-DATASETS = {spec.name: spec for spec in (
-    DataSpec("cifar100", "CIFAR-100", "cifar-100-python", 100, (32, 32, 3), {"train": 50_000, "test": 10_000},
-             (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), augment="flip-crop", padding=4,
-             files={"train": ("train",), "test": ("test",)}, source="CIFAR100", label_key="fine_labels",
-             extra_files=("meta",)),
-    DataSpec("cifar10", "CIFAR-10", "cifar-10-batches-py", 10, (32, 32, 3), {"train": 50_000, "test": 10_000},
-             (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="flip-crop", padding=4,
-             files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
-             source="CIFAR10", label_key="labels", extra_files=("batches.meta",)),
-    DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.2860,), (0.3530,), augment="flip-crop", padding=2, files=_IDX, source="FashionMNIST",
-             names=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                    "Ankle boot")),
-    DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
-             (0.1307,), (0.3081,), augment="crop", padding=2, files=_IDX, source="MNIST",
-             names=tuple(str(digit) for digit in range(10))),
-)}
-
-
-class DatasetError(UserError):
-    """Data missing, not downloadable, truncated or corrupted."""
 
 
 class RefusedData(DatasetError):

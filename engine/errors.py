@@ -59,6 +59,10 @@ class ResourceProblem(UserError):
     exit_code = 1
 
 
+class DatasetError(UserError):
+    """Data missing, not downloadable, truncated or corrupted; an image folder that is none."""
+
+
 EXIT_STOPPED = 75  # stopped by a signal after writing a checkpoint: run again with --resume
 
 

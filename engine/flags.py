@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from engine.cli import let_rank0_fail_first
-from engine.data_formats import DATASETS
 from engine.errors import EXIT_STOPPED, UserError
 from engine.log import flag_value
 from engine.models import DEFAULT_MODEL
 from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, launcher_pid, rank_or_zero
+from engine.task import DATASETS
 
 MAX_AUTO_WORKERS = 8
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")

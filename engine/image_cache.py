@@ -49,8 +49,8 @@ from typing import Callable
 
 import numpy as np
 
-from engine.data_formats import DatasetError, default_data_dir
-from engine.errors import NO_SPACE, ResourceProblem, free_bytes, size_text, space_problem
+from engine.data_formats import default_data_dir
+from engine.errors import NO_SPACE, DatasetError, ResourceProblem, free_bytes, size_text, space_problem
 from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, FolderStats, Unreadable, channel_stats, check_left,
                                  decode_all, folder_stats, header, image_notes, map_threads, scan)
 from engine.log import count

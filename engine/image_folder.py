@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-from engine.data_formats import DatasetError
+from engine.errors import DatasetError
 from engine.log import count
 
 SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}

@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.data_formats import DatasetError
-from engine.errors import NO_SPACE, space_problem
+from engine.errors import NO_SPACE, DatasetError, space_problem
 from engine.image_cache import SizeRequest, cache_root, folder_version, unreadable_notes
 from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable, check_left, folder_stats, header,
                                  ignored_note, map_threads, scan)

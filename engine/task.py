@@ -1,7 +1,8 @@
 """Where the engine meets the model and the data, as pytorch/examples' ``load_train_objs`` and
 torchtitan's TrainSpec do: a ``Task`` is what train_utils.fit trains, and the loop,
 checkpoints and logging use nothing else of the model or the data. train_utils.build_task
-makes one from --model and --dataset.
+makes one from --model and --dataset; what each built-in --dataset is (its shape, classes,
+normalization and files) is ``DATASETS``, read from disk by engine/data_formats.py.
 
 Then the labels: checked against the classes, for every kind of data set, and split by
 --val-fraction, a validation set held out of the training images for data that comes without a
@@ -24,6 +25,60 @@ from engine.errors import UserError
 # In the metadata a weights file or checkpoint records (Task.weights_metadata; engine/weights.py):
 MODEL_FILE = "model_file"  # the absolute path of --model FILE.py:NAME's file
 MODEL_FILE_NEAR = "model_file_near"  # that path relative to the weights file's folder (engine/weights.py adds it)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """One data set: its files, shape, classes and the augmentation and normalization used."""
+    name: str                 # the --dataset value
+    title: str                # for people
+    folder: str               # under --data-dir, as torchvision lays it out
+    num_classes: int
+    image_shape: tuple        # (H, W, C) of the stored uint8 images
+    split_sizes: dict         # images per split in the official files
+    mean: tuple               # per channel, of the training images scaled to 0..1
+    std: tuple
+    augment: str              # --augment auto: flip-crop, or crop for digits (a mirrored 3 is no 3)
+    padding: int              # zero padding (pixels) around the image before the random crop
+    files: dict               # split -> the files it is read from (names inside ``folder``)
+    source: str               # torchvision's class for it: where the files are downloaded from
+    label_key: str = ""       # CIFAR pickles: the key of the labels ("" for idx files)
+    extra_files: tuple = ()   # CIFAR: the file of the class names (read by class_names)
+    names: tuple = ()         # idx files: the class names, which no file holds (torchvision's)
+
+    @property
+    def channels(self):
+        return self.image_shape[2]
+
+    @property
+    def is_idx(self):
+        """MNIST's idx files (else CIFAR's pickles)."""
+        return not self.label_key
+
+    def all_files(self):
+        return [name for split in ("train", "test") for name in self.files[split]] + list(self.extra_files)
+
+
+_IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+DATASETS = {spec.name: spec for spec in (
+    DataSpec("cifar100", "CIFAR-100", "cifar-100-python", 100, (32, 32, 3), {"train": 50_000, "test": 10_000},
+             (0.5071, 0.4867, 0.4408), (0.2675, 0.2565, 0.2761), augment="flip-crop", padding=4,
+             files={"train": ("train",), "test": ("test",)}, source="CIFAR100", label_key="fine_labels",
+             extra_files=("meta",)),
+    DataSpec("cifar10", "CIFAR-10", "cifar-10-batches-py", 10, (32, 32, 3), {"train": 50_000, "test": 10_000},
+             (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="flip-crop", padding=4,
+             files={"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)},
+             source="CIFAR10", label_key="labels", extra_files=("batches.meta",)),
+    DataSpec("fashion-mnist", "Fashion-MNIST", "FashionMNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
+             (0.2860,), (0.3530,), augment="flip-crop", padding=2, files=_IDX, source="FashionMNIST",
+             names=("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                    "Ankle boot")),
+    DataSpec("mnist", "MNIST", "MNIST/raw", 10, (28, 28, 1), {"train": 60_000, "test": 10_000},
+             (0.1307,), (0.3081,), augment="crop", padding=2, files=_IDX, source="MNIST",
+             names=tuple(str(digit) for digit in range(10))),
+)}
 
 
 @dataclass(frozen=True)

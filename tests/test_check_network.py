@@ -253,10 +253,10 @@ def test_the_nccl_version_is_libnccl_not_the_ofi_plugin():
     maps = ("7f00-7f10 r-xp 00000000 08:01 11 /opt/nccl/lib/libnccl-net.so\n"
             "7f10-7f18 r-xp 00000000 08:01 12 /opt/nccl/lib/libnccl-tuner.so.1\n"
             "7f20-7f30 r-xp 00000000 08:01 34 /opt/nccl/lib/libnccl.so.2.21.5\n")
-    assert device_utils.loaded_library("libnccl", maps) == "/opt/nccl/lib/libnccl.so.2.21.5"
-    assert device_utils.loaded_library("libnccl", maps.splitlines()[0]) is None
+    assert nccl_log.loaded_library("libnccl", maps) == "/opt/nccl/lib/libnccl.so.2.21.5"
+    assert nccl_log.loaded_library("libnccl", maps.splitlines()[0]) is None
     for name in ("libnccl.so", "libnccl.so.2"):
-        assert device_utils.loaded_library("libnccl", f"7f-8f r-xp 0 08:01 1 /usr/lib/{name}\n") == f"/usr/lib/{name}"
+        assert nccl_log.loaded_library("libnccl", f"7f-8f r-xp 0 08:01 1 /usr/lib/{name}\n") == f"/usr/lib/{name}"
 
 
 @pytest.mark.parametrize("args, message", [

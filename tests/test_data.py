@@ -15,7 +15,7 @@ import torchvision
 
 import dataset_utils as du
 import recipe
-from engine import data_formats
+from engine import data_formats, errors
 from conftest import run_main, write_cifar100
 
 
@@ -71,7 +71,7 @@ def _crop(padded, dy, dx, flip):
 def test_truncated_file_is_named(cifar_dir):
     path = cifar_dir / "cifar-100-python" / "train"
     path.write_bytes(path.read_bytes()[:5000])
-    with pytest.raises(data_formats.DatasetError, match="train is truncated or corrupted") as info:
+    with pytest.raises(errors.DatasetError, match="train is truncated or corrupted") as info:
         data_formats.read_split(cifar_dir, "train", du.CIFAR100)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
@@ -82,12 +82,12 @@ def test_wrongly_shaped_data_is_reported(tmp_path):
     entry = pickle.loads(path.read_bytes(), encoding="latin1")
     entry["data"] = entry["data"][:, :1000]
     path.write_bytes(pickle.dumps(entry, protocol=2))
-    with pytest.raises(data_formats.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
+    with pytest.raises(errors.DatasetError, match=r"corrupted: expected uint8 data of shape \(N, 3072\)"):
         data_formats.read_split(root, "test", du.CIFAR100)
 
 
 def test_missing_data_without_download_says_what_to_run(tmp_path):
-    with pytest.raises(data_formats.DatasetError) as info:
+    with pytest.raises(errors.DatasetError) as info:
         data_formats.prepare(tmp_path / "nothing", du.CIFAR100, download=False)
     assert f"python dataset_utils.py --dataset cifar100 --data-dir {tmp_path / 'nothing'}" in str(info.value)
     assert not (tmp_path / "nothing").exists()  # nothing created for a failed run
@@ -98,7 +98,7 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
         (du.Path(root) / filename).write_bytes(b"the first bytes")  # a partial archive
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", offline)
-    with pytest.raises(data_formats.DatasetError) as info:
+    with pytest.raises(errors.DatasetError) as info:
         data_formats.prepare(tmp_path / "new" / "datasets", du.CIFAR100, download=True)
     message = str(info.value)
     assert message.startswith(f"CIFAR-100 not found in {tmp_path / 'new' / 'datasets' / 'cifar-100-python'} and "
@@ -107,7 +107,7 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
     assert list(tmp_path.iterdir()) == []  # no empty datasets/ folder, no partial archive
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    with pytest.raises(data_formats.DatasetError):
+    with pytest.raises(errors.DatasetError):
         data_formats.prepare(tmp_path / "mine", du.CIFAR100, download=True)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # what was there stays
 
@@ -115,7 +115,7 @@ def test_failed_download_is_one_clear_line_and_leaves_nothing_behind(tmp_path, m
 def test_a_missing_file_is_named(cifar_dir):
     (cifar_dir / "cifar-100-python" / "meta").unlink()
     folder = cifar_dir / "cifar-100-python"
-    with pytest.raises(data_formats.DatasetError, match=f"^CIFAR-100 in {folder} is incomplete: "
+    with pytest.raises(errors.DatasetError, match=f"^CIFAR-100 in {folder} is incomplete: "
                                                         "meta missing; fetch it first with: python dataset_utils.py"):
         data_formats.prepare(cifar_dir, du.CIFAR100, download=False)
 
@@ -153,8 +153,9 @@ def test_download_unpacks_into_place_and_keeps_existing_files(tmp_path, monkeypa
 def test_only_global_rank_0_fetches_and_the_data_set_is_built_once(cifar_dir, monkeypatch):
     prepared, reads = [], Counter()
     real_prepare, real_read = data_formats.prepare, data_formats.read_split
-    monkeypatch.setattr(du, "prepare", lambda *a: prepared.append(a) or real_prepare(*a))
-    monkeypatch.setattr(du, "read_split",
+    # dataset_utils imports them from engine/data_formats.py where a run reads files: patched there.
+    monkeypatch.setattr(data_formats, "prepare", lambda *a: prepared.append(a) or real_prepare(*a))
+    monkeypatch.setattr(data_formats, "read_split",
                         lambda root, split, spec: reads.update([split]) or real_read(root, split, spec))
     du.load_cifar100(8, data_dir=cifar_dir, rank=1, world_size=2)
     assert prepared == [] and reads == Counter(train=1, test=1)

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from conftest import REPO, TINY_MODEL, error_lines, run, run_main, torchrun_cmd, write_cifar10, write_cifar100
-from engine import data_formats
+from engine import data_formats, task
 
 POSITIONS = [("cifar100", "cifar-100-python", "train"), ("cifar100", "cifar-100-python", "test"),
              ("cifar100", "cifar-100-python", "meta"), ("cifar10", "cifar-10-batches-py", "data_batch_3"),
@@ -63,7 +63,7 @@ def test_a_planted_pickle_is_one_line_under_two_processes(tmp_path):
 
 def test_the_demo_data_and_official_style_pickles_still_load(tmp_path):
     root = write_cifar10(tmp_path / "data")
-    images, labels = data_formats.read_split(root, "train", data_formats.DATASETS["cifar10"])
+    images, labels = data_formats.read_split(root, "train", task.DATASETS["cifar10"])
     assert images.shape == (50, 32, 32, 3) and labels.shape == (50,)
     # The official files are Python 2 pickles of numpy 1 arrays (numpy.core.multiarray), read as latin-1.
     assert data_formats.SafeUnpickler.find_class(None, "numpy.core.multiarray", "_reconstruct") is not None

@@ -19,20 +19,20 @@ import torchvision.transforms.functional as TF
 
 import dataset_utils as du
 import recipe
-from engine import data_formats
+from engine import data_formats, errors, task
 from conftest import (FAST, REPO, SMALL_MODEL, TINY_MODEL, clean_env, error_lines, idx_bytes, python_cmd,
                       read_metrics, run, run_main, torchrun_cmd, write_cifar10, write_dataset, write_idx,
                       write_image_folder)
 from model import WideResNet
 
-NAMES = tuple(data_formats.DATASETS)
+NAMES = tuple(task.DATASETS)
 TORCHVISION = {"cifar100": torchvision.datasets.CIFAR100, "cifar10": torchvision.datasets.CIFAR10,
                "fashion-mnist": torchvision.datasets.FashionMNIST, "mnist": torchvision.datasets.MNIST}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_reader_matches_torchvision(tmp_path, monkeypatch, name):
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     root = write_dataset(tmp_path, name, n_train=25, n_test=10)
     # torchvision checks the official md5 sums of CIFAR's files, which a tiny copy cannot match.
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda path, md5=None: True)
@@ -49,7 +49,7 @@ def test_reader_matches_torchvision(tmp_path, monkeypatch, name):
 
 
 def test_idx_files_read_the_same_gzipped(tmp_path):
-    spec = data_formats.DATASETS["fashion-mnist"]
+    spec = task.DATASETS["fashion-mnist"]
     plain = write_idx(tmp_path / "plain", "FashionMNIST", seed=4)
     packed = write_idx(tmp_path / "packed", "FashionMNIST", seed=4, gzipped=True)  # as downloaded
     assert (packed / "FashionMNIST" / "raw" / "train-images-idx3-ubyte.gz").exists()
@@ -83,12 +83,12 @@ BAD_FILES = [
 
 @pytest.mark.parametrize("name, file, how, expected", BAD_FILES, ids=[f"{n}-{f}-{h}" for n, f, h, _ in BAD_FILES])
 def test_a_bad_file_is_one_line_naming_it(tmp_path, name, file, how, expected):
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     root = write_dataset(tmp_path, name, gzipped=True) if file.endswith(".gz") else write_dataset(tmp_path, name)
     path = root / spec.folder / file
     _damage(path, how)
     split = "test" if file.startswith(("test", "t10k")) else "train"
-    with pytest.raises(data_formats.DatasetError) as info:
+    with pytest.raises(errors.DatasetError) as info:
         data_formats.read_split(root, split, spec)
     message = str(info.value)
     assert message.startswith(f"{path}{expected}") and "\n" not in message
@@ -96,7 +96,7 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, name, file, how, expected):
 
 @pytest.mark.parametrize("name", ["cifar10", "mnist"])
 def test_a_missing_file_is_named_before_anything_is_read(tmp_path, name, capsys):
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     root = write_dataset(tmp_path, name)
     missing = spec.files["train"][0]
     (root / spec.folder / missing).unlink()
@@ -108,10 +108,10 @@ def test_a_missing_file_is_named_before_anything_is_read(tmp_path, name, capsys)
 
 
 def test_labels_beyond_the_classes_are_refused(tmp_path):
-    spec = data_formats.DATASETS["mnist"]
+    spec = task.DATASETS["mnist"]
     root = write_idx(tmp_path, "MNIST", n_test=3)
     (root / spec.folder / "t10k-labels-idx1-ubyte").write_bytes(idx_bytes(np.array([1, 10, 2]), 2049))
-    with pytest.raises(data_formats.DatasetError, match=r"t10k-labels-idx1-ubyte is corrupted: labels outside 0\.\.9"):
+    with pytest.raises(errors.DatasetError, match=r"t10k-labels-idx1-ubyte is corrupted: labels outside 0\.\.9"):
         data_formats.read_split(root, "test", spec)
 
 
@@ -139,28 +139,28 @@ def test_idx_download_tries_the_mirrors_and_keeps_present_files(tmp_path, monkey
         "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte", "train-images-idx3-ubyte.gz",
         "train-labels-idx1-ubyte.gz"]
     assert sorted(p.name for p in root.iterdir()) == ["MNIST"]  # no temporary folder left
-    assert len(data_formats.read_split(root, "train", data_formats.DATASETS["mnist"])[1]) == 60
+    assert len(data_formats.read_split(root, "train", task.DATASETS["mnist"])[1]) == 60
 
 
 def test_an_official_file_that_fails_to_read_is_not_called_corrupted(tmp_path, monkeypatch):
     """A file whose md5 is the official one is intact: when reading it fails all the same (a
     numpy left half imported by a Ctrl-C while Python started, seen in a walk), the line says to
     keep it, not to delete it and fetch again (no internet on a compute node)."""
-    spec = data_formats.DATASETS["cifar10"]
+    spec = task.DATASETS["cifar10"]
     root = write_dataset(tmp_path, "cifar10")
     monkeypatch.setattr(data_formats, "check_official", lambda *args: True)  # as the real files are
 
     def half_imported(path):
         raise AttributeError("module 'numpy' has no attribute 'multiply'")
     monkeypatch.setattr(data_formats, "load_pickle", half_imported)
-    with pytest.raises(data_formats.DatasetError) as info:
+    with pytest.raises(errors.DatasetError) as info:
         data_formats.read_split(root, "train", spec)
     assert str(info.value) == (
         f"{root / 'cifar-10-batches-py' / 'data_batch_1'} could not be read (AttributeError: module 'numpy' has no "
         "attribute 'multiply'), although it is the official file (its md5 checked): keep it, and run again or check "
         "the Python environment")
     monkeypatch.setattr(data_formats, "check_official", lambda *args: False)  # a copy of another size: maybe damaged
-    with pytest.raises(data_formats.DatasetError, match="is truncated or corrupted .*; delete it and fetch again"):
+    with pytest.raises(errors.DatasetError, match="is truncated or corrupted .*; delete it and fetch again"):
         data_formats.read_split(root, "train", spec)
 
 
@@ -198,8 +198,8 @@ def test_cifar10_download_unpacks_the_official_layout(tmp_path, monkeypatch):
                                         torchvision.datasets.CIFAR10.tgz_md5)
         (Path(root) / filename).write_bytes(buffer.getvalue())
     monkeypatch.setattr(torchvision.datasets.utils, "download_url", fake_download)
-    data_formats.prepare(tmp_path / "datasets", data_formats.DATASETS["cifar10"])
-    images, labels = data_formats.read_split(tmp_path / "datasets", "train", data_formats.DATASETS["cifar10"])
+    data_formats.prepare(tmp_path / "datasets", task.DATASETS["cifar10"])
+    images, labels = data_formats.read_split(tmp_path / "datasets", "train", task.DATASETS["cifar10"])
     assert images.shape == (50, 32, 32, 3) and len(labels) == 50
 
 
@@ -208,7 +208,7 @@ def test_cifar10_download_unpacks_the_official_layout(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_augmentation_stays_within_the_padding_and_flips_only_where_allowed(name):
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     prep = du.spec_preprocessing(spec)
     # Pixel (r, c) holds r * W + c + 1: every output pixel says where it came from, 0 = padding.
     h, w, _ = spec.image_shape
@@ -226,17 +226,17 @@ def test_augmentation_stays_within_the_padding_and_flips_only_where_allowed(name
 
 
 def test_padding_and_normalization_are_the_data_sets_own():
-    assert [data_formats.DATASETS[n].padding for n in NAMES] == [4, 4, 2, 2]
-    assert [data_formats.DATASETS[n].augment for n in NAMES] == ["flip-crop", "flip-crop", "flip-crop", "crop"]
-    assert data_formats.DATASETS["mnist"].mean == (0.1307,)
-    assert data_formats.DATASETS["cifar10"].mean != data_formats.DATASETS["cifar100"].mean
+    assert [task.DATASETS[n].padding for n in NAMES] == [4, 4, 2, 2]
+    assert [task.DATASETS[n].augment for n in NAMES] == ["flip-crop", "flip-crop", "flip-crop", "crop"]
+    assert task.DATASETS["mnist"].mean == (0.1307,)
+    assert task.DATASETS["cifar10"].mean != task.DATASETS["cifar100"].mean
 
 
 @pytest.mark.parametrize("name", ["fashion-mnist", "mnist"])
 def test_one_channel_crops_equal_torchvision_pixel_for_pixel(name):
     """The augmentation and normalization of both loaders against torchvision's transforms on
     the PIL image, for every offset within the padding (and both flips where flips are used)."""
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     prep = du.spec_preprocessing(spec, "flip-crop")
     image = np.random.default_rng(1).integers(0, 256, (28, 28, 1), dtype=np.uint8)
     pil = du.to_pil(image)
@@ -264,7 +264,7 @@ def test_one_channel_crops_equal_torchvision_pixel_for_pixel(name):
 
 def test_the_model_follows_the_data():
     for name in NAMES:
-        spec = data_formats.DATASETS[name]
+        spec = task.DATASETS[name]
         model = WideResNet(spec.num_classes, spec.channels).eval()
         height, width, channels = spec.image_shape
         with torch.no_grad():
@@ -286,7 +286,7 @@ def test_a_short_run_learns_each_data_set(tmp_path, name):
                             "--warmup-epochs", "0", "--patience", "4", "--base-lr", "0.1", "--metrics-file", metrics,
                             *SMALL_MODEL, *FAST), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    spec = data_formats.DATASETS[name]
+    spec = task.DATASETS[name]
     assert f"on {spec.title} with Batch Size: 16" in result.stdout
     assert f"Augmentation: {du.spec_preprocessing(spec).describe()}" in result.stdout
     records = read_metrics(metrics)

@@ -59,7 +59,7 @@ def test_the_engines_docstring_names_each_of_its_modules():
 # Machinery a plain run does not use, imported where its feature is on (issue 52).
 FEATURES = {"engine.dali_loader", "engine.image_cache", "engine.image_folder", "engine.image_list", "engine.user_data",
             "engine.finetune", "engine.model_ema", "engine.folder_lock", "engine.tensorboard_log", "engine.interfaces",
-            "engine.nccl_log", "engine.profiling", "engine.monitor",
+            "engine.nccl_log", "engine.profiling", "engine.monitor", "engine.data_formats",
             "engine.compiling", "engine.checkpoints", "engine.weights", "engine.files"}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import data_formats, files
+from engine import data_formats, errors, files, task
 from engine import weights as weights_file
 from conftest import (FAST, REPO, TINY_MODEL, error_lines, python_cmd, run, run_main, start, torchrun_cmd, clean_env,
                       unavailable, write_cifar100)
@@ -104,8 +104,8 @@ def silent_proxy(monkeypatch):
 def test_a_download_that_never_answers_fails_with_one_line(silent_proxy, tmp_path, monkeypatch, name):
     proxy, _ = silent_proxy
     monkeypatch.setattr(data_formats, "DOWNLOAD_STALL_S", 1.5)
-    with pytest.raises(data_formats.DatasetError) as caught:
-        data_formats.prepare(tmp_path / "datasets", data_formats.DATASETS[name])
+    with pytest.raises(errors.DatasetError) as caught:
+        data_formats.prepare(tmp_path / "datasets", task.DATASETS[name])
     assert len(proxy.connections) == 1  # one stall, not one per mirror and file
     message = str(caught.value)
     assert "downloading it failed (no answer from the network for 1.5 s); on a machine with internet" in message
@@ -135,13 +135,13 @@ def test_ctrl_c_during_a_stalled_download_leaves_nothing_and_no_traceback(silent
                                          ("cifar-100-python", ".")])
 def test_data_dir_naming_the_data_sets_own_folder_means_its_parent(given, root):
     name = "fashion-mnist" if "FashionMNIST" in given else "mnist" if "MNIST" in given else "cifar100"
-    assert data_formats.data_root(Path(given), data_formats.DATASETS[name]) == Path(root)
+    assert data_formats.data_root(Path(given), task.DATASETS[name]) == Path(root)
 
 
 def test_the_real_data_sets_folder_inside_one_of_that_name_is_kept(tmp_path):
     write_cifar100(tmp_path / "cifar-100-python")  # the files are in .../cifar-100-python/cifar-100-python
     folder = tmp_path / "cifar-100-python"
-    assert data_formats.data_root(folder, data_formats.DATASETS["cifar100"]) == folder
+    assert data_formats.data_root(folder, task.DATASETS["cifar100"]) == folder
 
 
 def test_train_py_accepts_the_data_sets_own_folder(tmp_path):

@@ -17,7 +17,7 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, image_cache, image_folder, models
+from engine import data_formats, image_cache, image_folder, models, task
 from engine.errors import EXIT_STOPPED, UserError
 from engine import weights as weights_file
 from tools import demo_data
@@ -348,7 +348,7 @@ def test_float_images_far_from_zero_keep_their_precision():
 
 
 def test_augment_chooses_for_any_data_set():
-    cifar, mnist = data_formats.DATASETS["cifar100"], data_formats.DATASETS["mnist"]
+    cifar, mnist = task.DATASETS["cifar100"], task.DATASETS["mnist"]
 
     def prep(spec, augment):
         made = du.spec_preprocessing(spec, augment)
@@ -607,7 +607,7 @@ def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
     (tmp_path / "data" / ".DS_Store").touch()
     (tmp_path / "data" / "cache").mkdir()  # the image folders' cache, as in datasets/
     assert demo_data.main(["--dataset", "cifar10", str(tmp_path / "data")]) == 0  # built-in sets side by side
-    images, labels = data_formats.read_split(tmp_path / "data", "train", data_formats.DATASETS["mnist"])
+    images, labels = data_formats.read_split(tmp_path / "data", "train", task.DATASETS["mnist"])
     assert images.shape == (512, 28, 28, 1) and set(labels.tolist()) == set(range(10))
     assert demo_data.main(["--dataset", "photos", str(tmp_path / "data")]) == 2
     (tmp_path / "afile").write_text("mine\n")  # was a NotADirectoryError traceback

@@ -26,8 +26,9 @@ from engine import log as run_log
 from engine import weights as weights_file
 from conftest import (FAST, PLAIN_MODEL, REPO, TINY_MODEL, clean_env, descendants, error_lines, python_cmd,
                       read_metrics, run, run_main, spawn, start, torchrun_cmd, wait_for)
-from device_utils import MULTINODE_SETTINGS, check_replicas_in_sync, cleanup_distributed, network_report
+from device_utils import check_replicas_in_sync, cleanup_distributed
 from engine.errors import EXIT_STOPPED, RunAborted, UserError
+from engine.nccl_log import MULTINODE_SETTINGS, network_report
 from engine.processes import DistContext
 from model import WideResNet
 
@@ -988,5 +989,5 @@ def test_every_variable_the_project_sets_is_read_by_the_installed_libraries():
     nccl = [path.parent for path in Path(torch.__file__).parent.parent.glob("nvidia/nccl*/lib/libnccl.so*")]
     if nccl:
         nccl_reads = _library_strings(nccl[0], "libnccl.so*")
-        settings = [name for name in device_utils.MULTINODE_SETTINGS if name.startswith("NCCL_")]
+        settings = [name for name in MULTINODE_SETTINGS if name.startswith("NCCL_")]
         assert len(settings) >= 4 and [name for name in settings if not nccl_reads(name)] == []

@@ -20,7 +20,7 @@ import train_utils as tu
 from device_utils import single_process_context
 from engine import checkpoints, flags, optimization, processes
 from engine import weights as weights_file
-from engine import compiling, private_torch
+from engine import compiling, nccl_log, private_torch
 from engine.compiling import use_compile_cache
 from engine.errors import UserError
 from engine.task import DataInfo, Task
@@ -503,13 +503,13 @@ def test_resumed_optimizer_state_takes_the_parameters_layout():
 
 
 def test_nccl_version_is_the_loaded_librarys():
-    assert device_utils.nccl_version_name(22703) == "2.27.3" and device_utils.nccl_version_name(2804) == "2.8.4"
+    assert nccl_log.nccl_version_name(22703) == "2.27.3" and nccl_log.nccl_version_name(2804) == "2.8.4"
     maps = ("7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
             "7f20-7f30 r-xp 00000000 08:01 34 /cluster/work/support/nccl/lib/libnccl.so.2.27.3\n"
             "7f40-7f50 rw-p 00000000 00:00 0 \n")
-    assert device_utils.loaded_library("libnccl", maps) == "/cluster/work/support/nccl/lib/libnccl.so.2.27.3"
-    assert device_utils.loaded_library("libnccl", maps.splitlines()[0]) is None
-    line = device_utils.nccl_report()  # this process: PyTorch's own NCCL when its wheel has one
+    assert nccl_log.loaded_library("libnccl", maps) == "/cluster/work/support/nccl/lib/libnccl.so.2.27.3"
+    assert nccl_log.loaded_library("libnccl", maps.splitlines()[0]) is None
+    line = nccl_log.nccl_report()  # this process: PyTorch's own NCCL when its wheel has one
     assert re.fullmatch(r"NCCL version: (\d+\.\d+\.\d+, loaded from /\S+ \(PyTorch was built with [\d.]+\)"
                         r"|[\d.]+ \(linked into PyTorch\))", line), line
 

@@ -54,7 +54,7 @@ from dataset_utils import build_loaders, default_num_workers, set_loader_epoch  
 from device_utils import configure_precision, device_name, memory_format, single_process_context  # noqa: E402
 from engine.cli import run_cli  # noqa: E402
 from engine.dali_loader import dali_installed  # noqa: E402
-from engine.data_formats import DATASETS, default_data_dir, missing_files  # noqa: E402
+from engine.data_formats import default_data_dir, missing_files  # noqa: E402
 from engine.errors import UserError, space_problem  # noqa: E402
 from engine.files import check_writable  # noqa: E402
 from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
@@ -62,6 +62,7 @@ from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.profiling import device_profiler, kernel_times, top_operators, unused_path  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
+from engine.task import DATASETS  # noqa: E402
 from tools import gpu_report  # noqa: E402
 from tools.baselines import (GUIDE_PRECISION, StepTiming, TorchvisionResizedCrops, guide_loader,  # noqa: E402
                              guide_training_steps)

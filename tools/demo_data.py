@@ -25,7 +25,7 @@ from PIL import Image
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data_formats import DATASETS  # noqa: E402
+from engine.task import DATASETS  # noqa: E402
 
 def learnable_images(labels, rng, height, width, channels, classes=10):
     """uint8 images (N, height, width, channels) a network can learn to classify: a colour set

@@ -40,9 +40,10 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset_utils import FileImages, preprocessing  # noqa: E402
-from device_utils import device_name, nccl_report, peak_memory_gib, reset_peak_memory  # noqa: E402
+from device_utils import device_name, peak_memory_gib, reset_peak_memory  # noqa: E402
 from engine.dali_loader import DaliLoader  # noqa: E402
 from engine.errors import UserError, first_line, space_problem  # noqa: E402
+from engine.nccl_log import nccl_report  # noqa: E402
 from engine.profiling import is_communication  # noqa: E402
 from engine.processes import available_cores  # noqa: E402
 from recipe import dali_images  # noqa: E402
