@@ -65,6 +65,13 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 gpu_log_dir="$(dirname -- "$GPU_LOG_FILE")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
     die "GPU_LOG_FILE=$GPU_LOG_FILE: its folder $gpu_log_dir does not exist or cannot be written"
+# nvidia-smi appends to GPU_LOG_FILE (a requeued job keeps its first samples): a file that holds
+# something else, a user's own named by mistake, is refused rather than appended to.
+if [[ -s "$GPU_LOG_FILE" || ( -e "$GPU_LOG_FILE" && ! -f "$GPU_LOG_FILE" ) ]] &&
+    [[ ! -f "$GPU_LOG_FILE" || "$(head -c 22 -- "$GPU_LOG_FILE")" != "timestamp, index, name" ]]; then
+    die "GPU_LOG_FILE=$GPU_LOG_FILE exists and is not a GPU log (nvidia-smi's CSV); set GPU_LOG_FILE to a" \
+        "path of its own"
+fi
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
 # STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
@@ -91,10 +98,11 @@ fi
 # CHECKPOINT_DIR (the training scripts accept no abbreviation of it); and the optimizer.
 optimizer=sgd
 args=("$@")
+checkpoint_given=""  # set when --checkpoint-dir among the arguments names the folder
 for i in "${!args[@]}"; do
     case "${args[i]}" in
-        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
-        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}"; checkpoint_given=1 ;;
+        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}"; checkpoint_given=1 ;;
         --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
         --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
         --stop-file | --stop-file=*)  # training would watch it, not the file the USR1 trap creates
@@ -102,6 +110,19 @@ for i in "${!args[@]}"; do
                 "USR1 creates; set STOP_FILE instead" ;;
     esac
 done
+# A CHECKPOINT_DIR that training could not use is refused here, naming the variable: training's
+# own check would name --checkpoint-dir, a flag the user did not type.
+if [[ -z "$checkpoint_given" ]]; then
+    existing="$CHECKPOINT_DIR"  # the folder, or the nearest of its parents that exists
+    while [[ ! -e "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
+        existing="$(dirname -- "$existing")"
+    done
+    if [[ -e "$CHECKPOINT_DIR" && ! -d "$CHECKPOINT_DIR" ]]; then
+        die "CHECKPOINT_DIR=$CHECKPOINT_DIR is a file, not a folder (set CHECKPOINT_DIR to a folder)"
+    elif [[ ! -d "$existing" || ! -w "$existing" ]]; then
+        die "CHECKPOINT_DIR=$CHECKPOINT_DIR cannot be written: $existing is not a writable folder (set CHECKPOINT_DIR)"
+    fi
+fi
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
 lr_flags=()
 [[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")

@@ -125,6 +125,16 @@ zero='^0*[.]?0*([eE].*)?$'  # 0, 0.0, 0e5: nothing would train
 gpu_log_dir="$(dirname -- "$GPU_LOG_PREFIX")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
     die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: its folder $gpu_log_dir does not exist or cannot be written"
+# nvidia-smi appends to each node's GPU_LOG_PREFIX_NODE.csv (a requeued job keeps its first
+# samples): a file that holds something else, a user's own named by mistake, is refused rather
+# than appended to.
+for gpu_log in "$GPU_LOG_PREFIX"_*.csv; do
+    if [[ -s "$gpu_log" || ( -e "$gpu_log" && ! -f "$gpu_log" ) ]] &&
+        [[ ! -f "$gpu_log" || "$(head -c 22 -- "$gpu_log")" != "timestamp, index, name" ]]; then
+        die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: $gpu_log exists and is not a GPU log (nvidia-smi's CSV); set" \
+            "GPU_LOG_PREFIX to a path of its own"
+    fi
+done
 [[ "$HOST_BINDS" == 0 || "$HOST_BINDS" == 1 ]] ||
     die "HOST_BINDS=$HOST_BINDS is neither 1 (bind the host's network libraries) nor 0 (the container's own)"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
@@ -241,10 +251,11 @@ export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nc
 # CHECKPOINT_DIR (the training scripts accept no abbreviation of it); and the optimizer.
 optimizer=sgd
 args=("$@")
+checkpoint_given=""  # set when --checkpoint-dir among the arguments names the folder
 for i in "${!args[@]}"; do
     case "${args[i]}" in
-        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}" ;;
-        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}" ;;
+        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}"; checkpoint_given=1 ;;
+        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}"; checkpoint_given=1 ;;
         --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
         --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
         --stop-file | --stop-file=*)  # training would watch it, not the file the USR1 trap creates
@@ -252,6 +263,19 @@ for i in "${!args[@]}"; do
                 "USR1 creates; set STOP_FILE instead" ;;
     esac
 done
+# A CHECKPOINT_DIR that training could not use is refused here, naming the variable: training's
+# own check would name --checkpoint-dir, a flag the user did not type.
+if [[ -z "$checkpoint_given" ]]; then
+    existing="$CHECKPOINT_DIR"  # the folder, or the nearest of its parents that exists
+    while [[ ! -e "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
+        existing="$(dirname -- "$existing")"
+    done
+    if [[ -e "$CHECKPOINT_DIR" && ! -d "$CHECKPOINT_DIR" ]]; then
+        die "CHECKPOINT_DIR=$CHECKPOINT_DIR is a file, not a folder (set CHECKPOINT_DIR to a folder)"
+    elif [[ ! -d "$existing" || ! -w "$existing" ]]; then
+        die "CHECKPOINT_DIR=$CHECKPOINT_DIR cannot be written: $existing is not a writable folder (set CHECKPOINT_DIR)"
+    fi
+fi
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
 lr_flags=()
 [[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")

@@ -424,6 +424,39 @@ def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, scrip
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_checkpoint_dir_training_cannot_use_is_refused_naming_the_variable(tmp_path, script):
+    """CHECKPOINT_DIR naming a file, or a folder below a file: training's own refusal named
+    --checkpoint-dir, a flag the user never typed. The script names the variable, and the
+    file is kept; given as --checkpoint-dir, the same folder is training's to refuse."""
+    own = tmp_path / "notes.txt"
+    own.write_text("my notes\n")
+    for folder, why in ((own, "is a file, not a folder (set CHECKPOINT_DIR to a folder)"),
+                        (own / "ck", f"cannot be written: {own} is not a writable folder (set CHECKPOINT_DIR)")):
+        env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                      CHECKPOINT_DIR=folder)
+        result = run_job(script, tmp_path, env)
+        assert result.returncode == 2 and result.stderr == f"error: CHECKPOINT_DIR={folder} {why}\n"
+    assert own.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_gpu_log_that_names_a_users_file_is_refused_and_kept(tmp_path, script):
+    """GPU_LOG_FILE (a node's GPU_LOG_PREFIX_NODE.csv for multinode_job.sh) naming a file of
+    other content: nvidia-smi's rows were appended to it. Refused in one line, and kept; a GPU
+    log of an earlier run of the job (a requeue) is appended to (the requeue tests)."""
+    own = tmp_path / ("gpu_n1.csv" if script == "multinode_job.sh" else "notes.csv")
+    own.write_text("my notes\n")
+    setting = (dict(GPU_LOG_PREFIX=tmp_path / "gpu") if script == "multinode_job.sh" else dict(GPU_LOG_FILE=own))
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **setting)
+    result = run_job(script, tmp_path, env)
+    [(variable, value)] = setting.items()
+    named = f"{variable}={value}" + (f": {own}" if script == "multinode_job.sh" else "")
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {named} exists and is not a GPU log (nvidia-smi's CSV); set {variable} to a path of its own\n")
+    assert own.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_a_stop_file_among_the_arguments_is_refused_at_start(tmp_path, script):
     """train.py's --stop-file after the script's name: training would watch it and not the
     script's STOP_FILE, which the time limit's USR1 creates, so the job would neither stop nor
