@@ -52,6 +52,25 @@
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
+
+# A variable one slip (a letter missing, extra, wrong, or two swapped) from a setting of this
+# script is ignored without a word: PER_GPU_BACTH=128 would train at 256. It gets a warning.
+misspelt() {  # the exported variables one slip from a name among the arguments: "VARIABLE SETTING" lines
+    compgen -e | awk -v known="$*" '
+        function slip(a, b,    t, i, d, p) {
+            if (length(a) < length(b)) { t = a; a = b; b = t }
+            if (length(a) == length(b)) {
+                for (i = 1; i <= length(a); i++) if (substr(a, i, 1) != substr(b, i, 1)) { if (!d++) p = i }
+                return d == 1 || (d == 2 && substr(a, p, 1) == substr(b, p + 1, 1) &&
+                                  substr(a, p + 1, 1) == substr(b, p, 1))
+            }
+            if (length(a) != length(b) + 1) return 0
+            for (i = 1; i <= length(a); i++) if (substr(a, 1, i - 1) substr(a, i + 1) == b) return 1
+            return 0
+        }
+        BEGIN { n = split(known, names, " "); for (i = 1; i <= n; i++) is[names[i]] = 1 }
+        !($0 in is) { for (i = 1; i <= n; i++) if (slip($0, names[i])) { print $0, names[i]; break } }'
+}
 # A job that cannot run here (a difference between this cluster and Olivia, a port in use):
 # exit 1, not requeued, since the same job would fail again.
 fail() { echo "error: $*" >&2; exit 1; }
@@ -115,6 +134,13 @@ for setting in "${NETWORK_DEFAULTS[@]}"; do
     name="${setting%%=*}"
     export "APPTAINERENV_${name}=${!name:-${setting#*=}}"
 done
+while read -r variable setting; do
+    echo "warning: $variable is set, but this script has no such setting; did you mean $setting?" >&2
+done < <(misspelt CONTAINER_PATH PROJECT_DIR NPROC_PER_NODE PER_GPU_BATCH BASE_LR GPU_LOG_INTERVAL GPU_LOG_PREFIX \
+    CHECKPOINT_DIR STOP_FILE REQUEUE_MIN_S TORCHRUN_PATH OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING RDZV_HOST \
+    RDZV_PORT HOST_BINDS HOST_LIBFABRIC_LIB_PATH HOST_LIBFABRIC_INCLUDE_PATH HOST_NCCL_PATH HOST_NVIDIA_HPC_LIB_PATH \
+    HOST_CXI_LIB_PATH NCCL_NET NCCL_NET_PLUGIN NETWORK_CHECK NETWORK_MIN_BUSBW NETWORK_CHECK_ARGS \
+    "${NETWORK_DEFAULTS[@]%%=*}")
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it

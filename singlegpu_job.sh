@@ -33,6 +33,30 @@ set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 2; }
 
+# A variable one slip (a letter missing, extra, wrong, or two swapped) from a setting of this
+# script is ignored without a word: PER_GPU_BACTH=128 would train at 256. It gets a warning.
+misspelt() {  # the exported variables one slip from a name among the arguments: "VARIABLE SETTING" lines
+    compgen -e | awk -v known="$*" '
+        function slip(a, b,    t, i, d, p) {
+            if (length(a) < length(b)) { t = a; a = b; b = t }
+            if (length(a) == length(b)) {
+                for (i = 1; i <= length(a); i++) if (substr(a, i, 1) != substr(b, i, 1)) { if (!d++) p = i }
+                return d == 1 || (d == 2 && substr(a, p, 1) == substr(b, p + 1, 1) &&
+                                  substr(a, p + 1, 1) == substr(b, p, 1))
+            }
+            if (length(a) != length(b) + 1) return 0
+            for (i = 1; i <= length(a); i++) if (substr(a, 1, i - 1) substr(a, i + 1) == b) return 1
+            return 0
+        }
+        BEGIN { n = split(known, names, " "); for (i = 1; i <= n; i++) is[names[i]] = 1 }
+        !($0 in is) { for (i = 1; i <= n; i++) if (slip($0, names[i])) { print $0, names[i]; break } }'
+}
+
+while read -r variable setting; do
+    echo "warning: $variable is set, but this script has no such setting; did you mean $setting?" >&2
+done < <(misspelt CONTAINER_PATH PROJECT_DIR PER_GPU_BATCH BASE_LR GPU_LOG_INTERVAL GPU_LOG_FILE CHECKPOINT_DIR \
+    STOP_FILE REQUEUE_MIN_S TORCHRUN_PATH)
+
 # The variables that shape the recipe, as given: a job continued by hand needs them (requeue()).
 recipe_env=()
 for name in PER_GPU_BATCH BASE_LR; do

@@ -288,6 +288,20 @@ def test_a_bad_setting_is_a_clear_error(tmp_path, script, variable, value, messa
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_misspelt_setting_is_named_with_the_one_meant(tmp_path, script):
+    """PER_GPU_BACTH=8 (two letters swapped) or CHECKPONT_DIR (one missing) was ignored without a
+    word: the job trained at the default. Each gets a warning naming the setting meant; the
+    settings spelt right (every other test's) get none."""
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  PER_GPU_BACTH=8, CHECKPONT_DIR="ck", GPU_LOG_INTERVAL=0)  # then stopped by the bad interval
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == (
+        "warning: CHECKPONT_DIR is set, but this script has no such setting; did you mean CHECKPOINT_DIR?\n"
+        "warning: PER_GPU_BACTH is set, but this script has no such setting; did you mean PER_GPU_BATCH?\n"
+        "error: GPU_LOG_INTERVAL=0 is not a positive whole number of seconds\n")
+
+
 @pytest.mark.parametrize("script", JOB_SCRIPTS[1:])
 @pytest.mark.parametrize("variable, value, message", [
     ("OMP_NUM_THREADS", "many", "OMP_NUM_THREADS=many is not a positive whole number of threads"),
