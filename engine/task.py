@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import torch.nn as nn
 
 from engine.errors import UserError
 
@@ -122,7 +121,7 @@ class DataInfo:
 @dataclass(frozen=True)
 class Task:
     """What train_utils.fit trains. train_ddp.py replaces ``model`` by its DDP wrapper."""
-    model: nn.Module       # on this rank's device, the same initial weights on every rank
+    model: object          # the nn.Module, on this rank's device, the same initial weights on every rank
     model_name: str        # as built, for people: WideResNet(num_classes=100, in_channels=3)
     model_key: str         # --model as recorded in checkpoints: a resume with another is refused
     train_loader: object   # this rank's batches of (float32 images (B, C, H, W), int64 labels (B,))

@@ -121,6 +121,16 @@ def test_a_plain_run_imports_no_machinery_it_does_not_use():
     assert not imported & FEATURES, sorted(imported & FEATURES)
 
 
+def test_the_data_sets_table_and_the_errors_need_no_torch():
+    """engine/task.py's DATASETS, the data sets' files (engine/data_formats.py) and the one-line
+    errors import no torch: tools/demo_data.py writes its data sets without paying that import,
+    and tools/report.py reads metrics files where torch is not installed."""
+    code = ("import sys\nimport engine.task, engine.data_formats, engine.errors\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 def test_each_augmentation_is_defined_once_in_recipe_py():
     import recipe
     ops = {op.__name__ for ops in recipe.AUGMENTATIONS.values() for op in ops}
