@@ -599,7 +599,9 @@ def parse_args(description, argv=None):
 
 def check_outputs(args, ctx):
     """Every output the flags name, checked before any data is read: an unwritable one fails now
-    (one line), not after hours of training (engine/files.py)."""
+    (one line), not after hours of training (engine/files.py), and so does one that fit's claim
+    of the outputs would refuse (engine/checkpoints.check_claim: another run's checkpoint folder
+    or --save-weights file, a --resume with nothing to continue), not after minutes of decoding."""
     output_files = {"--metrics-file": args.metrics_file, "--save-weights": args.save_weights}
     output_folders = {"--checkpoint-dir": args.checkpoint_dir, "--tensorboard": args.tensorboard,
                       "--profile-dir": args.profile_dir}
@@ -610,6 +612,9 @@ def check_outputs(args, ctx):
         from engine.checkpoints import check_not_the_folders_own
         for flag, path in output_files.items():
             check_not_the_folders_own(path, args.checkpoint_dir, flag)
+    if not args.eval_only and (args.checkpoint_dir or args.save_weights):  # what claimed_outputs writes
+        from engine.checkpoints import check_claim
+        from_rank0(partial(check_claim, args.checkpoint_dir, args.resume, args.save_weights), ctx.control_group)
     if args.stop_file:  # watched by global rank 0, which decides for all
         from_rank0(partial(check_stop_file, args.stop_file), ctx.control_group)
 
@@ -617,6 +622,11 @@ def check_outputs(args, ctx):
 def build_task(args, ctx):
     """The Task of the flags on this rank: its shard of the data, the model on its device, the
     loaders (--loader auto: the data set on the GPU only if a measured training step fits too)."""
+    weights = {flag: path for flag, path in (("--weights", args.weights), ("--finetune", args.finetune)) if path}
+    if weights and not args.eval_only:  # --eval-only read its --weights with the flags
+        from engine.weights import read_weights
+        for flag, path in weights.items():  # their metadata alone (mmap): a wrong path is one line before any decoding
+            read_weights(path, flag, mmap=True)
     normalization = {}  # a resumed run's own, as its checkpoints record it
     # Flags the run in --checkpoint-dir did not have: one line before any data is read. Not for an
     # evaluation, which the job scripts give --resume=auto too: it reads --weights, no checkpoint.

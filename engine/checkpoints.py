@@ -79,16 +79,31 @@ def claimed_folder(directory, resume, ctx, weights=None):
     file, ``weights``, must not be another run's (check_weights_target)."""
     with ExitStack() as held:
         def claim():
-            if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
-                raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
+            check_resume_folder(directory, resume)  # before the lock makes the folder
             if directory:
                 from engine.folder_lock import FolderLock
                 held.enter_context(FolderLock(directory))
-            continuing = continues_run(directory, resume)
-            check_weights_target(weights, directory, continuing)
-            return continuing
+            return check_claim(directory, resume, weights)  # what counts: the folder is held now
 
         yield from_rank0(claim, ctx.control_group)
+
+
+def check_claim(directory, resume, weights=None):
+    """What claimed_folder refuses (a --resume with nothing to continue, another run's
+    checkpoints in ``directory`` or its --save-weights file ``weights``), and whether the run
+    continues (continues_run). train_utils.check_outputs asks before any data is read or
+    decoded, so that such a mistake costs no decoding of an image folder; claimed_folder asks
+    again once it holds the folder, and decides. Call on global rank 0."""
+    check_resume_folder(directory, resume)
+    continuing = continues_run(directory, resume)
+    check_weights_target(weights, directory, continuing)
+    return continuing
+
+
+def check_resume_folder(directory, resume):
+    """--resume naming a folder that does not exist: a typo, said without making the folder."""
+    if resume == "required" and directory and not os.path.isdir(directory):
+        raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
 
 
 def check_not_the_folders_own(path, directory, flag):

@@ -20,6 +20,7 @@ from PIL import Image
 import dataset_utils as du
 import recipe
 from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
+from engine.checkpoints import checkpoint_paths
 from engine.errors import UserError
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
@@ -595,6 +596,36 @@ def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, t
     assert resumed.returncode == 0, resumed.stderr
     assert "Decoding" not in resumed.stdout and "Validation: 12 of the 61 training images held out" in resumed.stdout
     assert [r["epoch"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
+
+
+def test_what_the_outputs_claim_would_refuse_is_refused_before_any_decoding(photos, trained, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A mistyped --weights or --finetune, a --resume with nothing to continue, another run's
+    checkpoint folder or --save-weights file: each was one line only after the whole folder
+    was decoded into a new cache (minutes, for a large one). Now before: no cache is made."""
+    monkeypatch.chdir(photos)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken.pt").write_bytes(b"someone's weights")
+    cases = [(("--weights", tmp_path / "nope.pt"), f"error: --weights {tmp_path / 'nope.pt'}: no such file"),
+             (("--finetune", tmp_path / "nope.pt"), f"error: --finetune {tmp_path / 'nope.pt'}: no such file"),
+             (("--checkpoint-dir", tmp_path / "empty", "--resume"),
+              f"error: --resume: no checkpoint in {tmp_path / 'empty'}, nothing to continue (--resume=auto starts a "
+              "new run where there is none)"),
+             (("--checkpoint-dir", photos / "ck"),
+              f"error: --checkpoint-dir {photos / 'ck'} already holds checkpoints of another run (newest: "
+              f"{checkpoint_paths(photos / 'ck')[0].name}); continue that run with --resume, or give this run another "
+              "--checkpoint-dir"),
+             (("--save-weights", tmp_path / "taken.pt"),
+              f"error: --save-weights {tmp_path / 'taken.pt'} exists already and is not this run's: choose a new file "
+              "name, or move that file away first; nothing is overwritten")]
+    for flags, line in cases:
+        args = photo_args("--model", "pixel_net.py:Net", "--image-size", "32", "--epochs", "3", *flags)
+        args = tuple(tmp_path / "new-cache" if a == "cache" else a for a in args)
+        assert run_main("train.py", *args) == 2
+        captured = capsys.readouterr()
+        assert error_lines(captured.err) == [line] and "Decoding" not in captured.out
+        assert not (tmp_path / "new-cache").exists()
+    assert (tmp_path / "taken.pt").read_bytes() == b"someone's weights"
 
 
 def test_weights_for_other_classes_name_finetune(photos, trained, capsys, monkeypatch):
