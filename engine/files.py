@@ -117,7 +117,7 @@ def check_writable(path, flag):
             raise UserError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
     why = _why_not_creatable(path.parent)
     if why:
-        verb = "write in" if os.path.isdir(path.parent) else "create"
+        verb = "write in" if os.path.isdir(path.parent) else "create its folder"
         raise UserError(f"{flag} {path}: cannot {verb} {path.parent} ({why})")
 
 

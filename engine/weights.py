@@ -142,7 +142,8 @@ def read_weights(path, flag="--weights", mmap=False):
                             same_on_every_rank=False) from None
         if mmap:  # a file of the legacy format (before PyTorch 1.6) cannot be memory-mapped: read it whole
             return read_weights(path, flag)
-        raise UserError(f"{flag} {path} is not a readable state_dict ({type(err).__name__})",
+        raise UserError(f"{flag} {path} is not a readable state_dict: not a file torch.save wrote, or a damaged "
+                        f"one ({type(err).__name__})",
                         same_on_every_rank=False) from None
     metadata = {}
     if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint of train_utils

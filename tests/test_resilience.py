@@ -767,8 +767,11 @@ def test_unwritable_outputs_fail_at_start_and_nothing_is_created(tmp_path):
     with pytest.raises(UserError, match="--metrics-file .*not a writable file path .it is a folder."):
         files.check_writable(tmp_path / "a_dir", "--metrics-file")
     (tmp_path / "a_file").write_text("keep me")
-    with pytest.raises(UserError, match=f"--save-weights .*cannot create .*{tmp_path / 'a_file'} is a file"):
+    with pytest.raises(UserError, match=f"--save-weights .*cannot create its folder .*{tmp_path / 'a_file'} is a file"):
         files.check_writable(tmp_path / "a_file" / "sub" / "w.pt", "--save-weights")
+    with pytest.raises(UserError, match=f"^--save-weights {tmp_path / 'a_file' / 'w.pt'}: cannot create its folder "
+                                        f"{tmp_path / 'a_file'} .a file of that name exists.$"):
+        files.check_writable(tmp_path / "a_file" / "w.pt", "--save-weights")
     with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path / 'a_file' / 'ck'}: cannot create it "):
         files.check_writable_dir(tmp_path / "a_file" / "ck", "--checkpoint-dir")
     with pytest.raises(UserError, match="cannot create it .a file of that name exists."):
