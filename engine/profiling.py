@@ -82,8 +82,8 @@ def operator_table(times, steps, wall_ms, unit):
 def device_profiler(device):
     """torch.profiler over the host's operators and, on CUDA, the GPU's kernels (not started)."""
     cuda = device.type == "cuda"
-    if not cuda:  # else kineto logs an ERROR line at the first trace that it found no GPU
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    if not cuda:  # kineto's lines, none of them news on a CPU: an ERROR at the first trace that it found
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no GPU, and (newer kineto) a USDT line at each start, stop
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     return torch.profiler.profile(activities=activities)
 

@@ -262,6 +262,7 @@ def test_two_ranks_write_a_trace_each_and_rank_0_prints_the_table(tmp_path):
     assert table[0].split()[:2] == ["operator", "calls"] and "aten::convolution_backward" in "\n".join(table)
     assert any(line.startswith("Per step: ") and "communication" in line for line in table)  # DDP's all-reduces
     assert "Traceback" not in result.stderr and "ERROR" not in result.stderr
+    assert "USDT:" not in result.stdout + result.stderr  # kineto's profiler_start and profiler_stop lines
 
 
 @pytest.mark.parametrize("skip, steps, steps_left, per_epoch, expected", [
