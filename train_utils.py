@@ -600,8 +600,9 @@ def parse_args(description, argv=None):
 def check_outputs(args, ctx):
     """Every output the flags name, checked before any data is read: an unwritable one fails now
     (one line), not after hours of training (engine/files.py), and so does one that fit's claim
-    of the outputs would refuse (engine/checkpoints.check_claim: another run's checkpoint folder
-    or --save-weights file, a --resume with nothing to continue), not after minutes of decoding."""
+    of the outputs would refuse (engine/checkpoints.check_claim: a folder another run holds or
+    has written, another run's --save-weights file, a --resume with nothing to continue), not
+    after minutes of decoding."""
     output_files = {"--metrics-file": args.metrics_file, "--save-weights": args.save_weights}
     output_folders = {"--checkpoint-dir": args.checkpoint_dir, "--tensorboard": args.tensorboard,
                       "--profile-dir": args.profile_dir}
@@ -626,7 +627,7 @@ def build_task(args, ctx):
     if weights and not args.eval_only:  # --eval-only read its --weights with the flags
         from engine.weights import read_weights
         for flag, path in weights.items():  # their metadata alone (mmap): a wrong path is one line before any decoding
-            read_weights(path, flag, mmap=True)
+            read_weights(path, flag, mmap=True)  # a file older than PyTorch 1.6 cannot be mapped: read whole, twice
     normalization = {}  # a resumed run's own, as its checkpoints record it
     # Flags the run in --checkpoint-dir did not have: one line before any data is read. Not for an
     # evaluation, which the job scripts give --resume=auto too: it reads --weights, no checkpoint.

@@ -78,32 +78,29 @@ def claimed_folder(directory, resume, ctx, weights=None):
     rank learns whether the run in it continues (continues_run). The run's --save-weights
     file, ``weights``, must not be another run's (check_weights_target)."""
     with ExitStack() as held:
-        def claim():
-            check_resume_folder(directory, resume)  # before the lock makes the folder
-            if directory:
-                from engine.folder_lock import FolderLock
-                held.enter_context(FolderLock(directory))
-            return check_claim(directory, resume, weights)  # what counts: the folder is held now
-
-        yield from_rank0(claim, ctx.control_group)
+        yield from_rank0(lambda: claim(held, directory, resume, weights), ctx.control_group)
 
 
 def check_claim(directory, resume, weights=None):
-    """What claimed_folder refuses (a --resume with nothing to continue, another run's
-    checkpoints in ``directory`` or its --save-weights file ``weights``), and whether the run
-    continues (continues_run). train_utils.check_outputs asks before any data is read or
-    decoded, so that such a mistake costs no decoding of an image folder; claimed_folder asks
-    again once it holds the folder, and decides. Call on global rank 0."""
-    check_resume_folder(directory, resume)
+    """What claimed_folder would refuse (a folder another run holds, a --resume with nothing to
+    continue, another run's checkpoints or --save-weights file), asked before any data is read
+    or decoded (train_utils.check_outputs): the folder is held while it is checked, then let
+    go. claimed_folder holds it again for the run, and decides. Call on global rank 0."""
+    with ExitStack() as held:
+        claim(held, directory, resume, weights)
+
+
+def claim(held, directory, resume, weights):
+    """Hold ``directory`` (or None) in ``held`` (an ExitStack) and return whether the run in it
+    continues (continues_run), or refuse in one line."""
+    if resume == "required" and directory and not os.path.isdir(directory):  # a typo: say so, make nothing
+        raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
+    if directory:
+        from engine.folder_lock import FolderLock
+        held.enter_context(FolderLock(directory))
     continuing = continues_run(directory, resume)
     check_weights_target(weights, directory, continuing)
     return continuing
-
-
-def check_resume_folder(directory, resume):
-    """--resume naming a folder that does not exist: a typo, said without making the folder."""
-    if resume == "required" and directory and not os.path.isdir(directory):
-        raise UserError(f"--resume: there is no folder {directory} (--checkpoint-dir): nothing to continue")
 
 
 def check_not_the_folders_own(path, directory, flag):

@@ -1,7 +1,7 @@
 """The four built-in data sets on disk (engine/task.py's DATASETS says what each is): where
 their files go, how they are fetched, and how they are read and checked; imported by a run
-that reads them (a --synthetic run makes its images without them). Files are torchvision's own layout, so a folder torchvision
-filled works here and the other way round:
+that reads them (a --synthetic run makes its images without them). Files are torchvision's
+own layout, so a folder torchvision filled works here and the other way round:
 
     cifar100       DIR/cifar-100-python/{train,test,meta}                  Python pickles
     cifar10        DIR/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}

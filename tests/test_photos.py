@@ -22,6 +22,7 @@ import recipe
 from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
 from engine.checkpoints import checkpoint_paths
 from engine.errors import UserError
+from engine.folder_lock import FolderLock
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
 from engine.image_folder import Header, cover_size, decode, image_notes, scan
@@ -601,8 +602,9 @@ def test_a_resume_with_other_data_flags_is_refused_before_any_decoding(photos, t
 def test_what_the_outputs_claim_would_refuse_is_refused_before_any_decoding(photos, trained, tmp_path, capsys,
                                                                            monkeypatch):
     """A mistyped --weights or --finetune, a --resume with nothing to continue, another run's
-    checkpoint folder or --save-weights file: each was one line only after the whole folder
-    was decoded into a new cache (minutes, for a large one). Now before: no cache is made."""
+    checkpoint folder or --save-weights file, a folder a live run holds (the same job submitted
+    twice: --resume=auto): each was one line only after the whole folder was decoded into a new
+    cache (minutes, for a large one). Now before: no cache is made."""
     monkeypatch.chdir(photos)
     (tmp_path / "empty").mkdir()
     (tmp_path / "taken.pt").write_bytes(b"someone's weights")
@@ -618,13 +620,18 @@ def test_what_the_outputs_claim_would_refuse_is_refused_before_any_decoding(phot
              (("--save-weights", tmp_path / "taken.pt"),
               f"error: --save-weights {tmp_path / 'taken.pt'} exists already and is not this run's: choose a new file "
               "name, or move that file away first; nothing is overwritten")]
-    for flags, line in cases:
-        args = photo_args("--model", "pixel_net.py:Net", "--image-size", "32", "--epochs", "3", *flags)
-        args = tuple(tmp_path / "new-cache" if a == "cache" else a for a in args)
-        assert run_main("train.py", *args) == 2
-        captured = capsys.readouterr()
-        assert error_lines(captured.err) == [line] and "Decoding" not in captured.out
-        assert not (tmp_path / "new-cache").exists()
+    with FolderLock(tmp_path / "held"):  # another run's, in this process: flock refuses a second open
+        cases.append((("--checkpoint-dir", tmp_path / "held", "--resume=auto"),
+                      f"error: --checkpoint-dir {tmp_path / 'held'} is in use by another run (pid {os.getpid()} on "))
+        for flags, line in cases:
+            args = photo_args("--model", "pixel_net.py:Net", "--image-size", "32", "--epochs", "3", *flags)
+            args = tuple(tmp_path / "new-cache" if a == "cache" else a for a in args)
+            in_use = "is in use by another run" in line  # a ResourceProblem (exit 1), its line ending in the time
+            assert run_main("train.py", *args) == (1 if in_use else 2)
+            captured = capsys.readouterr()
+            [error] = error_lines(captured.err)
+            assert (error.startswith(line) if in_use else error == line) and "Decoding" not in captured.out
+            assert not (tmp_path / "new-cache").exists()
     assert (tmp_path / "taken.pt").read_bytes() == b"someone's weights"
 
 
