@@ -89,9 +89,10 @@ launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
 gpu_log_dir="$(dirname -- "$GPU_LOG_FILE")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
     die "GPU_LOG_FILE=$GPU_LOG_FILE: its folder $gpu_log_dir does not exist or cannot be written"
-# nvidia-smi appends to GPU_LOG_FILE (a requeued job keeps its first samples): a file that holds
-# something else, a user's own named by mistake, is refused rather than appended to.
-if [[ -s "$GPU_LOG_FILE" || ( -e "$GPU_LOG_FILE" && ! -f "$GPU_LOG_FILE" ) ]] &&
+# nvidia-smi appends to GPU_LOG_FILE: a file of other content, a user's own named by mistake, is
+# refused rather than appended to. A requeued job's is its own, whatever nvidia-smi wrote there.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]] &&
+    [[ -s "$GPU_LOG_FILE" || ( -e "$GPU_LOG_FILE" && ! -f "$GPU_LOG_FILE" ) ]] &&
     [[ ! -f "$GPU_LOG_FILE" || "$(head -c 22 -- "$GPU_LOG_FILE")" != "timestamp, index, name" ]]; then
     die "GPU_LOG_FILE=$GPU_LOG_FILE exists and is not a GPU log (nvidia-smi's CSV); set GPU_LOG_FILE to a" \
         "path of its own"
@@ -138,7 +139,7 @@ done
 # own check would name --checkpoint-dir, a flag the user did not type.
 if [[ -z "$checkpoint_given" ]]; then
     existing="$CHECKPOINT_DIR"  # the folder, or the nearest of its parents that exists
-    while [[ ! -e "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
+    while [[ ! -e "$existing" && ! -L "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
         existing="$(dirname -- "$existing")"
     done
     if [[ -e "$CHECKPOINT_DIR" && ! -d "$CHECKPOINT_DIR" ]]; then

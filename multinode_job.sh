@@ -139,8 +139,7 @@ while read -r variable setting; do
 done < <(misspelt CONTAINER_PATH PROJECT_DIR NPROC_PER_NODE PER_GPU_BATCH BASE_LR GPU_LOG_INTERVAL GPU_LOG_PREFIX \
     CHECKPOINT_DIR STOP_FILE REQUEUE_MIN_S TORCHRUN_PATH OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING RDZV_HOST \
     RDZV_PORT HOST_BINDS HOST_LIBFABRIC_LIB_PATH HOST_LIBFABRIC_INCLUDE_PATH HOST_NCCL_PATH HOST_NVIDIA_HPC_LIB_PATH \
-    HOST_CXI_LIB_PATH NCCL_NET NCCL_NET_PLUGIN NETWORK_CHECK NETWORK_MIN_BUSBW NETWORK_CHECK_ARGS \
-    "${NETWORK_DEFAULTS[@]%%=*}")
+    HOST_CXI_LIB_PATH NCCL_NET NCCL_NET_PLUGIN NETWORK_CHECK NETWORK_MIN_BUSBW NETWORK_CHECK_ARGS)
 
 [[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
 number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
@@ -151,16 +150,6 @@ zero='^0*[.]?0*([eE].*)?$'  # 0, 0.0, 0e5: nothing would train
 gpu_log_dir="$(dirname -- "$GPU_LOG_PREFIX")"  # nvidia-smi appends to it in the background: a failure there is silent
 [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
     die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: its folder $gpu_log_dir does not exist or cannot be written"
-# nvidia-smi appends to each node's GPU_LOG_PREFIX_NODE.csv (a requeued job keeps its first
-# samples): a file that holds something else, a user's own named by mistake, is refused rather
-# than appended to.
-for gpu_log in "$GPU_LOG_PREFIX"_*.csv; do
-    if [[ -s "$gpu_log" || ( -e "$gpu_log" && ! -f "$gpu_log" ) ]] &&
-        [[ ! -f "$gpu_log" || "$(head -c 22 -- "$gpu_log")" != "timestamp, index, name" ]]; then
-        die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: $gpu_log exists and is not a GPU log (nvidia-smi's CSV); set" \
-            "GPU_LOG_PREFIX to a path of its own"
-    fi
-done
 [[ "$HOST_BINDS" == 0 || "$HOST_BINDS" == 1 ]] ||
     die "HOST_BINDS=$HOST_BINDS is neither 1 (bind the host's network libraries) nor 0 (the container's own)"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
@@ -227,6 +216,18 @@ fi
 # (29500..32499, below Linux's ephemeral range) so two jobs sharing a node don't collide.
 nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" ||
     die "scontrol could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+# nvidia-smi appends to each node's GPU_LOG_PREFIX_NODE.csv: a file of other content, a user's
+# own named by mistake, is refused rather than appended to. A requeued job's are its own.
+if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then
+    for node in $nodes; do
+        gpu_log="${GPU_LOG_PREFIX}_${node}.csv"
+        if [[ -s "$gpu_log" || ( -e "$gpu_log" && ! -f "$gpu_log" ) ]] &&
+            [[ ! -f "$gpu_log" || "$(head -c 22 -- "$gpu_log")" != "timestamp, index, name" ]]; then
+            die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: $gpu_log exists and is not a GPU log (nvidia-smi's CSV); set" \
+                "GPU_LOG_PREFIX to a path of its own"
+        fi
+    done
+fi
 RDZV_HOST="${RDZV_HOST:-${nodes%%$'\n'*}}"
 [[ -n "$RDZV_HOST" ]] || die "could not resolve the head node from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 # A name that does not resolve would leave the store below retrying it until its 120 s are up.
@@ -293,7 +294,7 @@ done
 # own check would name --checkpoint-dir, a flag the user did not type.
 if [[ -z "$checkpoint_given" ]]; then
     existing="$CHECKPOINT_DIR"  # the folder, or the nearest of its parents that exists
-    while [[ ! -e "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
+    while [[ ! -e "$existing" && ! -L "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
         existing="$(dirname -- "$existing")"
     done
     if [[ -e "$CHECKPOINT_DIR" && ! -d "$CHECKPOINT_DIR" ]]; then

@@ -444,8 +444,11 @@ def test_a_checkpoint_dir_training_cannot_use_is_refused_naming_the_variable(tmp
     file is kept; given as --checkpoint-dir, the same folder is training's to refuse."""
     own = tmp_path / "notes.txt"
     own.write_text("my notes\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # a link to a folder not made (yet)
     for folder, why in ((own, "is a file, not a folder (set CHECKPOINT_DIR to a folder)"),
-                        (own / "ck", f"cannot be written: {own} is not a writable folder (set CHECKPOINT_DIR)")):
+                        (own / "ck", f"cannot be written: {own} is not a writable folder (set CHECKPOINT_DIR)"),
+                        (tmp_path / "dangling" / "ck",
+                         f"cannot be written: {tmp_path / 'dangling'} is not a writable folder (set CHECKPOINT_DIR)")):
         env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
                       CHECKPOINT_DIR=folder)
         result = run_job(script, tmp_path, env)
@@ -460,14 +463,33 @@ def test_a_gpu_log_that_names_a_users_file_is_refused_and_kept(tmp_path, script)
     log of an earlier run of the job (a requeue) is appended to (the requeue tests)."""
     own = tmp_path / ("gpu_n1.csv" if script == "multinode_job.sh" else "notes.csv")
     own.write_text("my notes\n")
-    setting = (dict(GPU_LOG_PREFIX=tmp_path / "gpu") if script == "multinode_job.sh" else dict(GPU_LOG_FILE=own))
+    setting = (dict(GPU_LOG_PREFIX=tmp_path / "gpu", FAKE_NODES="n1") if script == "multinode_job.sh"
+               else dict(GPU_LOG_FILE=own))  # FAKE_NODES: what the stand-ins for scontrol and srun name the node
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", **setting)
     result = run_job(script, tmp_path, env)
-    [(variable, value)] = setting.items()
+    variable, value = next(iter(setting.items()))
     named = f"{variable}={value}" + (f": {own}" if script == "multinode_job.sh" else "")
     assert result.returncode == 2 and result.stderr == (
         f"error: {named} exists and is not a GPU log (nvidia-smi's CSV); set {variable} to a path of its own\n")
     assert own.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+def test_a_requeued_jobs_own_gpu_log_is_appended_to_whatever_it_holds(tmp_path, script):
+    """A requeued job (SLURM_RESTART_COUNT=1) goes on appending to the log of its first start,
+    even where nvidia-smi wrote its failure there instead of its CSV: refusing it would end the
+    requeued job. Stopped right after by a setting of its own, which is the one line."""
+    multinode = script == "multinode_job.sh"
+    own = tmp_path / ("gpu_n1.csv" if multinode else "gpu.csv")
+    own.write_text("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n")
+    setting = dict(GPU_LOG_PREFIX=tmp_path / "gpu", FAKE_NODES="n1") if multinode else dict(GPU_LOG_FILE=own)
+    stop, line = ((dict(RDZV_HOST="nosuchhost.invalid"), "error: RDZV_HOST=nosuchhost.invalid does not resolve")
+                  if multinode else (dict(CONTAINER_PATH=tmp_path / "none.sif"),
+                                     f"error: container image {tmp_path / 'none.sif'} not found (set CONTAINER_PATH)"))
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  SLURM_RESTART_COUNT="1", **setting, **stop)
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr.startswith(line), result.stderr
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
