@@ -53,12 +53,12 @@ import torch
 
 from dataset_utils import centre_crop, normalization, normalize
 from engine.cli import run_cli
-from engine.errors import UserError
+from engine.errors import OutOfMemory, UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
 from engine.image_folder import Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
-from engine.memory import OutOfMemory, is_out_of_memory
+from engine.memory import is_out_of_memory
 from engine.models import check_output, make_model
 from engine.plugins import load_plugin
 from engine.processes import available_cores

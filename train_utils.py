@@ -48,11 +48,11 @@ from engine.errors import RunAborted, UserError
 from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, describe_device, describe_length,
                         describe_resume, epoch_record, flag_value, per_process, processes, reconcile_metrics,
                         size_warning, throughput, validated, validated_ema)
-from engine.memory import device_memory, is_out_of_memory, measured_training, out_of_memory
+from engine.memory import device_memory, is_out_of_memory, measured_training
 from engine.models import build_model
-from engine.optimization import (Cycle, check_loss, check_scheduler, describe_extension, describe_loss,
-                                 describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
-                                 make_scheduler, prefill_momentum, schedule_length_notes)
+from engine.optimization import (Cycle, check_loss, describe_extension, describe_loss, describe_optimizer, extend,
+                                 first_cycle, fit_optimizer_to_params, kernel_choices, make_scheduler,
+                                 prefill_momentum)
 from engine.plugins import load_plugin, own_file, plugin_key
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
@@ -881,8 +881,12 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
-    if not args.eval_only:  # what the first step would otherwise find, in a traceback
+    schedule_notes = []
+    if own is not None:  # what its first step (or its last) would find in a traceback, and a length meant as epochs
+        from engine.own_scheduler import check_scheduler, schedule_length_notes
         check_scheduler(own, args.epochs * steps)
+        schedule_notes = schedule_length_notes(own, args.epochs * steps, steps)
+    if not args.eval_only:  # what the first step would otherwise find, in a traceback
         check_loss(loss_fn, len(task.data.classes), bool(args.mixup_alpha or args.cutmix_alpha), ctx.device)
     compiled = None
     if args.compile and not args.eval_only:
@@ -901,7 +905,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     warmup = first_cycle(args.epochs, args.warmup_epochs, steps).warmup  # optimizer steps
     for line in [*header, *([ignored] if ignored else []),
                  *recipe.ema_warning(args, ema_schedule, args.epochs * steps, warmup),
-                 *schedule_length_notes(own, args.epochs * steps, steps)]:
+                 *schedule_notes]:
         log.info(line)
     if ctx.process_group:  # the NCCL that is loaded, the network variables in effect
         from engine.nccl_log import network_report
@@ -1020,8 +1024,9 @@ def step_mistake(run, err, state, where, steps_done):
 
 
 def run_out_of_memory(run, state, where, steps_done):
-    """engine.memory.out_of_memory for this run: its micro-batch, image size, precision and
+    """engine.out_of_memory's error for this run: its micro-batch, image size, precision and
     newest checkpoint (of ``state``, a TrainState, or None)."""
+    from engine.out_of_memory import out_of_memory  # imported by a run that ran out of memory alone
     checkpoints = state.checkpoints if state else []
     kept = Path(run.args.checkpoint_dir) / checkpoints[-1] if checkpoints else None
     micro = run.task.train_loader.batch_size // run.args.accumulate

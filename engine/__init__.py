@@ -21,12 +21,14 @@ files named on the command line (--model, --dataset FILE.py:NAME).
     image_list.py    --loader dali's list of an image folder: each image checked once, no copy kept
     image_cache.py   the decoded images on disk: built once, space checked, verified on open
     dali_loader.py   --loader dali: DALI's pipeline per epoch, the project's order and shards
-    memory.py        out of memory in one line; the memory a training step needs, measured
+    memory.py        the device's memory; an error that ran out of it; the memory a training step needs, measured
+    out_of_memory.py out of memory in one line: what to change, the command that continues
     seeds.py         every random stream from (seed, epoch, rank)
     compiling.py     --compile: its mode (CUDA graphs where safe), its caches in the checkpoint folder so a
                      requeued job does not compile again
-    optimization.py  whatever optimizer and schedule recipe.py builds: fused safety, resume, names;
+    optimization.py  whatever optimizer and schedule recipe.py builds: fused safety, resume, names; the loss tried;
                      the schedule's cycles (warm restarts when a run is extended)
+    own_scheduler.py recipe.make_scheduler's own scheduler checked: refused in one line, or a Note on its length
     model_ema.py     --model-ema: what AveragedModel averages, and when the loop updates it
     checkpoints.py   checkpoint folders, resume, Checkpointer
     weights.py       weights files: save, read (with what they were trained on and their --model), load, check;

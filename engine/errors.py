@@ -1,7 +1,8 @@
 """What ends a run with one line instead of a traceback: a mistake (UserError, exit 2), a run
-that must stop without saving (RunAborted, exit 3), a stop request after its checkpoint
-(TrainingStopped); and the line of a write that failed because the disk or the quota is
-full, with the space it needed and the space free, so the user knows what to clear.
+that must stop without saving (RunAborted, exit 3), out of memory (OutOfMemory, exit 1), a stop
+request after its checkpoint (TrainingStopped); and the line of a write that failed because the
+disk or the quota is full, with the space it needed and the space free, so the user knows what
+to clear.
 engine/cli.py turns each into its line and exit status; before that, quiet_interrupt keeps
 Ctrl-C during the entry point's imports from ending in a traceback. No torch import
 (tools/report.py uses it on any machine, and the entry points import it before torch).
@@ -57,6 +58,16 @@ class ResourceProblem(UserError):
     status 1 (the job scripts do not requeue it: it would fail again until the cause is gone)."""
 
     exit_code = 1
+
+
+class OutOfMemory(UserError):
+    """A step or an evaluation that did not fit in memory (engine/out_of_memory.py words it).
+    Any rank may hit it, often all at once: a rank other than 0 prints its line only if rank 0
+    has not ended the job first. Exit status 1, not requeued: the same job would run out of
+    memory again."""
+
+    exit_code = 1
+    rank0_first = True
 
 
 class DatasetError(UserError):

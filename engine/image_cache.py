@@ -54,7 +54,6 @@ from engine.errors import NO_SPACE, DatasetError, ResourceProblem, free_bytes, s
 from engine.image_folder import (GRAY_MODES, SPLIT_FOLDERS, FolderStats, Unreadable, channel_stats, check_left,
                                  decode_all, folder_stats, header, image_notes, map_threads, scan)
 from engine.log import count
-from engine.memory import cache_out_of_memory
 from engine.processes import available_cores
 from engine.task import names_sha256
 
@@ -197,6 +196,7 @@ def build_cache(target, root, scanned, request, log, workers):
             if not (target / "meta.json").is_file():  # not another process that finished first
                 raise
     except MemoryError:  # numpy's or Pillow's: an image too large for the node's memory, times the threads
+        from engine.out_of_memory import cache_out_of_memory
         raise cache_out_of_memory(total, target.parent, max((h.size for h in all_headers), key=lambda s: s[0] * s[1]),
                                   workers) from None
     finally:

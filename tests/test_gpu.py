@@ -34,7 +34,8 @@ import train_utils as tu
 from device_utils import Precision, single_process_context
 from engine.dali_loader import DaliLoader, dali_installed
 from dataset_utils import FileImages, Preprocessing, batch_temporaries
-from engine.memory import StepShape, device_memory, free_device_memory, held_outside_torch, training_bytes
+from engine.memory import StepShape, device_memory, free_device_memory, training_bytes
+from engine.out_of_memory import held_outside_torch
 from engine import monitor, optimization, tensorboard_log
 from conftest import PLAIN_MODEL, REPO, SMALL_MODEL, clean_env, python_cmd, read_metrics, start, torchrun_cmd, wait_for
 from conftest import write_cifar100

@@ -60,7 +60,8 @@ def test_the_engines_docstring_names_each_of_its_modules():
 FEATURES = {"engine.dali_loader", "engine.image_cache", "engine.image_folder", "engine.image_list", "engine.user_data",
             "engine.finetune", "engine.model_ema", "engine.folder_lock", "engine.tensorboard_log", "engine.interfaces",
             "engine.nccl_log", "engine.profiling", "engine.monitor", "engine.data_formats",
-            "engine.compiling", "engine.checkpoints", "engine.weights", "engine.files"}
+            "engine.compiling", "engine.checkpoints", "engine.weights", "engine.files", "engine.out_of_memory",
+            "engine.own_scheduler"}
 
 
 def test_imports_flow_one_way_with_no_circle_and_lazy_only_for_features():

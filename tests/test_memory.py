@@ -15,8 +15,9 @@ from tools.demo_data import write_image_folder
 from engine import image_cache
 from dataset_utils import choose_loader
 from engine.errors import UserError
-from engine.memory import (Measured, OutOfMemory, StepShape, host_memory, is_out_of_memory, probe_step,
-                           suggested_accumulate, training_bytes)
+from engine.errors import OutOfMemory
+from engine.memory import Measured, StepShape, host_memory, is_out_of_memory, probe_step, training_bytes
+from engine.out_of_memory import suggested_accumulate
 from device_utils import Precision
 
 OOM_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")

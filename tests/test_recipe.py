@@ -192,7 +192,8 @@ def test_a_scheduler_or_loss_the_step_cannot_use_is_one_line_at_start(project, t
 
 
 def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
-    from engine.optimization import check_loss, check_scheduler
+    from engine.optimization import check_loss
+    from engine.own_scheduler import check_scheduler
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     check_scheduler(None, 8)  # lr_factor's
     check_scheduler(torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=8), 8)
@@ -224,7 +225,7 @@ def test_a_schedule_whose_length_is_not_the_runs_is_said_at_start():
     """make_scheduler's schedulers are stepped once per optimizer step: a length in epochs
     (T_max=epochs), or one longer than the run, is a note in the start-up block, where the LR
     would otherwise cycle or never anneal without a word; the run's own length, none."""
-    from engine.optimization import schedule_length_notes
+    from engine.own_scheduler import schedule_length_notes
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     schedulers = torch.optim.lr_scheduler
     for matching in (None, schedulers.OneCycleLR(sgd, max_lr=0.1, total_steps=400),
@@ -471,7 +472,7 @@ def test_a_transform_that_shrinks_some_draws_or_images_is_one_line_at_start_or_i
     (tmp_path / "mine.py").write_text("def shrink(image):\n    return image[:, :2, :2] if image.max() == 1 else image\n"
                                       "def fail(image):\n    if image.max() == 1:\n"
                                       "        raise ValueError('no zero here')\n    return image\n"
-                                      "def refuse(image):\n    from engine.memory import OutOfMemory\n"
+                                      "def refuse(image):\n    from engine.errors import OutOfMemory\n"
                                       "    if image.max() == 1:\n        raise OutOfMemory('no room for it')\n"
                                       "    return image\n")
     shrink, fail, refuse = (load_plugin(f"{tmp_path / 'mine.py'}:{name}", "--model")
