@@ -33,6 +33,7 @@ LISTED = SizeRequest("list", None, None)  # names the list's version (folder_ver
 # What DALI's image decoder reads (nvidia.dali.fn.decoders.image); Pillow reads more (GIF, ICO, ...).
 DALI_FORMATS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".tif", ".tiff", ".webp", ".pnm", ".ppm", ".pgm", ".pbm",
                 ".jp2", ".j2k"}
+TIFF_SUFFIXES = (".tif", ".tiff")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def build_list(root, scanned, workers, log):
     total = sum(len(files) for files, _ in scanned.splits.values())
     log(f"Checking {total} images of {len(scanned.classes)} classes for --loader dali (each decoded once) ...")
     start = last = time.perf_counter()
-    splits, skipped, sizes, gray, done = {}, {}, [], True, 0
+    splits, skipped, sizes, gray, done, cmyk_tiffs = {}, {}, [], True, 0, []
     counts = np.zeros((3, 256), dtype=np.int64)
     for split, (files, labels) in scanned.splits.items():
         readable, skipped[split] = np.ones(len(files), dtype=bool), []
@@ -99,6 +100,8 @@ def build_list(root, scanned, workers, log):
                 continue
             mode, size, pixels = result
             gray = gray and mode in GRAY_MODES
+            if mode == "CMYK" and files[i].suffix.lower() in TIFF_SUFFIXES:
+                cmyk_tiffs.append(files[i])
             if split == "train":
                 sizes.append(size)
                 counts += pixels
@@ -118,7 +121,8 @@ def build_list(root, scanned, workers, log):
             "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
                         for split, errs in skipped.items()},
             "ignored": {"count": len(scanned.ignored),  # files that are not images: how many, and the first
-                        "first": [str(Path(path).relative_to(root)) for path in scanned.ignored[:1]]}}
+                        "first": [str(Path(path).relative_to(root)) for path in scanned.ignored[:1]]},
+            "cmyk_tiff": {"count": len(cmyk_tiffs), "first": [str(path.relative_to(root)) for path in cmyk_tiffs[:1]]}}
 
 
 def decoded_bytes(root, held_out, request, sample=100):
@@ -185,8 +189,24 @@ def read_list(target, root):
              "image, validation resizes it to cover the stored size below and takes the centre), "
              + ("gray (every image is gray)" if listed["gray"] else "RGB") + f"; checked once, listed in {target}",
              *ignored_note(ignored.get("count", 0), [given / name for name in ignored.get("first", [])]),
+             *cmyk_tiff_note(listed.get("cmyk_tiff", {}), given),
              *unreadable_notes(errors, target))
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}
     return FolderList(splits["train"], splits.get("test"), tuple(listed["classes"]), tuple(listed["mean"]),
                       tuple(listed["std"]), listed["gray"], notes, stats, listed["layout"], skipped,
                       {split: names_sha256(part["files"]) for split, part in listed["splits"].items()})
+
+
+def cmyk_tiff_note(found, root):
+    """[the Note on the list's CMYK TIFF files (``found``: their count and the first's name within
+    ``root``)], or []. DALI's libtiff decoder (nvImageCodec's) does not take CMYK: for each such
+    file, every time it is decoded, it prints an [ERROR] line, and the next decoder (OpenCV's)
+    reads the image, with Pillow's pixels (tests/test_dali.py). No DALI setting silences the
+    line (DALI_NVIMGCODEC_LOG_LEVEL 0 is its default, the least it says); the user can."""
+    if not found.get("count"):
+        return []
+    many = found["count"] > 1
+    return [f"Note: {count(found['count'], 'CMYK TIFF file', 'CMYK TIFF files')}, e.g. {root / found['first'][0]}: "
+            f"DALI's TIFF decoder prints an [ERROR] line for {'each' if many else 'it'} every time it decodes "
+            f"{'one' if many else 'it'}, then its next decoder reads {'them' if many else 'it'} correctly (saved as "
+            "RGB, or as JPEG, the line goes)"]

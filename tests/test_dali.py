@@ -329,6 +329,31 @@ def test_the_list_names_unreadable_files_within_the_data_dir_as_given(photos, tm
         assert f"{absolute}/dog" not in out and f"{tmp_path}/p/photos/dog" not in out
 
 
+@needs_dali
+def test_a_cmyk_tiff_is_one_note_and_dali_reads_pillows_pixels(tmp_path, capsys):
+    """DALI's libtiff decoder refuses a CMYK TIFF, printing an [ERROR] line each time it meets
+    one, and its next decoder reads it: the list says so once, naming the file, and the pixels
+    DALI gives are Pillow's, the same as the image saved as RGB."""
+    root = write_photo_folder(tmp_path / "photos", per_class=4)
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    Image.fromarray(pixels).convert("CMYK").save(root / "cat" / "scan.tif")
+    Image.fromarray(pixels).save(root / "cat" / "plain.tif")
+    flags = ["--dataset", "folder", "--data-dir", str(root), "--val-fraction", "0.25", "--loader", "dali", "--cache-dir",
+             str(tmp_path / "c")]
+    for _ in ("made", "found again"):
+        assert du.main(flags) == 0
+        out = capsys.readouterr().out
+        assert (f"\nNote: 1 CMYK TIFF file, e.g. {root / 'cat' / 'scan.tif'}: DALI's TIFF decoder prints an [ERROR] "
+                "line for it every time it decodes it, then its next decoder reads it correctly (saved as RGB, or "
+                "as JPEG, the line goes)\n") in out, out
+    prep = du.preprocessing((40, 48, 3), (0.5,) * 3, (0.25,) * 3, "none")
+    loader = DaliLoader(FileImages([root / "cat" / "scan.tif", root / "cat" / "plain.tif"], np.zeros(2), prep), 2,
+                        recipe.dali_images, torch.device("cpu"), False)
+    (images, _), = list(loader)
+    expected = normalize(torch.from_numpy(pixels)[None], *normalization(prep.mean, prep.std, torch.uint8))[0]
+    assert torch.equal(images[0], images[1]) and (images[0] - expected).abs().max() < 1e-5
+
+
 @pytest.mark.oldest_torch  # its environment has no DALI
 def test_loader_dali_without_dali_is_one_line_naming_the_package(photos, tmp_path):
     if dali_installed():
