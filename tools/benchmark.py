@@ -1,13 +1,13 @@
 """Throughput of the guide's recipe against this project's defaults, measured in one run on
 one device (a GPU when there is one, else the CPU):
 
-    python tools/benchmark.py                        # stable GPU figures (not yet run on a GPU)
+    python tools/benchmark.py                        # stable GPU figures (BENCHMARKS.md: an H200's)
     python tools/benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
     python tools/benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python tools/benchmark.py --compile              # the project's recipe with torch.compile
     python tools/benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
     python tools/benchmark.py --dataset folder --data-dir my_images --image-size 64 --model my_net.py:Net  # yours
-    python tools/benchmark.py --dataset folder --data-dir my_photos --val-fraction 0.2 --image-size 224 \
+    python tools/benchmark.py --dataset folder --data-dir my_photos --val-fraction 0.2 --image-size 224 \\
         --model torchvision.models:resnet18    # photos: resized-crop against torchvision's RandomResizedCrop
     python tools/benchmark.py --profile              # and torch.profiler's table of the project's steps
     srun --gpus=1 apptainer exec --nv "$CONTAINER_PATH" python tools/benchmark.py --json bench.json  # on Olivia
