@@ -97,6 +97,12 @@ if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]] &&
     die "GPU_LOG_FILE=$GPU_LOG_FILE exists and is not a GPU log (nvidia-smi's CSV); set GPU_LOG_FILE to a" \
         "path of its own"
 fi
+# PyTorch's values: 0 (no handling), 1 (abort the communicator, then tear down), 2 (clean up
+# only), 3 (tear down without aborting). PyTorch reads it only where a NCCL group is made: a slip
+# would pass a CPU trial run unnoticed and be met on the GPUs.
+[[ "${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}" =~ ^[0-3]$ ]] ||
+    die "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING is not one of PyTorch's 0, 1, 2 or 3" \
+        "(unset: 3, a hung NCCL collective ends the job)"
 [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
 [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
 # STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a

@@ -288,6 +288,19 @@ def test_a_bad_setting_is_a_clear_error(tmp_path, script, variable, value, messa
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("script", ["multigpu_job.sh", "multinode_job.sh"])
+def test_a_bad_nccl_error_handling_is_refused_before_the_job_starts(tmp_path, script):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=x trained to the end on the CPU (only NCCL reads it) and
+    would have been met on the GPUs: refused at once, with PyTorch's values."""
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  TORCH_NCCL_ASYNC_ERROR_HANDLING="x")
+    result = run_job(script, tmp_path, env)
+    assert result.returncode == 2 and result.stderr == (
+        "error: TORCH_NCCL_ASYNC_ERROR_HANDLING=x is not one of PyTorch's 0, 1, 2 or 3 (unset: 3, a hung NCCL "
+        "collective ends the job)\n")
+    assert not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
 def test_a_misspelt_setting_is_named_with_the_one_meant(tmp_path, script):
     """PER_GPU_BACTH=8 (two letters swapped) or CHECKPONT_DIR (one missing) was ignored without a
