@@ -204,10 +204,15 @@ def check_data_arguments(args, error):
         error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
     if args.cache_dir and args.dataset != FOLDER:
         error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
-    if args.cache_dir and args.data_dir and Path(args.cache_dir).expanduser().resolve().is_relative_to(
-            Path(args.data_dir).expanduser().resolve()):
+    if args.cache_dir and args.data_dir and among_images(args.cache_dir, args.data_dir):
         error(f"--cache-dir {args.cache_dir} is inside --data-dir {args.data_dir}: the next run would read the cache "
               "as one more class folder; put it beside the images, not among them")
+
+
+def among_images(path, data_dir):
+    """Whether the folder ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
+    the image folder would meet it as a class folder (or beside train/ and test/)."""
+    return Path(path).expanduser().resolve().is_relative_to(Path(data_dir).expanduser().resolve())
 
 
 def build_parser(description, add_recipe_arguments):
@@ -372,6 +377,11 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
+    if args.dataset == FOLDER and args.checkpoint_dir and args.data_dir and among_images(args.checkpoint_dir,
+                                                                                         args.data_dir):
+        parser.error(f"--checkpoint-dir {args.checkpoint_dir} is inside --data-dir {args.data_dir}: the next run, "
+                     "its --resume too, would read it as one more class folder of images; put it beside the images, "
+                     "not among them")
     if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
         args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy

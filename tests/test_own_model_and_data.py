@@ -164,6 +164,21 @@ def test_a_cache_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
     assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
 
 
+def test_a_checkpoint_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
+    """It trained, and its --resume then read the checkpoint folder as a class folder with no
+    images (or as two layouts): refused before anything is written there."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
+    for inside in (root, root / "ckpt", root / "train" / "ckpt"):
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--checkpoint-dir", inside) == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"train.py: error: --checkpoint-dir {inside} is inside --data-dir {root}: the next run, its --resume too, "
+            "would read it as one more class folder of images; put it beside the images, not among them (see --help)"]
+    assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--checkpoint-dir", tmp_path / "ckpt",
+                    "--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net", "--epochs", "1", "--batch-size", "4") == 0
+    assert list((tmp_path / "ckpt").glob("checkpoint_*.pt"))  # beside the images: trained and kept
+
+
 def test_a_data_dir_that_is_missing_or_a_file_is_one_line_saying_which(tmp_path):
     with pytest.raises(UserError, match=rf"^--data-dir {re.escape(str(tmp_path / 'photos'))}: no such folder$"):
         image_folder.scan(tmp_path / "photos")
