@@ -142,9 +142,11 @@ def read_weights(path, flag="--weights", mmap=False):
                             same_on_every_rank=False) from None
         if mmap:  # a file of the legacy format (before PyTorch 1.6) cannot be memory-mapped: read it whole
             return read_weights(path, flag)
+        # Not torch.load's error type (a KeyError for a text file, an EOFError for an empty one): it
+        # tells a user nothing. An empty file is said as such (a copy or a save that never finished).
+        empty = " (it is empty)" if Path(path).stat().st_size == 0 else ""
         raise UserError(f"{flag} {path} is not a readable state_dict: not a file torch.save wrote, or a damaged "
-                        f"one ({type(err).__name__})",
-                        same_on_every_rank=False) from None
+                        f"one{empty}", same_on_every_rank=False) from None
     metadata = {}
     if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a checkpoint of train_utils
         metadata = state.get("task") or state.get("data") or {}  # "data": checkpoints before "task" existed

@@ -252,7 +252,10 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
                                         r"tensors \(e.g. [\w.]+\): weights of another --model or --dataset\?$"):
         weights_file.load_weights(WideResNet(num_classes=100), path)
     path.write_bytes(b"not a torch file")
-    with pytest.raises(UserError, match="is not a readable state_dict: not a file torch.save wrote, or a damaged one"):
+    with pytest.raises(UserError, match="is not a readable state_dict: not a file torch.save wrote, or a damaged one$"):
+        weights_file.load_weights(WideResNet(num_classes=100), path)  # not torch.load's "(KeyError)": it says nothing
+    path.write_bytes(b"")
+    with pytest.raises(UserError, match=r"not a file torch.save wrote, or a damaged one \(it is empty\)$"):
         weights_file.load_weights(WideResNet(num_classes=100), path)
     with pytest.raises(UserError, match="no such file"):
         weights_file.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
