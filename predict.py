@@ -53,7 +53,7 @@ import torch
 
 from dataset_utils import centre_crop, normalization, normalize
 from engine.cli import run_cli
-from engine.errors import OutOfMemory, UserError
+from engine.errors import DatasetError, OutOfMemory, UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
 from engine.image_folder import Unreadable, class_files, decode, image_extensions, scan
@@ -201,7 +201,15 @@ def held_out_images(root, meta, weights):
         raise UserError(f"--held-out reads an image folder; --weights {shown(weights)} were trained on --dataset "
                         f"{meta.get('dataset', 'of unknown name')}")
     record = meta.get("split")
-    scanned = scan(root, held_out=True, flag="--held-out")
+    try:
+        scanned = scan(root, held_out=True, flag="--held-out")
+    except DatasetError as err:  # a folder, but no image folder to train on (one class, no images): not theirs
+        if not Path(root).expanduser().is_dir():
+            raise
+        classes, fact = meta["classes"], str(err).split("; ")[0]  # the scan's advice is for training: left out
+        raise UserError(f"{fact}: not the folder --weights {shown(weights)} were trained on, of {len(classes)} classes "
+                        f"({', '.join(map(shown, classes[:5]))}{', ...' if len(classes) > 5 else ''}); --held-out "
+                        "takes that folder") from None
     if list(scanned.classes) != list(meta["classes"]):
         raise UserError(f"--held-out {shown(root)} has the classes {', '.join(map(shown, scanned.classes[:5]))}"
                         f"{', ...' if len(scanned.classes) > 5 else ''}, not those --weights {shown(weights)} were "
