@@ -142,6 +142,8 @@ def read_weights(path, flag="--weights", mmap=False):
                             same_on_every_rank=False) from None
         if mmap:  # a file of the legacy format (before PyTorch 1.6) cannot be memory-mapped: read it whole
             return read_weights(path, flag)
+        if isinstance(err, OSError) and err.strerror:  # the file system's reason: Permission denied, ...
+            raise UserError(f"{flag} {path} cannot be read ({err.strerror})", same_on_every_rank=False) from None
         # Not torch.load's error type (a KeyError for a text file, an EOFError for an empty one): it
         # tells a user nothing. An empty file is said as such (a copy or a save that never finished).
         empty = " (it is empty)" if Path(path).stat().st_size == 0 else ""

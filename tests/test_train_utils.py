@@ -257,6 +257,8 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(UserError, match=r"not a file torch.save wrote, or a damaged one \(it is empty\)$"):
         weights_file.load_weights(WideResNet(num_classes=100), path)
+    with pytest.raises(UserError, match=r"^--weights \S+/inner.pt cannot be read \(Not a directory\)$"):
+        weights_file.load_weights(WideResNet(num_classes=100), path / "inner.pt")  # the OS's reason, not "damaged"
     with pytest.raises(UserError, match="no such file"):
         weights_file.load_weights(WideResNet(num_classes=100), tmp_path / "missing.pt")
     torch.save(WideResNet(num_classes=100), path)  # the whole model, pickled: a common mistake
