@@ -53,10 +53,10 @@ import torch
 
 from dataset_utils import centre_crop, normalization, normalize
 from engine.cli import run_cli
-from engine.errors import DatasetError, OutOfMemory, UserError
+from engine.errors import OutOfMemory, UserError
 from engine.files import check_writable
 from engine.flags import OneLineParser, positive_int
-from engine.image_folder import Unreadable, class_files, decode, image_extensions, scan
+from engine.image_folder import OneClassFolder, Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
 from engine.memory import is_out_of_memory
 from engine.models import check_output, make_model
@@ -203,13 +203,14 @@ def held_out_images(root, meta, weights):
     record = meta.get("split")
     try:
         scanned = scan(root, held_out=True, flag="--held-out")
-    except DatasetError as err:  # a folder, but no image folder to train on (one class, no images): not theirs
-        if not Path(root).expanduser().is_dir():
+    except OneClassFolder as err:  # the scan's advice is for training ("add a folder for each other class")
+        if err.meant:  # "did you mean --held-out DIR/photos?": the folder one level down
             raise
-        classes, fact = meta["classes"], str(err).split("; ")[0]  # the scan's advice is for training: left out
-        raise UserError(f"{fact}: not the folder --weights {shown(weights)} were trained on, of {len(classes)} classes "
-                        f"({', '.join(map(shown, classes[:5]))}{', ...' if len(classes) > 5 else ''}); --held-out "
-                        "takes that folder") from None
+        classes = meta["classes"]
+        names = ", ".join(map(shown, classes[:5])) + (", ..." if len(classes) > 5 else "")
+        raise UserError(f"--held-out {shown(root)} holds 1 class folder ({shown(err.name)}): not the folder --weights "
+                        f"{shown(weights)} were trained on, of {len(classes)} classes ({names}); --held-out takes "
+                        "that folder") from None
     if list(scanned.classes) != list(meta["classes"]):
         raise UserError(f"--held-out {shown(root)} has the classes {', '.join(map(shown, scanned.classes[:5]))}"
                         f"{', ...' if len(scanned.classes) > 5 else ''}, not those --weights {shown(weights)} were "

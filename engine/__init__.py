@@ -4,8 +4,8 @@ optimizer, so yours plug in without changes here. Imports flow one way: the top-
 scripts import the engine, and the engine imports no top-level module except the user's
 files named on the command line (--model, --dataset FILE.py:NAME).
 
-    errors.py        UserError, RunAborted, DatasetError, TrainingStopped: what ends a run with one line, its
-                     exit status; a full disk
+    errors.py        UserError, RunAborted, OutOfMemory, DatasetError, TrainingStopped: what ends a run with
+                     one line, its exit status; a full disk
     cli.py           run_cli: those as one line and an exit status
     processes.py     who this process is (torchrun's variables) and how the ranks agree
     lost_ranks.py    a rank that stopped answering, named in one line

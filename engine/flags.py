@@ -211,8 +211,14 @@ def check_data_arguments(args, error):
 
 def among_images(path, data_dir):
     """Whether the folder ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
-    the image folder would meet it as a class folder (or beside train/ and test/)."""
-    return Path(path).expanduser().resolve().is_relative_to(Path(data_dir).expanduser().resolve())
+    the image folder would meet it: as written (a link inside it that points elsewhere is still
+    met) or with links resolved. A hidden folder (.ckpt) is not among them: the scan skips it."""
+    path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
+    for inside, root in ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))),
+                         (path.resolve(), data_dir.resolve())):
+        if inside == root or (inside.is_relative_to(root) and not inside.relative_to(root).parts[0].startswith(".")):
+            return True
+    return False
 
 
 def build_parser(description, add_recipe_arguments):
@@ -380,8 +386,8 @@ def parse_args(parser, check_recipe_arguments, argv=None):
     if args.dataset == FOLDER and args.checkpoint_dir and args.data_dir and among_images(args.checkpoint_dir,
                                                                                          args.data_dir):
         parser.error(f"--checkpoint-dir {args.checkpoint_dir} is inside --data-dir {args.data_dir}: the next run, "
-                     "its --resume too, would read it as one more class folder of images; put it beside the images, "
-                     "not among them")
+                     "its --resume too, would scan it with the images (a class folder without any); put it beside "
+                     "the images, not among them")
     if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
         args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy

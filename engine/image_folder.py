@@ -81,7 +81,7 @@ def split_folders(root, held_out, flag="--data-dir"):
                            f"(with {root}/test/CLASS/IMAGE)")
     if others:
         if len(others) == 1:  # the first thing to fix (often --data-dir one level too high), before validation
-            raise DatasetError(one_class(root, others[0], flag))
+            raise one_class(root, others[0], flag)
         if not any(first_image(root / name) for name in others):  # else it is asked for --val-fraction first
             shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
             raise DatasetError(f"{flag} {root} holds no image files in its folders ({shown}): it is not an image "
@@ -171,16 +171,25 @@ def class_files(folder, extensions):
     return images, others
 
 
+class OneClassFolder(DatasetError):
+    """An image folder of a single class folder ``name`` (``meant``: the folder inside it looks
+    like the image folder meant, and the line names it); predict.py --held-out words its own."""
+
+    def __init__(self, message, name, meant):
+        super().__init__(message)
+        self.name, self.meant = name, meant
+
+
 def one_class(folder, name, flag="--data-dir"):
-    """The line for ``folder`` holding a single class folder ``name``: a classifier needs two.
-    Most often ``flag`` (--data-dir) is one level too high (it names a folder that holds the
-    folder of class folders), and then the line names the folder meant."""
+    """The OneClassFolder for ``folder`` holding a single class folder ``name``: a classifier
+    needs two. Most often ``flag`` (--data-dir) is one level too high (it names a folder that
+    holds the folder of class folders), and then the line names the folder meant."""
     inner = folder / name
     nested = [p.name for p in inner.iterdir() if p.is_dir() and _visible(p)]
     meant = len(nested) >= 2 or any(n in names for n in nested for names in SPLIT_FOLDERS.values())
-    return (f"{folder} holds 1 class folder ({name}): a classifier needs at least two; "
-            + (f"did you mean {flag} {inner}?" if meant else
-               f"add a folder of images for each other class ({folder}/CLASS/IMAGE)"))
+    return OneClassFolder(f"{folder} holds 1 class folder ({name}): a classifier needs at least two; "
+                          + (f"did you mean {flag} {inner}?" if meant else
+                             f"add a folder of images for each other class ({folder}/CLASS/IMAGE)"), name, meant)
 
 
 def _scan(root, held_out, flag):
@@ -211,7 +220,7 @@ def _scan(root, held_out, flag):
         splits[split] = (files, np.asarray(labels, dtype=np.int64))
         ignored += strays
     if len(classes) == 1:  # trains to 100% on a task of one answer: never what was meant
-        raise DatasetError(one_class(folders["train"], classes[0], flag))
+        raise one_class(folders["train"], classes[0], flag)
     return Scanned(tuple(classes), splits, ignored, layout)
 
 

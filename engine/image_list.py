@@ -206,7 +206,8 @@ def cmyk_tiff_note(found, root):
     if not found.get("count"):
         return []
     many = found["count"] > 1
-    return [f"Note: {count(found['count'], 'CMYK TIFF file', 'CMYK TIFF files')}, e.g. {root / found['first'][0]}: "
+    return [f"Note: {count(found['count'], 'CMYK TIFF file', 'CMYK TIFF files')}{', e.g.' if many else ','} "
+            f"{root / found['first'][0]}: "
             f"DALI's TIFF decoder prints an [ERROR] line for {'each' if many else 'it'} every time it decodes "
             f"{'one' if many else 'it'}, then its next decoder reads {'them' if many else 'it'} correctly (saved as "
             "RGB, or as JPEG, the line goes)"]

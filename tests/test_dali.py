@@ -343,7 +343,7 @@ def test_a_cmyk_tiff_is_one_note_and_dali_reads_pillows_pixels(tmp_path, capsys)
     for _ in ("made", "found again"):
         assert du.main(flags) == 0
         out = capsys.readouterr().out
-        assert (f"\nNote: 1 CMYK TIFF file, e.g. {root / 'cat' / 'scan.tif'}: DALI's TIFF decoder prints an [ERROR] "
+        assert (f"\nNote: 1 CMYK TIFF file, {root / 'cat' / 'scan.tif'}: DALI's TIFF decoder prints an [ERROR] "
                 "line for it every time it decodes it, then its next decoder reads it correctly (saved as RGB, or "
                 "as JPEG, the line goes)\n") in out, out
     prep = du.preprocessing((40, 48, 3), (0.5,) * 3, (0.25,) * 3, "none")

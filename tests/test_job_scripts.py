@@ -298,7 +298,7 @@ def test_a_bad_nccl_error_handling_is_refused_before_the_job_starts(tmp_path, sc
     assert result.returncode == 2 and result.stderr == (
         "error: TORCH_NCCL_ASYNC_ERROR_HANDLING=x is not one of PyTorch's 0, 1, 2 or 3 (unset: 3, a hung NCCL "
         "collective ends the job)\n")
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "stub.log").exists()  # no stand-in ran: no monitor, no launch
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)

@@ -19,6 +19,7 @@ import dataset_utils as du
 import recipe
 from engine import data_formats, image_cache, image_folder, models, task
 from engine.errors import EXIT_STOPPED, UserError
+from engine.flags import among_images
 from engine import weights as weights_file
 from tools import demo_data
 from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
@@ -168,12 +169,20 @@ def test_a_checkpoint_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
     """It trained, and its --resume then read the checkpoint folder as a class folder with no
     images (or as two layouts): refused before anything is written there."""
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
-    for inside in (root, root / "ckpt", root / "train" / "ckpt"):
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")  # the scan meets the link, wherever it points
+    for inside in (root, root / "ckpt", root / "train" / "ckpt", root / "link", root / "link" / "ckpt"):
         assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--checkpoint-dir", inside) == 2
         assert error_lines(capsys.readouterr().err) == [
             f"train.py: error: --checkpoint-dir {inside} is inside --data-dir {root}: the next run, its --resume too, "
-            "would read it as one more class folder of images; put it beside the images, not among them (see --help)"]
+            "would scan it with the images (a class folder without any); put it beside the images, not among them "
+            "(see --help)"]
+    (root / "link").unlink()
     assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
+    assert not among_images(root / ".ckpt", root) and not among_images(root / ".." / "ckpt", root)  # the scan skips
+    assert among_images(tmp_path / "alias" / "ckpt", root) is False
+    (tmp_path / "alias").symlink_to(root)  # the images under another name: found with links resolved
+    assert among_images(tmp_path / "alias" / "ckpt", root)
     assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--checkpoint-dir", tmp_path / "ckpt",
                     "--model", f"{REPO / 'tests' / 'tiny_net.py'}:Net", "--epochs", "1", "--batch-size", "4") == 0
     assert list((tmp_path / "ckpt").glob("checkpoint_*.pt"))  # beside the images: trained and kept

@@ -222,13 +222,18 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
         assert (code, line) == (2, "predict.py: error: the following arguments are required: --weights (see --help)")
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "--held-out", "no/such")
     assert (code, line) == (2, "error: --held-out no/such: no such folder")  # the flag given, not --data-dir
-    one = tmp_path.parent / f"{tmp_path.name}-one"  # a class folder alone: not the folder w.pt trained on
+    one = tmp_path / "one"  # a class folder alone: not the folder w.pt trained on
     (one / "cat").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(one / "cat" / "a.png")
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "--held-out", one)
-    assert (code, line) == (2, f"error: {one} holds 1 class folder (cat): a classifier needs at least two: not the "
-                               "folder --weights w.pt were trained on, of 3 classes (class_0, class_1, class_2); "
-                               "--held-out takes that folder")
+    assert (code, line) == (2, f"error: --held-out {one} holds 1 class folder (cat): not the folder --weights w.pt "
+                               "were trained on, of 3 classes (class_0, class_1, class_2); --held-out takes that folder")
+    shutil.copytree("imgs", one / "photos")  # one level too high: the scan's own line names the folder meant
+    shutil.rmtree(one / "cat")
+    code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "--held-out", one)
+    assert (code, line) == (2, f"error: {one} holds 1 class folder (photos): a classifier needs at least two; did you "
+                               f"mean --held-out {one / 'photos'}?")
+    shutil.rmtree(one)
 
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "no/such/images")
     assert (code, line) == (2, "error: no/such/images: no such file or folder")
