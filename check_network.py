@@ -67,9 +67,9 @@ from device_utils import device_name, setup_distributed
 from engine.all_reduce_timing import (NCCL_ERRORS_RAISE, QUEUED_AHEAD, Clock, host_wait, start_all_reduce,
                                      wait_for_device)
 from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_sizes, parse_size
-from engine.cli import run_cli
+from engine.cli import OneLineParser, run_cli
 from engine.errors import RunAborted, UserError, first_sentences
-from engine.flags import OneLineParser, non_negative_int, positive_float, positive_int
+from engine.flags import non_negative_int, positive_float, positive_int
 from engine.interfaces import check_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import (describe_network, nccl_debug_file, nccl_log_settings, nccl_report, network_label,

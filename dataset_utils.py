@@ -45,8 +45,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from engine.cli import OneLineParser
 from engine.errors import DatasetError, UserError, first_line, size_text
-from engine.flags import FOLDER, MAX_AUTO_WORKERS, OneLineParser, add_data_arguments, check_data_arguments
+from engine.flags import FOLDER, MAX_AUTO_WORKERS, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
 from engine.plugins import plugin_key

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.cli import env_int, launcher_pid
 from engine.errors import RunAborted, UserError, first_line
 from engine.log import count
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
-from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, env_int,
-                              group_active, launcher_pid)
+from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, group_active
 
 
 def get_device(local_rank=0, wanted="auto") -> torch.device:

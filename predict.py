@@ -52,10 +52,10 @@ import numpy as np
 import torch
 
 from dataset_utils import centre_crop, normalization, normalize
-from engine.cli import run_cli
+from engine.cli import OneLineParser, run_cli
 from engine.errors import OutOfMemory, UserError
 from engine.files import check_writable
-from engine.flags import OneLineParser, positive_int
+from engine.flags import positive_int
 from engine.image_folder import OneClassFolder, Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
 from engine.memory import is_out_of_memory

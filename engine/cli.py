@@ -1,8 +1,13 @@
 """How every entry point ends: ``run_cli(main)`` turns a user's mistake, an aborted run, a
 stop request and Ctrl-C into one line and an exit status, never a traceback, and makes
-sure rank 0's line is the one the user sees.
+sure rank 0's line is the one the user sees; ``OneLineParser`` does the same for a bad
+command line. Which rank this is comes from torchrun's variables, read here without
+torch: tools/demo_data.py and tools/report.py use the parser where torch costs seconds, or
+is not installed.
 """
 
+import argparse
+import difflib
 import os
 import re
 import signal
@@ -13,11 +18,88 @@ import traceback
 from pathlib import Path
 
 from engine.errors import TrainingStopped, UserError, first_line
-from engine.processes import launcher_pid, rank_or_zero, world_size_or_one
 
 RANK0_FIRST_S = 10  # the longest a silent rank waits for rank 0 to print its line and exit (let_rank0_fail_first)
 PROJECT = Path(__file__).resolve().parents[1]  # the folder of the scripts
 RECIPE = PROJECT / "recipe.py"  # the file users edit most: a bug there is their mistake, named in one line
+# What other training scripts call some of the flags, which no spelling distance finds.
+OTHER_NAMES = {"--lr": "--base-lr", "--learning-rate": "--base-lr", "--wd": "--weight-decay", "--bs": "--batch-size",
+               "--workers": "--num-workers", "--data": "--data-dir", "--amp": "--precision"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line, printed by global rank 0 only
+    (every rank parses the same flags, so the others would only repeat it). Abbreviated flags
+    are refused: --out taken for --output, or --epoch for --epochs, is a typo acted on."""
+
+    def __init__(self, *positional, **kwargs):
+        super().__init__(*positional, **{"allow_abbrev": False, **kwargs})
+        self.words = []  # the command line being parsed
+
+    def parse_known_args(self, argv=None, namespace=None):  # argparse passes both by position
+        self.words = list(sys.argv[1:] if argv is None else argv)
+        return super().parse_known_args(argv, namespace)
+
+    def error(self, message):
+        if message.startswith("the following arguments are required"):
+            # argparse says a required flag is missing before it says which were not recognized:
+            # a typo of that very flag (--weight) is the mistake to name.
+            words = list(map(str, self.words))
+            options = words[:words.index("--")] if "--" in words else words  # after "--": positional arguments
+            unknown = [word for word in options if word.startswith("--")
+                       and word.split("=")[0] not in self._option_string_actions]
+            message = f"unrecognized arguments: {' '.join(unknown)}" if unknown else message
+        if rank_or_zero() == 0:
+            print(f"{self.prog}: error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
+        elif launcher_pid() is not None:  # torchrun would stop rank 0 before its line were this rank first
+            let_rank0_fail_first()
+        sys.exit(2)
+
+    def did_you_mean(self, message):
+        """'; did you mean --epochs?' for a mistyped flag; '(for --bach-size)' after each guess
+        when several flags were not recognized."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        typed = dict.fromkeys(word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--"))
+        guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                   or [name for name in [OTHER_NAMES.get(flag)] if name in known] for flag in typed}
+        named = [f"{guess[0]} (for {flag})" if len(typed) > 1 else guess[0] for flag, guess in guesses.items() if guess]
+        return f"; did you mean {' and '.join(named)}?" if named else ""
+
+
+def env_int(name, default):
+    """An integer variable of torchrun's (RANK, WORLD_SIZE, LOCAL_RANK), ``default`` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def rank_or_zero():
+    """Global rank from the environment, 0 when it is unset or unreadable (for messages only)."""
+    try:
+        return env_int("RANK", 0)
+    except UserError:
+        return 0
+
+
+def world_size_or_one():
+    """WORLD_SIZE from the environment, 1 when it is unset or unreadable."""
+    try:
+        return env_int("WORLD_SIZE", 1)
+    except UserError:
+        return 1
+
+
+def launcher_pid():
+    """The PID of the torchrun that started this process, or None. torchrun starts each rank
+    in a session of its own, so a signal that kills torchrun (a user's kill, a misdirected
+    signal) does not reach its ranks: they must notice that their parent is gone."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def let_rank0_fail_first():

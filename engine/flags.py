@@ -7,17 +7,15 @@ are prepared), speed, output, and checkpoints. A bad command line is one line on
 """
 
 import argparse
-import difflib
 import math
 import os
-import sys
 from pathlib import Path
 
-from engine.cli import let_rank0_fail_first
+from engine.cli import OneLineParser
 from engine.errors import EXIT_STOPPED, UserError
 from engine.log import flag_value
 from engine.models import DEFAULT_MODEL
-from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, launcher_pid, rank_or_zero
+from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN
 from engine.task import DATASETS
 
 MAX_AUTO_WORKERS = 8
@@ -39,52 +37,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
         if action.default is None or action.default is False:  # not `in`: 0 == False
             return action.help
         return super()._get_help_string(action)
-
-
-# What other training scripts call some of the flags, which no spelling distance finds.
-OTHER_NAMES = {"--lr": "--base-lr", "--learning-rate": "--base-lr", "--wd": "--weight-decay", "--bs": "--batch-size",
-               "--workers": "--num-workers", "--data": "--data-dir", "--amp": "--precision"}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line, printed by global rank 0 only
-    (every rank parses the same flags, so the others would only repeat it). Abbreviated flags
-    are refused: --out taken for --output, or --epoch for --epochs, is a typo acted on."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
-        self.words = []  # the command line being parsed
-
-    def parse_known_args(self, args=None, namespace=None):
-        self.words = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
-
-    def error(self, message):
-        if message.startswith("the following arguments are required"):
-            # argparse says a required flag is missing before it says which were not recognized:
-            # a typo of that very flag (--weight) is the mistake to name.
-            words = list(map(str, self.words))
-            options = words[:words.index("--")] if "--" in words else words  # after "--": positional arguments
-            unknown = [word for word in options if word.startswith("--")
-                       and word.split("=")[0] not in self._option_string_actions]
-            message = f"unrecognized arguments: {' '.join(unknown)}" if unknown else message
-        if rank_or_zero() == 0:
-            print(f"{self.prog}: error: {message}{self.did_you_mean(message)} (see --help)", file=sys.stderr)
-        elif launcher_pid() is not None:  # torchrun would stop rank 0 before its line were this rank first
-            let_rank0_fail_first()
-        sys.exit(2)
-
-    def did_you_mean(self, message):
-        """'; did you mean --epochs?' for a mistyped flag; '(for --bach-size)' after each guess
-        when several flags were not recognized."""
-        if not message.startswith("unrecognized arguments: "):
-            return ""
-        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
-        typed = dict.fromkeys(word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--"))
-        guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
-                   or [name for name in [OTHER_NAMES.get(flag)] if name in known] for flag in typed}
-        named = [f"{guess[0]} (for {flag})" if len(typed) > 1 else guess[0] for flag, guess in guesses.items() if guess]
-        return f"; did you mean {' and '.join(named)}?" if named else ""
 
 
 def _checked(cast, is_valid, what):

@@ -1,6 +1,6 @@
-"""Who this process is and how the processes agree: torchrun's variables (DistContext), the
-launcher, and the small collectives the engine uses (rank 0 decides, every rank gets the
-answer). Everything here is a no-op with one process and needs no GPU: the agreements travel
+"""Who this process is and how the processes agree: its place among them (DistContext, made
+by device_utils from torchrun's variables, which engine/cli.py reads) and the small
+collectives the engine uses (rank 0 decides, every rank gets the answer). Everything here is a no-op with one process and needs no GPU: the agreements travel
 over the gloo control group.
 """
 
@@ -46,47 +46,9 @@ class DistContext:
         return max(1, self.world_size // self.local_world_size)
 
 
-def env_rank() -> int:
-    """Global rank from the environment, for code that runs before the context exists."""
-    return env_int("RANK", 0)
-
-
-def env_int(name, default):
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def rank_or_zero():
-    """Global rank from the environment, 0 when it is unset or unreadable (for messages only)."""
-    try:
-        return env_rank()
-    except UserError:
-        return 0
-
-
-def world_size_or_one():
-    """WORLD_SIZE from the environment, 1 when it is unset or unreadable."""
-    try:
-        return env_int("WORLD_SIZE", 1)
-    except UserError:
-        return 1
-
-
 def available_cores() -> int:
     """CPU cores this process may run on (its Slurm allocation's, not the node's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def launcher_pid():
-    """The PID of the torchrun that started this process, or None. torchrun starts each rank
-    in a session of its own, so a signal that kills torchrun (a user's kill, a misdirected
-    signal) does not reach its ranks: they must notice that their parent is gone."""
-    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def synchronize(device: torch.device):

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, TINY_MODEL
 
 TOP = {"train", "train_ddp", "model", "dataset_utils", "train_utils", "device_utils", "recipe", "check_network",
@@ -123,13 +125,28 @@ def test_a_plain_run_imports_no_machinery_it_does_not_use():
 
 
 def test_the_data_sets_table_and_the_errors_need_no_torch():
-    """engine/task.py's DATASETS, the data sets' files (engine/data_formats.py) and the one-line
-    errors import no torch: tools/demo_data.py writes its data sets without paying that import,
-    and tools/report.py reads metrics files where torch is not installed."""
-    code = ("import sys\nimport engine.task, engine.data_formats, engine.errors\n"
+    """engine/task.py's DATASETS, the data sets' files (engine/data_formats.py), the one-line
+    errors and the one-line command line (engine/cli.py) import no torch: tools/demo_data.py
+    writes its data sets without paying that import, and tools/report.py reads metrics files
+    where torch is not installed."""
+    code = ("import sys\nimport engine.task, engine.data_formats, engine.errors, engine.cli\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("tool, words, line", [
+    ("demo_data.py", ["--datset", "folder"], "unrecognized arguments: --datset {dir}; did you mean --dataset?"),
+    ("report.py", ["--plt", "runs.png"], "unrecognized arguments: --plt; did you mean --plot?"),
+])
+def test_the_torch_free_tools_refuse_a_typo_in_one_line(tmp_path, tool, words, line):
+    """tools/demo_data.py and tools/report.py parse as the training scripts do: one line with a
+    guess, no usage block, exit 2, nothing written."""
+    done = subprocess.run([sys.executable, f"tools/{tool}", *words, str(tmp_path / "new")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    wanted = f"{tool}: error: {line.format(dir=tmp_path / 'new')} (see --help)"
+    assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [wanted], "")
+    assert not (tmp_path / "new").exists()
 
 
 def test_each_augmentation_is_defined_once_in_recipe_py():

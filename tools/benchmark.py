@@ -52,13 +52,12 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 
 from dataset_utils import build_loaders, default_num_workers, set_loader_epoch  # noqa: E402
 from device_utils import configure_precision, device_name, memory_format, single_process_context  # noqa: E402
-from engine.cli import run_cli  # noqa: E402
+from engine.cli import OneLineParser, run_cli  # noqa: E402
 from engine.dali_loader import dali_installed  # noqa: E402
 from engine.data_formats import default_data_dir, missing_files  # noqa: E402
 from engine.errors import UserError, space_problem  # noqa: E402
 from engine.files import check_writable  # noqa: E402
-from engine.flags import (OneLineParser, dataset_name, image_size, open_fraction, plugin_ref,  # noqa: E402
-                          positive_int)
+from engine.flags import dataset_name, image_size, open_fraction, plugin_ref, positive_int  # noqa: E402
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.profiling import device_profiler, kernel_times, top_operators, unused_path  # noqa: E402
 from engine.processes import synchronize  # noqa: E402

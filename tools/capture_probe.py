@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.cli import run_cli  # noqa: E402
+from engine.cli import OneLineParser, run_cli  # noqa: E402
 from engine.errors import UserError  # noqa: E402
 from engine.files import check_writable  # noqa: E402
-from engine.flags import OneLineParser, positive_int  # noqa: E402
+from engine.flags import positive_int  # noqa: E402
 from engine.profiling import device_profiler, kernel_times  # noqa: E402
 from model import WideResNet  # noqa: E402
 

@@ -12,7 +12,6 @@ exception: crops of real photographs, whose class is the photograph they were cu
 comparing recipes on real pixels (docs/recipe.md's table).
 """
 
-import argparse
 import gzip
 import importlib.util
 import pickle
@@ -25,6 +24,7 @@ from PIL import Image
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.cli import OneLineParser  # noqa: E402
 from engine.task import DATASETS  # noqa: E402
 
 def learnable_images(labels, rng, height, width, channels, classes=10):
@@ -237,7 +237,7 @@ def write_real_photo_crops(root, per_class=104, seed=0, source=None):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="Write a small learnable copy of a data set into DIR (each class a "
+    parser = OneLineParser(description="Write a small learnable copy of a data set into DIR (each class a "
                                                  "colour plus noise), to try the scripts without downloading: 512 "
                                                  "training and 128 test images of 10 classes in the data set's own "
                                                  "format, or for folder an image folder of 4 classes with PNG and "

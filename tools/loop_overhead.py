@@ -30,8 +30,8 @@ if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modu
 import train_utils as tu  # noqa: E402
 from dataset_utils import normalization  # noqa: E402
 from device_utils import single_process_context  # noqa: E402
-from engine.cli import run_cli  # noqa: E402
-from engine.flags import OneLineParser, positive_int  # noqa: E402
+from engine.cli import OneLineParser, run_cli  # noqa: E402
+from engine.flags import positive_int  # noqa: E402
 from engine.processes import synchronize  # noqa: E402
 
 MODEL = f"{Path(__file__).resolve()}:OneLinear"

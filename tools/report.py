@@ -36,6 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.cli import OneLineParser  # noqa: E402
 from engine.errors import ResourceProblem, space_problem  # noqa: E402
 from engine.log import throughput, validated  # noqa: E402
 
@@ -372,7 +373,7 @@ def plot(runs, logs, path):
 # Command line.
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("metrics", nargs="+", metavar="METRICS_FILE",
                         help="--metrics-file outputs of train.py / train_ddp.py (JSON lines)")
     parser.add_argument("--gpu-log", nargs="+", default=[], metavar="CSV",

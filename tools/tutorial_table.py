@@ -31,11 +31,11 @@ from PIL import Image
 if __package__ in (None, ""):  # run as python tools/NAME.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cli import run_cli  # noqa: E402
+from engine.cli import OneLineParser, run_cli  # noqa: E402
 from engine.dali_loader import dali_installed, dali_package  # noqa: E402
 from engine.data_formats import default_data_dir, missing_files, read_split  # noqa: E402
 from engine.errors import UserError  # noqa: E402
-from engine.flags import OneLineParser, plugin_ref, positive_int  # noqa: E402
+from engine.flags import plugin_ref, positive_int  # noqa: E402
 from engine.models import DEFAULT_MODEL  # noqa: E402
 from engine.task import DATASETS  # noqa: E402
 from tools.demo_data import write_dataset  # noqa: E402
