@@ -275,13 +275,19 @@ def recorded_accuracy(path, run=None):
     """The validation accuracy a weights file of keep_best records, -1 when there is none.
     ``run``: this run's {"model": key, "dataset": key}; a file that records another model or
     data set is another run's (--resume=auto in someone else's folder) and is refused: this
-    run's best epoch would replace it, or be taken for it."""
+    run's best epoch would replace it, or be taken for it. So is a file keep_best cannot have
+    written (it writes atomically, with the accuracy): a user's own weights, or any file."""
     if not path.exists():
         return -1.0
     try:
         metadata = read_weights(path, BEST_WEIGHTS, mmap=True).metadata
-    except UserError:  # unreadable: replaced by the run's first epoch, as by a new file
-        return -1.0
+        why = None if "val_accuracy" in metadata else "its weights record no validation accuracy"
+    except UserError:
+        why = "torch.load cannot read it as weights"
+    if why:
+        raise UserError(f"--checkpoint-dir {path.parent} holds a {BEST_WEIGHTS} that no run of these scripts wrote "
+                        f"({why}), and this run keeps its best epoch's weights under that name: move it elsewhere, "
+                        "or give this run another --checkpoint-dir")
     theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None}
     if any(theirs[key] != run[key] for key in theirs):
         raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of another run (--model "
