@@ -133,6 +133,11 @@ def test_single_gpu_job(tmp_path, other_jobs_monitor):
     first, second, records = stopped_requeued_and_resumed("singlegpu_job.sh", tmp_path, job_env(tmp_path))
     assert "CUDA available: False, GPUs: 0" in first
     assert "Batch Size: 4 (4 per process x 1 CPU process, 1 node)" in first  # PER_GPU_BATCH
+    # The flags a refusal may name (--batch-size, --checkpoint-dir), as the script passed them: in the log.
+    folder = f"checkpoints/singlegpu_{JOB_ID}"
+    assert (f"\nRunning train.py --batch-size 4 --epochs 100 --checkpoint-dir {folder} --resume=auto --stop-file "
+            f"{tmp_path / f'.singlegpu_{JOB_ID}.stop'} --save-weights {folder}/weights.pt {' '.join(TRAIN_ARGS)}\n"
+            in first)
     assert records[0]["world_size"] == 1 and records[0]["lr"] == pytest.approx(0.01 * 0.5)  # BASE_LR, warm-up
     assert_gpu_log(tmp_path / f"singlegpu_{JOB_ID}_gpu.csv")
     assert_monitors_stopped(tmp_path, other_jobs_monitor, expected_count=2)
@@ -142,6 +147,8 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08, SLURM_CPUS_PER_TASK=4)
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
+    assert re.search(r"^Running train_ddp\.py --batch-size 8 --epochs 100 --base-lr 0\.08 .* on 2 GPUs \(batch: "
+                     r"PER_GPU_BATCH x GPUs\)$", first, re.M)
     # Each rank's threads: the task's 4 cores over 2 ranks, set by the script (torchrun would set 1 and warn).
     assert re.search(r"\b2 threads\b", first.split("Device: ", 1)[1].splitlines()[0]) and "OMP_NUM_THREADS" not in first
     assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in first  # an NCCL hang is an error (in "Network settings:")
@@ -326,6 +333,15 @@ def test_a_bad_thread_count_is_a_clear_error(tmp_path, script, variable, value, 
     assert result.returncode == 2 and result.stderr == f"error: {message}\n"
 
 
+def test_a_bad_thread_count_is_refused_on_one_gpu_too(tmp_path):
+    """singlegpu_job.sh has no OMP_NUM_THREADS of its own, but passes the user's on to the
+    container: 0 ran to the end with libgomp's "Invalid value" printed per process."""
+    result = run_job("singlegpu_job.sh", tmp_path, job_env(tmp_path, OMP_NUM_THREADS="0"))
+    assert (result.returncode, result.stderr) == (2, "error: OMP_NUM_THREADS=0 is not a positive whole number of "
+                                                     "threads\n")
+    assert not (tmp_path / "stub.log").exists()
+
+
 @pytest.mark.parametrize("script, variable", [("singlegpu_job.sh", "GPU_LOG_FILE"), ("multigpu_job.sh", "GPU_LOG_FILE"),
                                               ("multinode_job.sh", "GPU_LOG_PREFIX")])
 def test_a_gpu_log_without_a_folder_is_a_clear_error(tmp_path, script, variable):
@@ -396,6 +412,28 @@ def test_ctrl_c_at_a_terminal_stops_training_with_a_checkpoint_before_the_prompt
     assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_second_ctrl_c_ends_training_before_the_prompt(tmp_path):
+    """A second Ctrl-C ends training at once (SIGTERM), and the script still waits for it: its
+    handler returned the interrupted wait's status, 130, and under set -e that ended the script,
+    training still running behind the prompt, without the line that says how to continue."""
+    script = "singlegpu_job.sh"
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1)
+    folder, go = f"checkpoints/singlegpu_{JOB_ID}", tmp_path / "go"
+    job = start(["bash", REPO / script, *TRAIN_ARGS], tmp_path, tmp_path / "job.log",
+                env={**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"})
+    wait_held(go, job)
+    os.killpg(job.pid, signal.SIGINT)
+    wait_for_path(tmp_path / f".singlegpu_{JOB_ID}.stop", job)  # the first Ctrl-C was handled
+    os.killpg(job.pid, signal.SIGINT)
+    time.sleep(1)
+    go.touch()
+    assert job.wait(timeout=120) == 130
+    assert not session_pythons(job.pid), "training went on after the script returned"
+    log = (tmp_path / "job.log").read_text()
+    assert f"Interrupted (Ctrl-C): the same command continues from {folder} (--resume=auto)" in log, log
+    assert "Traceback" not in log
+
+
 def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
     """A --time within the signal's 300 s margin warns right after the start: the job stops
     with a checkpoint and says how to go on, instead of requeueing itself over and over."""
@@ -437,17 +475,32 @@ def test_a_stop_file_that_cannot_be_created_is_refused_at_start(tmp_path, script
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
-def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, script):
-    """STOP_FILE naming a file with data in it: the start-up check created and removed it (rm
-    -f), deleting the user's file even when the job then failed. Refused, and kept."""
+@pytest.mark.parametrize("content", ["my notes\n", ""])
+def test_a_stop_file_that_names_a_users_file_is_refused_and_kept(tmp_path, script, content):
+    """STOP_FILE naming a file of the user's: the start-up check created and removed it (rm -f),
+    deleting the user's file even when the job then failed; later an empty one (an __init__.py)
+    was taken for a request an earlier run left, and removed. Refused, and kept; only a requeued
+    job's start removes an empty one, its own (test_a_requeued_job_removes_its_own_stop_file)."""
     own = tmp_path / "notes.txt"
-    own.write_text("my notes\n")
+    own.write_text(content)
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1", STOP_FILE=own)
     result = run_job(script, tmp_path, env)
     assert result.returncode == 2 and result.stderr == (
-        f"error: STOP_FILE={own} exists and is not an empty file, and the job removes its stop file; set STOP_FILE "
-        "to a path of its own\n")
-    assert own.read_text() == "my notes\n"
+        f"error: STOP_FILE={own} exists, and the job removes its stop file: set STOP_FILE to a path of its own (or "
+        "remove the file, if a killed run of this job left it)\n")
+    assert own.read_text() == content
+
+
+def test_a_requeued_job_removes_its_own_stop_file(tmp_path):
+    """A requeued job's first attempt, killed before its EXIT trap ran, left its empty stop file:
+    the new start removes it instead of stopping after one step (training would take it for a
+    request) or refusing it."""
+    stop = tmp_path / f".singlegpu_{JOB_ID}.stop"
+    stop.touch()
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_RESTART_COUNT=1)
+    result = run_job("singlegpu_job.sh", tmp_path, env, *TRAIN_ARGS)
+    assert result.returncode == 0, result.stderr
+    assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3] and not stop.exists()
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
@@ -557,9 +610,9 @@ def test_a_job_submitted_away_from_the_project_is_one_line(tmp_path, script, set
                   SLURM_SUBMIT_DIR=tmp_path, **{setting: tmp_path / "elsewhere"})
     result = run_job(script, tmp_path, env)
     where = (f"{tmp_path / 'elsewhere'}" if setting == "PROJECT_DIR"
-             else f"{tmp_path} (PROJECT_DIR is not set: the folder sbatch ran in)")
+             else f"{tmp_path} (PROJECT_DIR is not set: the folder the job started in)")
     assert (result.returncode, result.stderr) == (2, f"error: no tools/job_common.sh in {where}; submit from the "
-                                                      "project directory or set PROJECT_DIR\n")
+                                                      "project directory, or set PROJECT_DIR to it\n")
     assert not (tmp_path / "stub.log").exists()  # no apptainer, srun or nvidia-smi ran
 
 

@@ -53,6 +53,9 @@ check_job_settings() {  # check_job_settings GPU_LOG_VARIABLE [GPU_LOG...]
     [[ -z "$BASE_LR" || ( "$BASE_LR" =~ $decimal_re && ! "$BASE_LR" =~ $zero_re ) ]] ||
         die "BASE_LR=$BASE_LR is not a positive number (e.g. 0.01 or 1e-2)"
     whole_number GPU_LOG_INTERVAL seconds
+    # Each rank's CPU threads reach the container with the rest of the environment: libgomp
+    # would print "Invalid value" per process and go on with its default.
+    [[ -z "${OMP_NUM_THREADS:-}" ]] || whole_number OMP_NUM_THREADS threads
     local gpu_log_dir
     gpu_log_dir="$(dirname -- "${!1}")"
     [[ -d "$gpu_log_dir" && -w "$gpu_log_dir" ]] ||
@@ -63,13 +66,14 @@ check_job_settings() {  # check_job_settings GPU_LOG_VARIABLE [GPU_LOG...]
     done
     [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
     [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
-    # STOP_FILE is the job's own (removed when training stops on it, and when the job ends): a
-    # path that holds anything but an empty file (a request left by an earlier run of the job) is
-    # someone's data, refused.
+    # STOP_FILE is the job's own: created empty, removed when training stops on it and when the
+    # job ends, left behind only by a job killed before its EXIT trap ran. So on a requeued job's
+    # start an empty file there is that job's request, and is removed (start_monitor_and_traps);
+    # anything else, and any file at a first start (an empty __init__.py too), is someone's: refused.
     if [[ -e "$STOP_FILE" || -L "$STOP_FILE" ]]; then
-        [[ -f "$STOP_FILE" && ! -L "$STOP_FILE" && ! -s "$STOP_FILE" ]] ||
-            die "STOP_FILE=$STOP_FILE exists and is not an empty file, and the job removes its stop file; set" \
-                "STOP_FILE to a path of its own"
+        [[ "${SLURM_RESTART_COUNT:-0}" != 0 && -f "$STOP_FILE" && ! -L "$STOP_FILE" && ! -s "$STOP_FILE" ]] ||
+            die "STOP_FILE=$STOP_FILE exists, and the job removes its stop file: set STOP_FILE to a path of its" \
+                "own (or remove the file, if a killed run of this job left it)"
     elif ! { : >>"$STOP_FILE" && rm -f "$STOP_FILE"; } 2>/dev/null; then
         die "STOP_FILE=$STOP_FILE cannot be created, and the stop before the time limit needs it (set STOP_FILE)"
     fi
@@ -203,7 +207,7 @@ on_interrupt() {
     [[ -n "$training_pid" ]] || exit 130  # training has not started: nothing to stop
     if [[ -n "$interrupted" ]]; then
         kill -TERM "$training_pid" 2>/dev/null || true
-        return
+        return 0  # a bare return gives the interrupted wait's 130, which set -e takes for a failure: exit
     fi
     interrupted=1
     touch "$STOP_FILE" 2>/dev/null || true
