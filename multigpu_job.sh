@@ -36,11 +36,11 @@
 set -euo pipefail
 
 # What the three job scripts share: tools/job_common.sh of the project (Slurm runs a copy of this script).
-[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder sbatch ran in)"
+[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder the job started in)"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 [[ -f "$PROJECT_DIR/tools/job_common.sh" ]] || {
-    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory" \
-        "or set PROJECT_DIR" >&2
+    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory," \
+        "or set PROJECT_DIR to it" >&2
     exit 2
 }
 # shellcheck source=tools/job_common.sh
@@ -75,12 +75,16 @@ export_ddp_settings  # TORCH_NCCL_ASYNC_ERROR_HANDLING (a hung collective ends t
 # training with a checkpoint, and the job requeues itself after the USR1 (job_common.sh).
 start_monitor_and_traps
 
+# What training runs with: the settings above as flags, then the arguments, which override them
+# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
+train_args=(--batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
+    --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
+    --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+echo "Running train_ddp.py$(printf ' %q' "${train_args[@]}") on $NPROC_PER_NODE GPUs (batch: PER_GPU_BATCH x GPUs)"
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
-    "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 \
-    "${lr_flags[@]}" --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
-    --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
+    "$PROJECT_DIR/train_ddp.py" "${train_args[@]}" &
 training_pid=$!
 finish_one_node_job multigpu_job.sh  # its status; after the time limit's stop, requeued

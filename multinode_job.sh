@@ -52,11 +52,11 @@
 set -euo pipefail
 
 # What the three job scripts share: tools/job_common.sh of the project (Slurm runs a copy of this script).
-[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder sbatch ran in)"
+[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder the job started in)"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 [[ -f "$PROJECT_DIR/tools/job_common.sh" ]] || {
-    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory" \
-        "or set PROJECT_DIR" >&2
+    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory," \
+        "or set PROJECT_DIR to it" >&2
     exit 2
 }
 # shellcheck source=tools/job_common.sh
@@ -357,15 +357,19 @@ if [[ "$NETWORK_CHECK" == 1 ]]; then
     fi
 fi
 
-# The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
-# own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 terminated=""
 trap 'terminated=1' TERM  # scancel: wait_for (below) waits while srun stops the tasks, then the store stops (EXIT)
+# What training runs with: the settings above as flags, then the arguments, which override them
+# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
+# The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
+# own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
+train_args=(--batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
+    --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
+    --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+echo "Running train_ddp.py$(printf ' %q' "${train_args[@]}") on $SLURM_JOB_NUM_NODES x $NPROC_PER_NODE GPUs" \
+    "(batch: PER_GPU_BATCH x GPUs)"
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
-    "$PROJECT_DIR/train_ddp.py" --batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" \
-        --epochs 100 "${lr_flags[@]}" \
-        --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE" \
-        --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
+    "$PROJECT_DIR/train_ddp.py" "${train_args[@]}" &
 training_pid=$!
 wait_for "$training_pid"
 status=$(task_status train "$status")

@@ -32,11 +32,11 @@
 set -euo pipefail
 
 # What the three job scripts share: tools/job_common.sh of the project (Slurm runs a copy of this script).
-[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder sbatch ran in)"
+[[ -n "${PROJECT_DIR:-}" ]] || unset_project=" (PROJECT_DIR is not set: the folder the job started in)"
 PROJECT_DIR="${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}"
 [[ -f "$PROJECT_DIR/tools/job_common.sh" ]] || {
-    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory" \
-        "or set PROJECT_DIR" >&2
+    echo "error: no tools/job_common.sh in $PROJECT_DIR${unset_project:-}; submit from the project directory," \
+        "or set PROJECT_DIR to it" >&2
     exit 2
 }
 # shellcheck source=tools/job_common.sh
@@ -70,11 +70,14 @@ apptainer exec --nv "$CONTAINER_PATH" python -c \
 # training with a checkpoint, and the job requeues itself after the USR1 (job_common.sh).
 start_monitor_and_traps
 
+# What training runs with: the settings above as flags, then the arguments, which override them
+# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
+train_args=(--batch-size "$PER_GPU_BATCH" --epochs 100 "${lr_flags[@]}" --checkpoint-dir "$CHECKPOINT_DIR"
+    --resume=auto --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+echo "Running train.py$(printf ' %q' "${train_args[@]}")"
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node=1 \
-    "$PROJECT_DIR/train.py" --batch-size "$PER_GPU_BATCH" --epochs 100 "${lr_flags[@]}" \
-    --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto \
-    --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@" &
+    "$PROJECT_DIR/train.py" "${train_args[@]}" &
 training_pid=$!
 finish_one_node_job singlegpu_job.sh  # its status; after the time limit's stop, requeued
