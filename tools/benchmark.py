@@ -2,7 +2,7 @@
 one device (a GPU when there is one, else the CPU):
 
     python tools/benchmark.py                        # stable GPU figures (BENCHMARKS.md: an H200's)
-    python tools/benchmark.py --quick                # 14 s on 2 CPU cores (AMD EPYC): a check, not figures
+    python tools/benchmark.py --quick                # 14-27 s on 2 CPU cores (two AMD EPYC hosts): a check
     python tools/benchmark.py --json results.json    # the rows, for BENCHMARKS.md
     python tools/benchmark.py --compile              # the project's recipe with torch.compile
     python tools/benchmark.py --dataset mnist        # another data set (its files, or synthetic data of its size)
@@ -107,7 +107,7 @@ STEP_VARIANTS = (("--compile (reduce-overhead on CUDA: CUDA graphs)", ["--compil
 def build_parser():
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="a few steps only (14 s on 2 CPU cores): checks, not figures to quote")
+                        help="a few steps only (14-27 s on 2 CPU cores): checks, not figures to quote")
     parser.add_argument("--batch-size", metavar="IMAGES", type=positive_int, default=None,
                         help="images per step for every measurement (default: 256; 32 with --quick on the CPU)")
     parser.add_argument("--steps", metavar="STEPS", type=positive_int, default=None,
