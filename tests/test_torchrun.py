@@ -71,6 +71,34 @@ def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, signum, status):
     assert "Traceback" not in log and "SignalException" not in log
 
 
+def test_more_signals_do_not_leave_the_ranks_behind(tmp_path):
+    """A second Ctrl-C in a job script: SIGINT to every process, then the script's SIGTERM to
+    the launcher, while the ranks finish their step. torchrun's wait for its ranks is cut short
+    by each further signal, and the launcher exited with them still running behind the
+    prompt. It now returns once they have ended."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "signals = []\n"
+                      "signal.signal(signal.SIGINT, lambda signum, frame: signals.append(signum))\n"
+                      "signal.signal(signal.SIGTERM, lambda signum, frame: signals.append(signum))\n"
+                      "open(f'started{os.environ[\"RANK\"]}', 'w').close()\n"
+                      "while not signals:\n    time.sleep(0.05)\n"
+                      "time.sleep(4)  # the step in flight, then the stop\n"
+                      "open(f'done{os.environ[\"RANK\"]}', 'w').close()\n")
+    process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
+                    tmp_path, tmp_path / "log")
+    deadline = time.time() + 60
+    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):
+        assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
+        time.sleep(0.05)
+    for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+        process.send_signal(signum)
+        time.sleep(0.5)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM, (tmp_path / "log").read_text()
+    assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists(), "the launcher ended before its ranks"
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+
 def test_a_rendezvous_that_cannot_be_reached_or_completed_is_one_line(tmp_path):
     """torchrun's own exceptions of this PyTorch, not ones the test builds: a store nobody
     listens on (connection refused until read_timeout), and a rendezvous the second node never

@@ -16,10 +16,12 @@ place of torchrun; from an interactive allocation it takes torchrun's arguments:
     sbatch multigpu_job.sh       # runs it (TORCHRUN_PATH=torchrun runs PyTorch's own instead)
 """
 
+import math
 import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from torch.distributed import run as torchrun
@@ -83,7 +85,7 @@ def child_pids(proc=Path("/proc")):
 
 
 def pass_on_stop_request(signum, frame):
-    """SIGUSR1 asks the ranks to checkpoint and stop (engine/stopping.py). Slurm sends it to every
+    """Send ``signum`` to the ranks. SIGUSR1 asks the ranks to checkpoint and stop (engine/stopping.py). Slurm sends it to every
     process of a job step (scancel --signal=USR1 without --batch) and apptainer passes it on to
     the process it runs: this launcher, which would die of it, leaving its ranks orphaned and
     the job failed. It passes it on to its ranks instead, as torchrun does SIGTERM; a rank
@@ -95,6 +97,33 @@ def pass_on_stop_request(signum, frame):
             pass
 
 
+RANKS_GRACE_S = 30  # torchrun's own wait for its ranks after a stop signal, before it kills them
+
+
+def wait_for_ranks(signum, grace_s=RANKS_GRACE_S):
+    """After the stop signal ``signum``: return once every rank has exited. torchrun waits for
+    them itself, but a second signal during that wait (Ctrl-C twice; the job script's SIGTERM
+    after a second Ctrl-C) ends torchrun's wait early: the launcher would exit, and its script
+    return to the prompt, with the ranks still training. That signal, and any later one, is
+    passed on (a rank stops once); ranks still there after ``grace_s`` are killed, as torchrun
+    would."""
+    for caught in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(caught, pass_on_stop_request)
+    pass_on_stop_request(signum, None)
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)  # reaps one that has exited
+        except ChildProcessError:  # none left
+            return
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            pass_on_stop_request(signal.SIGKILL, None)
+            deadline = math.inf
+        time.sleep(0.1)
+
+
 def main(argv=None):
     """torchrun with ``argv`` (default: this command's arguments); returns the exit status."""
     args = torchrun.parse_args(argv)
@@ -104,6 +133,7 @@ def main(argv=None):
     except ChildFailedError as err:  # each rank has said why (or its traceback has); torchrun logged which
         return failed_rank_status(err)
     except SignalException as err:  # Ctrl-C, scancel: passed on to the ranks, which print their stop lines
+        wait_for_ranks(int(err.sigval))
         return 128 + int(err.sigval)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handlers (in the rendezvous)
         print("Interrupted (Ctrl-C) before the ranks started", file=sys.stderr)
