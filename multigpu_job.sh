@@ -76,13 +76,14 @@ export_ddp_settings  # TORCH_NCCL_ASYNC_ERROR_HANDLING (a hung collective ends t
 start_monitor_and_traps
 
 # What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
+# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
+# flags an error may name.
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 train_args=(--batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
     --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
     --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
-echo "Running train_ddp.py$(printf ' %q' "${train_args[@]}") on $NPROC_PER_NODE GPUs (batch: PER_GPU_BATCH x GPUs)"
+echo "Running train_ddp.py ${train_args[*]} on $NPROC_PER_NODE GPUs (batch: PER_GPU_BATCH x GPUs)"
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \
     "$PROJECT_DIR/train_ddp.py" "${train_args[@]}" &

@@ -360,13 +360,14 @@ fi
 terminated=""
 trap 'terminated=1' TERM  # scancel: wait_for (below) waits while srun stops the tasks, then the store stops (EXIT)
 # What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
+# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
+# flags an error may name.
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 train_args=(--batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
     --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
     --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
-echo "Running train_ddp.py$(printf ' %q' "${train_args[@]}") on $SLURM_JOB_NUM_NODES x $NPROC_PER_NODE GPUs" \
+echo "Running train_ddp.py ${train_args[*]} on $SLURM_JOB_NUM_NODES x $NPROC_PER_NODE GPUs" \
     "(batch: PER_GPU_BATCH x GPUs)"
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \
     "$PROJECT_DIR/train_ddp.py" "${train_args[@]}" &

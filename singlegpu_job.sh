@@ -71,12 +71,13 @@ apptainer exec --nv "$CONTAINER_PATH" python -c \
 start_monitor_and_traps
 
 # What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed: the job log shows the flags an error may name.
+# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
+# flags an error may name.
 # The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
 # own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
 train_args=(--batch-size "$PER_GPU_BATCH" --epochs 100 "${lr_flags[@]}" --checkpoint-dir "$CHECKPOINT_DIR"
     --resume=auto --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
-echo "Running train.py$(printf ' %q' "${train_args[@]}")"
+echo "Running train.py ${train_args[*]}"
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node=1 \
     "$PROJECT_DIR/train.py" "${train_args[@]}" &
 training_pid=$!

@@ -6,8 +6,9 @@ files named on the command line (--model, --dataset FILE.py:NAME).
 
     errors.py        UserError, RunAborted, OutOfMemory, DatasetError, TrainingStopped: what ends a run with
                      one line, its exit status; a full disk
-    cli.py           run_cli: those as one line and an exit status
-    processes.py     who this process is (torchrun's variables) and how the ranks agree
+    cli.py           run_cli: those as one line and an exit status; OneLineParser: a bad command line as
+                     one line; torchrun's variables, read without torch
+    processes.py     who this process is (DistContext) and how the ranks agree
     lost_ranks.py    a rank that stopped answering, named in one line
     flags.py         the engine's flags, parsed with recipe.py's
     task.py          Task and DataInfo: where the loop meets the model and the data; what each built-in

@@ -279,22 +279,24 @@ def recorded_accuracy(path, run=None):
     written (it writes atomically, with the accuracy): a user's own weights, or any file."""
     if not path.exists():
         return -1.0
+    keep = ("; this run keeps its best epoch's weights under that name: move it elsewhere, or give this run another "
+            "--checkpoint-dir")
     try:
         metadata = read_weights(path, BEST_WEIGHTS, mmap=True).metadata
-        why = None if "val_accuracy" in metadata else "its weights record no validation accuracy"
-    except UserError:
-        why = "torch.load cannot read it as weights"
-    if why:
-        raise UserError(f"--checkpoint-dir {path.parent} holds a {BEST_WEIGHTS} that no run of these scripts wrote "
-                        f"({why}), and this run keeps its best epoch's weights under that name: move it elsewhere, "
-                        "or give this run another --checkpoint-dir")
+    except UserError as err:  # not weights (keep_best writes atomically), or a file the OS will not let us read
+        why = str(err).removeprefix(f"{BEST_WEIGHTS} {path} ")
+        raise UserError(f"--checkpoint-dir {path.parent}: its {BEST_WEIGHTS} {why}{keep}") from None
+    accuracy = metadata.get("val_accuracy")
+    if not isinstance(accuracy, (int, float)):
+        raise UserError(f"--checkpoint-dir {path.parent}: its {BEST_WEIGHTS} records no validation accuracy, so no "
+                        f"run of these scripts wrote it (your own weights?){keep}")
     theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None}
     if any(theirs[key] != run[key] for key in theirs):
         raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of another run (--model "
                         f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model "
                         f"{run['model']} on --dataset {run['dataset']}): move it elsewhere, or give this run another "
                         "--checkpoint-dir")
-    return float(metadata.get("val_accuracy", -1.0))
+    return float(accuracy)
 
 
 def check_resume_flags(saved, flags, recipe_flags):

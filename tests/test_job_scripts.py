@@ -147,8 +147,10 @@ def test_multi_gpu_job_uses_every_gpu_slurm_gave(tmp_path, other_jobs_monitor):
     env = job_env(tmp_path, SLURM_GPUS_ON_NODE=2, BASE_LR=0.08, SLURM_CPUS_PER_TASK=4)
     first, second, records = stopped_requeued_and_resumed("multigpu_job.sh", tmp_path, env)
     assert "Batch Size: 8 (4 per process x 2 CPU processes, 1 node)" in first
-    assert re.search(r"^Running train_ddp\.py --batch-size 8 --epochs 100 --base-lr 0\.08 .* on 2 GPUs \(batch: "
-                     r"PER_GPU_BATCH x GPUs\)$", first, re.M)
+    folder = f"checkpoints/multigpu_{JOB_ID}"
+    assert (f"\nRunning train_ddp.py --batch-size 8 --epochs 100 --base-lr 0.08 --checkpoint-dir {folder} --resume=auto "
+            f"--stop-file {tmp_path / f'.multigpu_{JOB_ID}.stop'} --save-weights {folder}/weights.pt "
+            f"{' '.join(TRAIN_ARGS)} on 2 GPUs (batch: PER_GPU_BATCH x GPUs)\n" in f"\n{first}")  # its first line
     # Each rank's threads: the task's 4 cores over 2 ranks, set by the script (torchrun would set 1 and warn).
     assert re.search(r"\b2 threads\b", first.split("Device: ", 1)[1].splitlines()[0]) and "OMP_NUM_THREADS" not in first
     assert " TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in first  # an NCCL hang is an error (in "Network settings:")

@@ -136,17 +136,19 @@ def test_the_data_sets_table_and_the_errors_need_no_torch():
 
 
 @pytest.mark.parametrize("tool, words, line", [
-    ("demo_data.py", ["--datset", "folder"], "unrecognized arguments: --datset {dir}; did you mean --dataset?"),
-    ("report.py", ["--plt", "runs.png"], "unrecognized arguments: --plt; did you mean --plot?"),
+    ("demo_data.py", ["--datset", "folder", "{new}"], "unrecognized arguments: --datset {new}; did you mean --dataset?"),
+    ("report.py", ["--plot", "{new}", "--gpu-lg", "gpu.csv", "metrics.jsonl"],
+     "unrecognized arguments: --gpu-lg; did you mean --gpu-log?"),
 ])
 def test_the_torch_free_tools_refuse_a_typo_in_one_line(tmp_path, tool, words, line):
     """tools/demo_data.py and tools/report.py parse as the training scripts do: one line with a
-    guess, no usage block, exit 2, nothing written."""
-    done = subprocess.run([sys.executable, f"tools/{tool}", *words, str(tmp_path / "new")], cwd=REPO,
+    guess, no usage block, exit 2, and nothing written (demo_data's folder, report's --plot)."""
+    new = tmp_path / "new"
+    done = subprocess.run([sys.executable, f"tools/{tool}", *(word.format(new=new) for word in words)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    wanted = f"{tool}: error: {line.format(dir=tmp_path / 'new')} (see --help)"
+    wanted = f"{tool}: error: {line.format(new=new)} (see --help)"
     assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [wanted], "")
-    assert not (tmp_path / "new").exists()
+    assert not new.exists()
 
 
 def test_each_augmentation_is_defined_once_in_recipe_py():

@@ -562,6 +562,7 @@ def test_model_best_of_another_model_or_data_set_is_refused_and_kept(tmp_path):
         assert checkpoints.Checkpointer(tmp_path, 0, ctx, {}).best == 0.5  # continuing: its checkpoint is checked
     assert (tmp_path / "model_best.pt").read_bytes() == before
 
+
 @pytest.mark.parametrize("kind", ["text", "state_dict"])
 def test_a_model_best_no_run_wrote_is_refused_and_kept(tmp_path, capsys, kind):
     """A model_best.pt in --checkpoint-dir that keep_best cannot have written (it writes
@@ -574,13 +575,12 @@ def test_a_model_best_no_run_wrote_is_refused_and_kept(tmp_path, capsys, kind):
     else:
         torch.save(torch.nn.Linear(2, 2).state_dict(), best)
     before = best.read_bytes()
-    why = ("torch.load cannot read it as weights" if kind == "text"
-           else "its weights record no validation accuracy")
+    why = ("is not a readable state_dict: not a file torch.save wrote, or a damaged one" if kind == "text"
+           else "records no validation accuracy, so no run of these scripts wrote it (your own weights?)")
     assert run_main("train.py", *RUN, "--checkpoint-dir", best.parent, "--resume=auto") == 2
     assert error_lines(capsys.readouterr().err) == [
-        f"error: --checkpoint-dir {best.parent} holds a model_best.pt that no run of these scripts wrote ({why}), "
-        "and this run keeps its best epoch's weights under that name: move it elsewhere, or give this run another "
-        "--checkpoint-dir"]
+        f"error: --checkpoint-dir {best.parent}: its model_best.pt {why}; this run keeps its best epoch's weights "
+        "under that name: move it elsewhere, or give this run another --checkpoint-dir"]
     assert best.read_bytes() == before and sorted(p.name for p in best.parent.iterdir()) == ["model_best.pt"]
 
 

@@ -238,10 +238,10 @@ def write_real_photo_crops(root, per_class=104, seed=0, source=None):
 
 def build_parser():
     parser = OneLineParser(description="Write a small learnable copy of a data set into DIR (each class a "
-                                                 "colour plus noise), to try the scripts without downloading: 512 "
-                                                 "training and 128 test images of 10 classes in the data set's own "
-                                                 "format, or for folder an image folder of 4 classes with PNG and "
-                                                 "JPEG, RGB and gray images of two sizes.")
+                                       "colour plus noise), to try the scripts without downloading: 512 training "
+                                       "and 128 test images of 10 classes in the data set's own format, or for "
+                                       "folder an image folder of 4 classes with PNG and JPEG, RGB and gray "
+                                       "images of two sizes.")
     parser.add_argument("--dataset", choices=(*DATASETS, "folder", "photos", "real-photos"), default="cifar100",
                         help="which format (folder: DIR/train/CLASS/IMAGE and DIR/test/CLASS/IMAGE; photos: "
                              "DIR/CLASS/IMAGE, photos of varied sizes; real-photos: DIR/CLASS/IMAGE, 104 crops of "

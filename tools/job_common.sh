@@ -133,8 +133,7 @@ export_ddp_settings() {
         cpus="${SLURM_CPUS_PER_TASK:-$(nproc)}"
         [[ "$cpus" =~ ^[1-9][0-9]*$ ]] || die "SLURM_CPUS_PER_TASK=$cpus is not a positive whole number of cores"
         OMP_NUM_THREADS=$(( cpus / NPROC_PER_NODE > 0 ? cpus / NPROC_PER_NODE : 1 ))
-    fi
-    whole_number OMP_NUM_THREADS threads
+    fi  # (one the user set: checked by check_job_settings)
     export APPTAINERENV_OMP_NUM_THREADS="$OMP_NUM_THREADS"
 }
 
@@ -211,7 +210,7 @@ on_interrupt() {
     fi
     interrupted=1
     touch "$STOP_FILE" 2>/dev/null || true
-    echo "Ctrl-C: training stops after its current step and writes a checkpoint (Ctrl-C again: at once)" >&2
+    echo "Ctrl-C: training stops after its current step and writes a checkpoint (Ctrl-C again: at once)" >&2 || true
 }
 
 # The end of a one-node job: training's status, after a Ctrl-C 130 with how to continue, and
