@@ -178,7 +178,7 @@ read_arguments() {  # read_arguments "$@": sets args, CHECKPOINT_DIR and optimiz
 # - Slurm sends USR1 to this shell 300 s before the time limit (--signal=B:USR1@300). Training
 #   runs in the background so the trap fires at once. It creates STOP_FILE: global rank 0 sees
 #   it, every rank checkpoints and exits 0 (no signal reaches torchrun, which would report a
-#   crash). The job is then requeued (after_training), and training continues from the
+#   crash). The job is then requeued (after_stop_request), and training continues from the
 #   checkpoint (--resume=auto).
 # - Ctrl-C where the script runs at a terminal (bash singlegpu_job.sh): on_interrupt.
 start_monitor_and_traps() {  # sets monitor_pid, stop_requested, training_pid (empty) and interrupted
