@@ -22,6 +22,17 @@ def launch(tmp_path, *args):
                cwd=tmp_path, timeout=120)
 
 
+def start_ranks(script, tmp_path):
+    """The launcher running ``script`` on 2 ranks, once both have written their startedRANK file."""
+    process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
+                    tmp_path, tmp_path / "log")
+    deadline = time.time() + 60
+    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):
+        assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
+        time.sleep(0.05)
+    return process
+
+
 def test_a_rank_s_mistake_ends_in_its_line_and_status_not_torchruns_traceback(tmp_path):
     result = launch(tmp_path, REPO / "train_ddp.py", "--epochs", "0")
     assert result.returncode == 2, result.stderr  # train_ddp.py's status for a bad flag; plain torchrun: 1
@@ -57,12 +68,7 @@ def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, signum, status):
                       "signal.signal(signal.SIGUSR1, stop)\n"
                       "open(f'started{os.environ[\"RANK\"]}', 'w').close()\n"
                       "time.sleep(120)\n")
-    process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
-                    tmp_path, tmp_path / "log")
-    deadline = time.time() + 60
-    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):  # both ranks run
-        assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
-        time.sleep(0.05)
+    process = start_ranks(script, tmp_path)
     process.send_signal(signum)
     assert process.wait(timeout=60) == status, (tmp_path / "log").read_text()
     log = (tmp_path / "log").read_text()
@@ -85,12 +91,7 @@ def test_more_signals_do_not_leave_the_ranks_behind(tmp_path):
                       "while not signals:\n    time.sleep(0.05)\n"
                       "time.sleep(4)  # the step in flight, then the stop\n"
                       "open(f'done{os.environ[\"RANK\"]}', 'w').close()\n")
-    process = start([sys.executable, REPO / "tools" / "torchrun.py", "--standalone", "--nproc_per_node=2", script],
-                    tmp_path, tmp_path / "log")
-    deadline = time.time() + 60
-    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):
-        assert process.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()
-        time.sleep(0.05)
+    process = start_ranks(script, tmp_path)
     for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
         process.send_signal(signum)
         time.sleep(0.5)
