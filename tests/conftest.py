@@ -38,14 +38,15 @@ SMALL_MODEL = ("--model", f"{REPO / 'tests' / 'oom_net.py'}:Net")
 PLAIN_MODEL = ("--model", f"{REPO / 'tests' / 'plain_net.py'}:Net")
 
 
-# Under `pytest -n 2 --dist loadgroup` (pytest-xdist: README's command) each of these files runs
+# Under `pytest -n 3 --dist loadgroup` (pytest-xdist: README's command) each of these files runs
 # whole in one worker: what its tests share would otherwise be built twice or collide. Listed
-# largest first (their seconds on 2 cores: 450, 290, 250, 240, 130, 110, 65, 40), the order
-# they start in. A test of theirs with an xdist_group of its own (it shares nothing) runs apart.
+# largest first (the seconds of their tests, 2026-12-02 on 2 cores: 333, 266, 235, 180, 106, 89,
+# 45, 23), the order they start in. A test of theirs with an xdist_group of its own (it shares
+# nothing) runs apart.
 ONE_WORKER = {
-    "test_resilience.py": "the uninterrupted reference run", "test_recipe.py": "the project copy and its reference runs",
     "test_job_scripts.py": "one job ID, and the rendezvous port derived from it",
-    "test_slurm.py": "one Slurm cluster for the module", "test_memory.py": "the accumulate runs, trained once",
+    "test_resilience.py": "the uninterrupted reference run", "test_slurm.py": "one Slurm cluster for the module",
+    "test_recipe.py": "the project copy and its reference runs", "test_memory.py": "the accumulate runs, trained once",
     "test_predict.py": "the trained project", "test_photos.py": "the photo runs, trained once",
     "test_report.py": "the metrics of two runs",
 }

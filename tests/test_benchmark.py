@@ -317,8 +317,10 @@ def test_the_idle_share_comes_from_the_kernels_time():
 
 
 def test_gpu_tier_summary_on_this_machine(tmp_path):
-    """No GPU here: the tier is collected and skipped, and the summary says so."""
-    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log")
+    """No GPU here: the tier is collected and skipped, and the summary says so. In one process:
+    TIER_WORKERS xdist workers would each start torch to skip a few tests (the parallel run is
+    test_a_gpu_tier_in_parallel_out_of_time_says_how_far_it_got's)."""
+    summary = gpu_report.run_gpu_tier(300, tmp_path / "tier.log", workers=1)
     assert re.fullmatch(r"\d+ skipped in [\d.]+s( \(\d+:\d+:\d+\))?", summary), summary
     assert "tests/test_gpu.py::test_" in (tmp_path / "tier.log").read_text()  # the whole output, one line per test
 
