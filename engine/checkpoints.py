@@ -153,7 +153,6 @@ def choose_checkpoint(directory, device, log):
         try:
             return path, read_checkpoint(path, device)
         except Exception as err:  # truncated, corrupted, or foreign
-            problems.append(f"{path.name}: {type(err).__name__}")
             aside = _aside(path)
             try:
                 os.replace(path, aside)
@@ -161,6 +160,9 @@ def choose_checkpoint(directory, device, log):
             except OSError:
                 kept = "left it in place"
             log.info(f"WARNING: checkpoint {path} is unreadable ({_why(err)}); {kept} and trying the previous one")
+            # Each reason again in the error: a batch job's error file holds this line, its
+            # output file the warnings.
+            problems.append(f"{path.name}: {_why(err)}, {kept.replace(' it', '')}")
     found = f" ({'; '.join(problems)})" if problems else ""
     raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
 

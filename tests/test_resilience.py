@@ -194,9 +194,11 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     for path in (tmp_path / "ckpt").glob("checkpoint_*.pt"):
         path.write_bytes(b"garbage")
     assert run_main("train.py", *args, "--resume") == 2
-    assert error_lines(capsys.readouterr().err) == [
+    assert error_lines(capsys.readouterr().err) == [  # the reasons too: a job's .err file holds this line alone
         f"error: --resume: no readable checkpoint in {tmp_path / 'ckpt'} (checkpoint_000000012.pt: "
-        "UnpicklingError; checkpoint_000000008.pt: UnpicklingError)"]
+        "UnpicklingError: Weights only load failed, renamed to checkpoint_000000012.pt.unreadable.2; "
+        "checkpoint_000000008.pt: UnpicklingError: Weights only load failed, renamed to "
+        "checkpoint_000000008.pt.unreadable)"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [  # nothing deleted
         "checkpoint_000000008.pt.unreadable", "checkpoint_000000012.pt.unreadable",
         "checkpoint_000000012.pt.unreadable.2", "model_best.pt"]
