@@ -156,13 +156,13 @@ def choose_checkpoint(directory, device, log):
             aside = _aside(path)
             try:
                 os.replace(path, aside)
-                kept = f"renamed it to {aside.name}"
+                kept = f"renamed to {aside.name}"
             except OSError:
-                kept = "left it in place"
-            log.info(f"WARNING: checkpoint {path} is unreadable ({_why(err)}); {kept} and trying the previous one")
+                kept = "left in place"
+            log.info(f"WARNING: checkpoint {path} is unreadable ({_why(err)}), {kept}; trying the previous one")
             # Each reason again in the error: a batch job's error file holds this line, its
             # output file the warnings.
-            problems.append(f"{path.name}: {_why(err)}, {kept.replace(' it', '')}")
+            problems.append(f"{path.name}: {_why(err)}, {kept}")
     found = f" ({'; '.join(problems)})" if problems else ""
     raise UserError(f"--resume: no readable checkpoint in {directory}{found}")
 

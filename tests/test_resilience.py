@@ -186,7 +186,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, refere
     assert result.returncode == 0, result.stderr
     # A zip without its end: the first sentence of torch's message, whole, not its advice.
     assert (f"WARNING: checkpoint {newest} is unreadable (RuntimeError: PytorchStreamReader failed reading zip "
-            f"archive: failed finding central directory); renamed it to {newest.name}.unreadable and trying the "
+            f"archive: failed finding central directory), renamed to {newest.name}.unreadable; trying the "
             "previous one\n") in result.stdout
     assert f"Resuming from {older}: after epoch 2 (saved by 1 process, now 1)" in result.stdout
     assert "Epoch 3/3:" in result.stdout
