@@ -85,11 +85,11 @@ def child_pids(proc=Path("/proc")):
 
 
 def pass_on_stop_request(signum, frame):
-    """Send ``signum`` to the ranks. SIGUSR1 asks the ranks to checkpoint and stop (engine/stopping.py). Slurm sends it to every
-    process of a job step (scancel --signal=USR1 without --batch) and apptainer passes it on to
-    the process it runs: this launcher, which would die of it, leaving its ranks orphaned and
-    the job failed. It passes it on to its ranks instead, as torchrun does SIGTERM; a rank
-    that receives it twice stops once."""
+    """Send ``signum`` to the ranks. SIGUSR1 asks them to checkpoint and stop (engine/stopping.py).
+    Slurm sends it to every process of a job step (scancel --signal=USR1 without --batch) and
+    apptainer passes it on to the process it runs: this launcher, which would die of it, leaving
+    its ranks orphaned and the job failed. It passes it on to its ranks instead, as torchrun does
+    SIGTERM; a rank that receives it twice stops once."""
     for pid in child_pids():
         try:
             os.kill(pid, signum)
