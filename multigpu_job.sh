@@ -59,30 +59,22 @@ STOP_FILE="${STOP_FILE:-$PWD/.multigpu_${SLURM_JOB_ID:-local}.stop}"
 REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued (job_common.sh's requeue)
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 TORCHRUN_PATH="${TORCHRUN_PATH:-}"
-launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
-[[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
+choose_launcher
 
 check_job_settings GPU_LOG_FILE "$GPU_LOG_FILE"
 check_project train_ddp.py tools/torchrun.py
 check_ddp_settings
 read_arguments "$@"  # CHECKPOINT_DIR as training will use it, and the optimizer
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
-lr_flags=()
-[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 export_ddp_settings  # TORCH_NCCL_ASYNC_ERROR_HANDLING (a hung collective ends the job) and OMP_NUM_THREADS
 
 # The GPU monitor into GPU_LOG_FILE, and the traps: the time limit's USR1 and a Ctrl-C stop
 # training with a checkpoint, and the job requeues itself after the USR1 (job_common.sh).
 start_monitor_and_traps
 
-# What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
-# flags an error may name.
-# The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
-# own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
-train_args=(--batch-size "$((PER_GPU_BATCH * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
-    --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
-    --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+# What training runs with (job_common.sh's training_args), printed for reading (not quoted): the
+# job log shows the flags an error may name.
+training_args "$((PER_GPU_BATCH * NPROC_PER_NODE))" "$@"
 echo "Running train_ddp.py ${train_args[*]} on $NPROC_PER_NODE GPUs (batch: PER_GPU_BATCH x GPUs)"
 # --standalone: torchrun runs its own rendezvous on a free local port.
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node="$NPROC_PER_NODE" \

@@ -223,8 +223,6 @@ export APPTAINERENV_LIBFABRIC_HOME=/opt/libfabric APPTAINERENV_NCCL_HOME=/opt/nc
 
 read_arguments "$@"  # CHECKPOINT_DIR as training will use it, and the optimizer
 [[ -n "$BASE_LR" || "$optimizer" != sgd ]] || BASE_LR=0.04  # the guide's LR is an SGD one
-lr_flags=()
-[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
 export_ddp_settings  # TORCH_NCCL_ASYNC_ERROR_HANDLING (a hung collective ends the job) and OMP_NUM_THREADS
 
@@ -287,8 +285,7 @@ done
 [[ -s "$store_ready" ]] || die "the rendezvous store did not start within 120 s"
 # What each node runs, up to the Python script: the container with the host's libfabric,
 # NCCL and aws-ofi-nccl bound in and found first, and torchrun as a client of the store.
-launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
-[[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
+choose_launcher
 in_container=(
     apptainer exec --nv "${binds[@]}" "$CONTAINER_PATH"
     bash -c "$container_task" container-task
@@ -359,14 +356,9 @@ fi
 
 terminated=""
 trap 'terminated=1' TERM  # scancel: wait_for (below) waits while srun stops the tasks, then the store stops (EXIT)
-# What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
-# flags an error may name.
-# The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
-# own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
-train_args=(--batch-size "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" --epochs 100 "${lr_flags[@]}"
-    --checkpoint-dir "$CHECKPOINT_DIR" --resume=auto --stop-file "$STOP_FILE"
-    --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+# What training runs with (job_common.sh's training_args), printed for reading (not quoted): the
+# job log shows the flags an error may name.
+training_args "$((PER_GPU_BATCH * SLURM_JOB_NUM_NODES * NPROC_PER_NODE))" "$@"
 echo "Running train_ddp.py ${train_args[*]} on $SLURM_JOB_NUM_NODES x $NPROC_PER_NODE GPUs" \
     "(batch: PER_GPU_BATCH x GPUs)"
 "${on_every_node[@]}" bash -c "$node_task" node-task train "${in_container[@]}" --rdzv_id="$SLURM_JOB_ID" \

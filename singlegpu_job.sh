@@ -54,14 +54,11 @@ STOP_FILE="${STOP_FILE:-$PWD/.singlegpu_${SLURM_JOB_ID:-local}.stop}"
 REQUEUE_MIN_S="${REQUEUE_MIN_S:-300}"  # a job that ran less is not requeued (job_common.sh's requeue)
 GPU_QUERY="timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used"
 TORCHRUN_PATH="${TORCHRUN_PATH:-}"
-launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
-[[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
+choose_launcher
 
 check_job_settings GPU_LOG_FILE "$GPU_LOG_FILE"
 check_project train.py tools/torchrun.py
 read_arguments "$@"  # CHECKPOINT_DIR as training will use it
-lr_flags=()  # unset: the --optimizer's own default LR (one GPU: the batch the recipe was made for)
-[[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
 
 apptainer exec --nv "$CONTAINER_PATH" python -c \
     'import torch; print(f"CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")'
@@ -70,13 +67,9 @@ apptainer exec --nv "$CONTAINER_PATH" python -c \
 # training with a checkpoint, and the job requeues itself after the USR1 (job_common.sh).
 start_monitor_and_traps
 
-# What training runs with: the settings above as flags, then the arguments, which override them
-# (of a flag given twice the last counts). Printed for reading (not quoted): the job log shows the
-# flags an error may name.
-# The guide's early stop (--target-accuracy 0.95 --patience 2) is the default on its data sets; your
-# own data (--dataset folder) trains all --epochs. Either is one flag after the script's name.
-train_args=(--batch-size "$PER_GPU_BATCH" --epochs 100 "${lr_flags[@]}" --checkpoint-dir "$CHECKPOINT_DIR"
-    --resume=auto --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+# What training runs with (job_common.sh's training_args), printed for reading (not quoted): the
+# job log shows the flags an error may name.
+training_args "$PER_GPU_BATCH" "$@"
 echo "Running train.py ${train_args[*]}"
 apptainer exec --nv "$CONTAINER_PATH" "${launcher[@]}" --standalone --nnodes=1 --nproc_per_node=1 \
     "$PROJECT_DIR/train.py" "${train_args[@]}" &

@@ -171,6 +171,28 @@ read_arguments() {  # read_arguments "$@": sets args, CHECKPOINT_DIR and optimiz
     fi
 }
 
+# What training runs with: the job's settings as flags, then the script's arguments, which
+# override them (of a flag given twice the last counts). BASE_LR empty: no --base-lr, the
+# --optimizer's own default. The guide's early stop (--target-accuracy 0.95 --patience 2) is
+# the default on its data sets; your own data (--dataset folder) trains all --epochs. Either
+# is one flag after the script's name.
+# shellcheck disable=SC2034  # train_args: for the job scripts
+training_args() {  # training_args BATCH "$@": sets train_args (BATCH: images per step, all GPUs)
+    local batch="$1" lr_flags=()
+    shift
+    [[ -z "$BASE_LR" ]] || lr_flags=(--base-lr "$BASE_LR")
+    train_args=(--batch-size "$batch" --epochs 100 "${lr_flags[@]}" --checkpoint-dir "$CHECKPOINT_DIR"
+        --resume=auto --stop-file "$STOP_FILE" --save-weights "$CHECKPOINT_DIR/weights.pt" "$@")
+}
+
+# The launcher: TORCHRUN_PATH, or (empty) tools/torchrun.py, torchrun ending in training's own
+# error line instead of its traceback.
+# shellcheck disable=SC2034  # launcher: for the job scripts
+choose_launcher() {  # sets launcher
+    launcher=(python3 "$PROJECT_DIR/tools/torchrun.py")
+    [[ -z "$TORCHRUN_PATH" ]] || launcher=("$TORCHRUN_PATH")
+}
+
 # The GPU monitor and the stop requests of a one-node job (multinode_job.sh has its own, per node):
 # - nvidia-smi samples the GPUs into GPU_LOG_FILE in the background (appending: a requeued job
 #   keeps the first run's samples); on any exit this stops exactly that monitor (by PID) and
