@@ -639,6 +639,8 @@ def test_write_demo_writes_each_format_and_never_over_a_copy(tmp_path, capsys):
         capsys.readouterr()
         assert demo_data.main(["--dataset", kind, str(tmp_path / "afile")]) == 2
         assert capsys.readouterr().err == f"error: {tmp_path / 'afile'} is a file, not a folder; give a new folder\n"
+        assert demo_data.main(["--dataset", kind, str(tmp_path / "afile" / "sub")]) == 1  # was a traceback too
+        assert capsys.readouterr().err.startswith(f"error: cannot write {tmp_path / 'afile' / 'sub'}")
     assert (tmp_path / "afile").read_text() == "mine\n"
 
 

@@ -276,23 +276,28 @@ def main(argv=None):
                  else "a built-in data set goes into a new folder or beside other built-in ones")
         print(f"error: {root} holds {shown}: {where} (mixed, neither would read as it should)", file=sys.stderr)
         return 2
-    if dataset == "real-photos":
-        write_real_photo_crops(root)
-        print(f"Wrote 104 crops of each of {len(REAL_PHOTOS)} photographs ({', '.join(REAL_PHOTOS)}; JPEG and PNG) "
-              f"into {root}, one folder per class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
-    elif dataset == "photos":
-        write_photo_folder(root)
-        print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, and a CMYK print "
-              f"among the {PHOTO_CLASSES[0]}s; JPEG and PNG, 60x80 to 500x333 pixels) into {root}, one folder per "
-              f"class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
-    elif dataset == "folder":
-        write_image_folder(root, classes=4, n_train=64, n_test=16)
-        print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
-              f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")
-    else:
-        write_dataset(root, dataset, learnable=True, n_train=512, n_test=128)
-        print(f"Wrote a learnable 10-class copy of {DATASETS[dataset].title} (512 training and 128 test images) "
-              f"into {root}: train with --dataset {dataset} --data-dir {root}")
+    try:
+        if dataset == "real-photos":
+            write_real_photo_crops(root)
+            print(f"Wrote 104 crops of each of {len(REAL_PHOTOS)} photographs ({', '.join(REAL_PHOTOS)}; JPEG and "
+                  f"PNG) into {root}, one folder per class: train with --dataset folder --data-dir {root} "
+                  "--val-fraction 0.2")
+        elif dataset == "photos":
+            write_photo_folder(root)
+            print(f"Wrote {len(PHOTO_CLASSES)} classes of photos ({', '.join(PHOTO_CLASSES)}; 20 each, and a CMYK "
+                  f"print among the {PHOTO_CLASSES[0]}s; JPEG and PNG, 60x80 to 500x333 pixels) into {root}, one "
+                  f"folder per class: train with --dataset folder --data-dir {root} --val-fraction 0.2")
+        elif dataset == "folder":
+            write_image_folder(root, classes=4, n_train=64, n_test=16)
+            print(f"Wrote an image folder of 4 classes (64 training and 16 test images each; PNG and JPEG, RGB and "
+                  f"gray, 32x32 and 40x48) into {root}: train with --dataset folder --data-dir {root}")
+        else:
+            write_dataset(root, dataset, learnable=True, n_train=512, n_test=128)
+            print(f"Wrote a learnable 10-class copy of {DATASETS[dataset].title} (512 training and 128 test images) "
+                  f"into {root}: train with --dataset {dataset} --data-dir {root}")
+    except OSError as err:  # a parent that is a file, no permission, a full disk: not a traceback
+        print(f"error: cannot write {err.filename or root}: {err.strerror or err}", file=sys.stderr)
+        return 1
     return 0
 
 
