@@ -44,7 +44,7 @@ from device_utils import (Precision, broadcast_buffers, check_every_parameter_le
                           reset_peak_memory)
 from engine import flags
 from engine.cli import user_code_error
-from engine.errors import RunAborted, UserError
+from engine.errors import ResourceProblem, RunAborted, UserError
 from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, describe_device, describe_length,
                         describe_resume, epoch_record, flag_value, per_process, processes, reconcile_metrics,
                         size_warning, throughput, validated, validated_ema)
@@ -88,14 +88,19 @@ def fit(task, args, ctx, clock=None):
                     if stop and state.epoch <= args.epochs and not reached():
                         path = run.checkpointer.save(run, state) if run.checkpointer else None
                         raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
-                final = run.checkpointer.save(run, state) if run.checkpointer else None  # no-op when just written
-            finish(run, state, continuing, final)
+                final, unsaved = None, None
+                try:
+                    final = run.checkpointer.save(run, state) if run.checkpointer else None  # no-op when just written
+                except ResourceProblem as err:  # trained to the end: the model is written all the same (finish)
+                    unsaved = err
+            finish(run, state, continuing, final, unsaved)
     return state.records
 
 
-def finish(run, state, continuing, final):
+def finish(run, state, continuing, final, unsaved=None):
     """The end of a run that trained to its end: why it ended, the summary, and the
-    --save-weights file (``final``: the final checkpoint's path, or None)."""
+    --save-weights file (``final``: the final checkpoint's path, or None; ``unsaved``: the
+    ResourceProblem of a final checkpoint that did not fit, raised once the weights are written)."""
     args, clock = run.args, run.clock
     reached = target_reached(state.history, args.target_accuracy, args.patience)
     if reached and state.epoch - 1 < args.epochs:
@@ -115,11 +120,12 @@ def finish(run, state, continuing, final):
         wall, spent = clock.elapsed(), run.checkpointer.seconds
         run.log.info(f"Checkpoints: {run.checkpointer.count} written to {args.checkpoint_dir} in {spent:.1f}s "
                      f"({100 * spent / wall:.1f}% of this run's {wall:.1f}s)")
-    if args.save_weights:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
+    if args.save_weights or unsaved:  # never lost to a full disk: written elsewhere, or found in the final checkpoint
         from engine.weights import save_trained_weights
         last = state.records[-1] if state.records else None
         line = from_rank0(lambda: save_trained_weights(run.trained(last), args.save_weights,
-                                                       run.weights_metadata(last), final), run.ctx.control_group)
+                                                       run.weights_metadata(last), final, unsaved),
+                          run.ctx.control_group)
         run.log.info(line + which_weights(last))
     if run.stop.received:
         run.log.info(f"({run.stop.received} came after the last step: the run is complete)")
@@ -212,8 +218,12 @@ def run_epoch(run, state, rng_state=None):
     state.epoch, state.step, state.partial, state.last_lr = state.epoch + 1, 0, (0.0, 0, 0.0), None
     if run.checkpointer:
         run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
-        if run.checkpointer.due():
-            run.checkpointer.save(run, state)  # before the metrics line, so a line is never written twice
+        # Before the metrics line, so a line is never written twice; the last epoch's is fit's final
+        # checkpoint, which a full disk does not cost the trained model. (Every rank decides alike.)
+        last = state.epoch > run.args.epochs or target_reached(state.history, run.args.target_accuracy,
+                                                               run.args.patience)
+        if not last and run.checkpointer.due():
+            run.checkpointer.save(run, state)
     run.log.record(record)
     if run.monitor:
         run.monitor.record(record)

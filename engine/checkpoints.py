@@ -475,17 +475,22 @@ class Checkpointer:
         """When ``accuracy`` (an epoch's validation) beats the weights in BEST_WEIGHTS, write
         ``model``'s there in their place (global rank 0, atomically; every rank waits, and every
         rank decides alike: the accuracy is all-reduced). One that cannot be written (a full
-        disk) is a warning: the run goes on, its checkpoints are what a resume needs."""
+        disk) is a warning: the run goes on, its checkpoints are what a resume needs, and the file
+        keeps what it held, which a later epoch that beats that replaces."""
         if accuracy <= self.best:
             return
-        self.best = accuracy
 
         def write():
             try:
                 save_weights(model, self.directory / BEST_WEIGHTS, metadata, BEST_WEIGHTS)
+                return accuracy
             except ResourceProblem as err:
-                self.warn(f"WARNING: {err}; the best epoch's weights are not kept, training goes on")
+                kept = (f"{BEST_WEIGHTS} keeps the earlier weights that validated at {self.best:.4f}"
+                        if self.best >= 0 else f"no {BEST_WEIGHTS} is kept")
+                self.warn(f"WARNING: {err}; this epoch's weights, the best so far, are not kept ({kept}), training "
+                          "goes on")
+                return self.best
 
-        from_rank0(write, self.ctx.control_group)
+        self.best = from_rank0(write, self.ctx.control_group)  # what the file holds, on every rank
 
 

@@ -41,17 +41,50 @@ def save_weights(model, path, metadata=None, what="--save-weights", new=False):
     atomic_save(state, path, what, new)
 
 
-def save_trained_weights(model, path, metadata, checkpoint=None):
+def save_trained_weights(model, path, metadata, checkpoint=None, unsaved=None):
     """--save-weights after training, which a full disk must not lose: when ``path`` cannot be
     written, the line says where the model is instead: in the run's final ``checkpoint`` (a
     weights file for --weights and predict.py), or else in a copy written to the first of
     rescue_folders() that takes it. The metadata names the checkpoint folder, whose run may
     replace the file when it continues (check_weights_target). A file that appeared at
     ``path`` during the run (another run's, started alongside) is kept: the weights go beside
-    it. Returns the line that says where they went."""
+    it. Returns the line that says where they went.
+    ``unsaved``: the ResourceProblem of a final checkpoint that did not fit (``checkpoint`` is
+    then None): the model, trained to the end, must not go with it. It is written all the same,
+    to ``path`` or (None: no --save-weights) to a rescue folder, and ``unsaved`` raised with where."""
     folder = Path(checkpoint).parent if checkpoint else None
     if folder:
         metadata = {**metadata, WRITTEN_FROM: str(folder.resolve())}
+    problem = unsaved
+    if path is not None:
+        try:
+            written, note = write_new_weights(model, path, metadata, folder)
+        except ResourceProblem as err:
+            if checkpoint:
+                raise ResourceProblem(f"{err}; the trained model is in the final checkpoint {checkpoint} (--weights "
+                                      "and predict.py read it as a weights file)") from None
+            problem = f"{unsaved}; {err}" if unsaved else err
+        else:
+            if unsaved:
+                raise ResourceProblem(f"{unsaved}; the trained weights were written to {written}{note}") from None
+            return f"Model weights written to {written}{note}"
+    name = Path(path or "weights.pt").name
+    for spare in rescue_folders():
+        rescue = spare / f"{Path(name).stem}-rescued-{time.strftime('%Y%m%d-%H%M%S')}{Path(name).suffix or '.pt'}"
+        try:
+            save_weights(model, rescue, metadata, "the weights")
+        except ResourceProblem:
+            continue
+        raise ResourceProblem(f"{problem}; the trained weights were written to {rescue} instead: move them where "
+                              "they belong") from None
+    raise ResourceProblem(f"{problem}; no folder of {', '.join(map(str, rescue_folders()))} could take them either: "
+                          "the trained model is lost") from None
+
+
+def write_new_weights(model, path, metadata, folder):
+    """save_weights to ``path``, or beside it when it holds another run's file (one that appeared
+    during this run; ``folder``: this run's checkpoint folder, whose own file it replaces).
+    Returns (the path written, a note on why there)."""
     written, note = Path(path), ""
     beside = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
     appeared = f" ({path} appeared during this run, from another run, and is kept)"
@@ -61,27 +94,11 @@ def save_trained_weights(model, path, metadata, checkpoint=None):
     elif os.path.isfile(path):
         written, note = beside, appeared
     try:
-        try:
-            save_weights(model, written, metadata, new=not own)
-        except NameTaken:  # written by another run since the look above: kept, as there
-            written, note = beside, appeared
-            save_weights(model, written, metadata, new=True)
-        return f"Model weights written to {written}{note}"
-    except ResourceProblem as err:
-        if checkpoint:
-            raise ResourceProblem(f"{err}; the trained model is in the final checkpoint {checkpoint} (--weights and "
-                                  "predict.py read it as a weights file)") from None
-        name = Path(path).name
-        for folder in rescue_folders():
-            rescue = folder / f"{Path(name).stem}-rescued-{time.strftime('%Y%m%d-%H%M%S')}{Path(name).suffix or '.pt'}"
-            try:
-                save_weights(model, rescue, metadata, "the weights")
-            except ResourceProblem:
-                continue
-            raise ResourceProblem(f"{err}; the trained weights were written to {rescue} instead: move them where "
-                                  "they belong") from None
-        raise ResourceProblem(f"{err}; no folder of {', '.join(map(str, rescue_folders()))} could take them either, "
-                              "and without --checkpoint-dir the trained model is lost") from None
+        save_weights(model, written, metadata, new=not own)
+    except NameTaken:  # written by another run since the look above: kept, as there
+        written, note = beside, appeared
+        save_weights(model, written, metadata, new=True)
+    return written, note
 
 
 def check_weights_target(path, checkpoint_dir, continuing):

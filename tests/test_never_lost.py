@@ -18,9 +18,11 @@ import torch
 
 from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
                       unavailable, wait_held, write_image_folder)
-from engine import files, folder_lock, image_cache, stopping, task
+from engine import checkpoints, files, folder_lock, image_cache, stopping, task
+from engine import weights as weights_file
 from engine.errors import EXIT_STOPPED, ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
+from engine.processes import DistContext
 from engine.log import reconcile_metrics
 from tools import gpu_report, report
 
@@ -73,7 +75,7 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one_and_resumes(small
     first = sorted(p.name for p in ck.glob("checkpoint_*.pt"))
     filler = fill(disk, leave=4096)  # room for the lock file, not for a checkpoint
     capsys.readouterr()
-    assert run_main("train.py", *args, "--resume") == 1
+    assert run_main("train.py", *args, "--resume", "--epochs", "3") == 1  # epoch 2's: not the final one
     out, err = capsys.readouterr()
     line = one_error(err)
     assert line.startswith(f"error: cannot write checkpoint {ck}/checkpoint_") and "No space left on device" in line
@@ -81,8 +83,54 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_previous_one_and_resumes(small
     assert sorted(p.name for p in ck.glob("checkpoint_*.pt")) == first  # nothing half-written, nothing pruned
     assert not [p for p in ck.iterdir() if ".tmp" in p.name]
     filler.unlink()
-    assert run_main("train.py", *args, "--resume") == 0
-    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2]  # each finished epoch exactly once
+    assert run_main("train.py", *args, "--resume", "--epochs", "3") == 0
+    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2, 3]  # each finished epoch exactly once
+
+
+def test_a_final_checkpoint_that_does_not_fit_costs_not_the_trained_model(small_disk, tmp_path, capsys, monkeypatch):
+    """Trained to the end, and the final checkpoint does not fit: the weights are written all the
+    same, to --save-weights or (without it) to a rescue folder, and the error says where. (A
+    new user's walk: a full checkpoint folder lost the model, --save-weights on a roomy disk too.)"""
+    disk = small_disk(256)
+    ck, rescue = disk / "ck", tmp_path / "scratch"
+    rescue.mkdir()
+    monkeypatch.setenv("TMPDIR", str(rescue))
+    assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", ck) == 0
+    [first] = ck.glob("checkpoint_*.pt")
+    fill(disk, leave=4096)
+    for weights in (tmp_path / "w.pt", None):
+        capsys.readouterr()
+        assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--resume",
+                        *(("--save-weights", weights) if weights else ())) == 1
+        line = one_error(capsys.readouterr().err)
+        assert line.startswith(f"error: cannot write checkpoint {ck}/checkpoint_") and "No space left" in line
+        assert f"; the previous checkpoint {first} is kept: continue from it with --resume" in line
+        if weights:
+            assert line.endswith(f"; the trained weights were written to {weights}")
+        else:
+            [weights] = rescue.glob("weights-rescued-*.pt")
+            assert line.endswith(f"; the trained weights were written to {weights} instead: move them where they "
+                                 "belong")
+        state = torch.load(weights, weights_only=True)
+        assert state._metadata[""]["task"]["epoch"] == 2  # the model trained to the end, not epoch 1's
+        assert not torch.equal(state["layers.6.weight"], torch.load(first, weights_only=True)["model"]["layers.6.weight"])
+        assert list(ck.glob("checkpoint_*.pt")) == [first]
+
+
+def test_model_best_that_does_not_fit_is_a_warning_and_keeps_the_earlier_weights(small_disk):
+    """The file keeps the earlier best, which the warning says, and an epoch that beats those
+    (not the one that did not fit) replaces them once there is room."""
+    ck, warnings = small_disk(256) / "ck", []
+    checkpointer = checkpoints.Checkpointer(ck, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
+    small, large = torch.nn.Linear(2, 2), torch.nn.Linear(512, 512)  # 1 MiB: does not fit
+    checkpointer.keep_best(0.5, small, {"val_accuracy": 0.5, "epoch": 1})
+    checkpointer.keep_best(0.7, large, {"val_accuracy": 0.7, "epoch": 2})
+    [warning] = warnings
+    assert warning.startswith(f"WARNING: cannot write model_best.pt {ck / 'model_best.pt'} (No space left on device")
+    assert warning.endswith("; this epoch's weights, the best so far, are not kept (model_best.pt keeps the earlier "
+                            "weights that validated at 0.5000), training goes on")
+    checkpointer.keep_best(0.6, small, {"val_accuracy": 0.6, "epoch": 3})  # better than the file's
+    assert weights_file.read_weights(ck / "model_best.pt").metadata["epoch"] == 3 and len(warnings) == 1
 
 
 def test_no_claim_of_kept_checkpoints_when_there_are_none(small_disk, capsys):
