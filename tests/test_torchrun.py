@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 from torch.distributed import DistNetworkError
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
@@ -195,3 +196,22 @@ def test_each_rendezvous_failure_says_what_to_check(monkeypatch, capsys):
     monkeypatch.setattr(launcher.torchrun, "run", interrupted)
     assert launcher.main(["--standalone", "train_ddp.py"]) == 130
     assert capsys.readouterr().err == "Interrupted (Ctrl-C) before the ranks started\n"
+
+
+@pytest.mark.parametrize("flag, line", [
+    ("--nproc_per_node=x", "--nproc_per_node=x: Unsupported nproc_per_node value: x (a number of processes, or gpu, "
+                           "cpu, auto)"),
+    ("--nproc_per_node=0", "--nproc_per_node=0: at least 1 process"),
+    ("--nproc_per_node=-1", "--nproc_per_node=-1: at least 1 process"),
+    ("--nnodes=x", "--nnodes=x is not a number of nodes (N, or MIN:MAX for an elastic job)"),
+    ("--nnodes=2:1", "--nnodes=2:1: at least 1 node (MIN:MAX with MIN no more than MAX)"),
+    ("--max-restarts=-1", "--max-restarts=-1: 0 or more restarts"),
+    ("--nproc_per_node=gpu", "--nproc_per_node=gpu: Cuda is not available"),
+])
+def test_a_mistyped_launcher_argument_is_one_line_before_any_rank_starts(capsys, flag, line):
+    """torchrun reads these only once it launches, and ends in a ValueError's or a bare
+    AssertionError's traceback (a new user's walk)."""
+    if flag.endswith("gpu") and torch.cuda.is_available():
+        pytest.skip("--nproc_per_node=gpu is right where there is a GPU")
+    assert launcher.main(["--standalone", flag, "train_ddp.py"]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"

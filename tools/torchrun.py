@@ -1,7 +1,8 @@
 """torchrun, ending in the ranks' own lines: PyTorch's launcher itself (torch.distributed.run:
-the same flags, rendezvous, supervision and log lines), except that a failed rank, a signal or
-a rendezvous that fails does not end in torchrun's traceback, and that SIGUSR1, the ranks' stop
-request, is passed on to them instead of ending the launcher.
+the same flags, rendezvous, supervision and log lines), except that a failed rank, a signal, a
+rendezvous that fails or a mistyped --nnodes or --nproc_per_node does not end in torchrun's
+traceback, and that SIGUSR1, the ranks' stop request, is passed on to them instead of ending the
+launcher.
 
 Plain torchrun raises ChildFailedError when a rank fails, and Python prints its traceback and a
 30-line report under the rank's own one-line error (a mistyped flag, out of memory, a lost
@@ -71,6 +72,26 @@ def rendezvous_problem(args, err):
             "node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in multinode_job.sh)")
 
 
+def launch_mistake(args):
+    """The one line for --nnodes, --nproc_per_node or --max-restarts that torchrun would end on
+    in a traceback (ValueError, AssertionError) once started, or None. Checked with torchrun's
+    own parsers, so that what they accept (--nproc_per_node=gpu where there is a GPU) passes."""
+    try:
+        min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        return f"--nnodes={args.nnodes} is not a number of nodes (N, or MIN:MAX for an elastic job)"
+    if not 0 < min_nodes <= max_nodes:
+        return f"--nnodes={args.nnodes}: at least 1 node (MIN:MAX with MIN no more than MAX)"
+    if args.max_restarts < 0:
+        return f"--max-restarts={args.max_restarts}: 0 or more restarts"
+    try:
+        nproc = torchrun.determine_local_world_size(args.nproc_per_node)
+    except ValueError as err:  # not a number, or gpu where CUDA is not
+        words = "" if args.nproc_per_node in ("gpu", "cpu", "auto") else " (a number of processes, or gpu, cpu, auto)"
+        return f"--nproc_per_node={args.nproc_per_node}: {first_line(err).rstrip('.')}{words}"
+    return None if nproc > 0 else f"--nproc_per_node={args.nproc_per_node}: at least 1 process"
+
+
 def child_pids(proc=Path("/proc")):
     """The PIDs of this process's children (its ranks), from Linux's /proc; none where unreadable."""
     me, children = os.getpid(), []
@@ -127,6 +148,10 @@ def wait_for_ranks(signum, grace_s=RANKS_GRACE_S):
 def main(argv=None):
     """torchrun with ``argv`` (default: this command's arguments); returns the exit status."""
     args = torchrun.parse_args(argv)
+    mistake = launch_mistake(args)
+    if mistake:
+        print(f"error: {mistake}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGUSR1, pass_on_stop_request)
     try:
         torchrun.run(args)
