@@ -51,8 +51,10 @@ quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command witho
 import numpy as np
 import torch
 
-from dataset_utils import centre_crop, normalization, normalize
-from engine.cli import OneLineParser, run_cli
+from engine.cli import OneLineParser, recipe_imported, run_cli
+
+with recipe_imported():  # dataset_utils imports recipe.py: a mistake in it is one line, not a traceback
+    from dataset_utils import centre_crop, normalization, normalize
 from engine.errors import OutOfMemory, UserError
 from engine.files import check_writable
 from engine.flags import positive_int

@@ -22,10 +22,12 @@ from engine.errors import quiet_interrupt
 
 quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
 
-from device_utils import single_process_context
-from engine.cli import run_cli
-from engine.log import RunClock
-from train_utils import build_task, check_outputs, fit, parse_args
+from engine.cli import recipe_imported, run_cli
+
+with recipe_imported():  # recipe.py, the file you edit: a mistake in it is one line, not a traceback
+    from device_utils import single_process_context
+    from engine.log import RunClock
+    from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():

@@ -23,11 +23,13 @@ quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command witho
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from device_utils import no_forward_buffer_sync, setup_distributed
-from engine.cli import run_cli
-from engine.log import RunClock
-from engine.lost_ranks import process_group_scope
-from train_utils import build_task, check_outputs, fit, parse_args
+from engine.cli import recipe_imported, run_cli
+
+with recipe_imported():  # recipe.py, the file you edit: a mistake in it is one line, not a traceback
+    from device_utils import no_forward_buffer_sync, setup_distributed
+    from engine.log import RunClock
+    from engine.lost_ranks import process_group_scope
+    from train_utils import build_task, check_outputs, fit, parse_args
 
 
 def main():

@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine.errors import TrainingStopped, UserError, first_line
@@ -151,6 +152,25 @@ def run_cli(main):
     leave(0)
 
 
+@contextmanager
+def recipe_imported():
+    """``with recipe_imported(): from train_utils import ...``: an entry point's imports, which
+    import recipe.py, the file users edit. A mistake there (a SyntaxError, an import that fails)
+    is one line and exit 2, printed by rank 0, as one in its functions is during a run (run_cli):
+    these imports come before run_cli."""
+    try:
+        yield
+    except Exception as err:
+        mistake = user_code_error(err, [RECIPE])
+        if mistake is None:
+            raise
+        if rank_or_zero() == 0:
+            say(f"error: {mistake}")
+        elif launcher_pid() is not None:
+            let_rank0_fail_first()
+        leave(2)
+
+
 def user_code_error(err, files):
     """A UserError naming the line where ``err`` was raised, when the innermost file it passed
     through below the libraries is one of the user's ``files`` (recipe.py: a NameError in
@@ -169,6 +189,8 @@ def user_code_error(err, files):
         frames, what = [frame for frame in frames if not is_library(frame[0])], f"{kind}: {line}"
     elif isinstance(err, (UserError, TrainingStopped)) or "CUDA error" in str(err):
         return None
+    elif isinstance(err, SyntaxError) and err.filename and not is_library(err.filename):  # no frame in the file
+        frames, what = [(err.filename, err.lineno, None)], f"{type(err).__name__}: {err.msg}"
     else:
         frames = [(frame.filename, frame.lineno, frame.name) for frame in traceback.extract_tb(err.__traceback__)
                   if not is_library(frame.filename)]
@@ -178,7 +200,8 @@ def user_code_error(err, files):
     filename, lineno, name = frames[-1]
     path = Path(filename).resolve()
     shown = path.relative_to(PROJECT) if path.is_relative_to(PROJECT) else path
-    return rank0_first(UserError(f"{shown}, line {lineno}, in {name}: {what}", same_on_every_rank=False))
+    where = f", in {name}" if name else ""
+    return rank0_first(UserError(f"{shown}, line {lineno}{where}: {what}", same_on_every_rank=False))
 
 
 def user_error_class(name):

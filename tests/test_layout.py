@@ -27,9 +27,10 @@ def project_modules():
 
 
 def imports_of(path, modules):
-    """(module imported, at module level?) for each import of a project module in ``path``."""
+    """(module imported, at module level?) for each import of a project module in ``path``
+    (module level: a with block there too, engine.cli.recipe_imported's)."""
     tree = ast.parse(path.read_text())
-    top_level = {id(node) for node in tree.body}
+    top_level = {id(node) for top in tree.body for node in [top, *(top.body if isinstance(top, ast.With) else [])]}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

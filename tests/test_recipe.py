@@ -636,6 +636,25 @@ def test_a_bug_in_an_edit_of_recipe_py_is_one_line_naming_its_line(project, tmp_
 
 
 
+@pytest.mark.parametrize("mistake, line", [
+    ("bad line(", ": SyntaxError: '(' was never closed"),
+    ("import no_such_module", ", in <module>: ModuleNotFoundError: No module named 'no_such_module'"),
+], ids=["syntax", "import"])
+def test_a_mistake_at_recipe_py_s_top_level_is_one_line_in_each_entry_point(project, tmp_path, mistake, line):
+    """The entry points import recipe.py before run_cli starts: a SyntaxError or a failed
+    import there was Python's traceback through train_utils (a new user's walk). Now the same
+    line as a mistake in its functions, exit 2, from train.py and from predict.py."""
+    folder = tmp_path / "project"
+    shutil.copytree(project, folder)
+    source = (folder / "recipe.py").read_text() + f"\n{mistake}\n"
+    (folder / "recipe.py").write_text(source)
+    number = source.count("\n")  # the line added last
+    for command in (single("--synthetic", "--epochs", "1"), [sys.executable, "predict.py", "--weights", "w.pt", "x"]):
+        result = run(command, cwd=folder)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert error_lines(result.stderr) == [f"error: recipe.py, line {number}{line}"]
+
+
 def test_an_error_whose_innermost_file_is_the_engines_keeps_its_traceback():
     """Only the lines of the files a user edits make a user's mistake (recipe.py, model.py,
     their own): an exception raised in the collection's own files (here this test's; the
