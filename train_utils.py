@@ -75,17 +75,16 @@ def fit(task, args, ctx, clock=None):
         run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
         if args.eval_only:
             return [evaluate_once(run, task.test_loader)]
-        reached = partial(target_reached, state.history, args.target_accuracy, args.patience)  # history grows in place
         run.clock.loop_started()
         # To the end of the run a signal only sets a flag: one that comes after the last step
         # (Ctrl-C, scancel during the summary) waits for the final weights, which are written.
         with run.stop:
             with run.monitor or nullcontext():
-                while state.epoch <= args.epochs and not reached():
+                while epochs_left(state, args):
                     run_epoch(run, state, rng_state)
                     rng_state = None
                     stop = run.stop.agreed()  # asked during evaluation: stop before the next epoch
-                    if stop and state.epoch <= args.epochs and not reached():
+                    if stop and epochs_left(state, args):
                         path = run.checkpointer.save(run, state) if run.checkpointer else None
                         raise run.stop.stopped(stop, f"after epoch {state.epoch - 1}", path)
                 final, unsaved = None, None
@@ -219,10 +218,8 @@ def run_epoch(run, state, rng_state=None):
     if run.checkpointer:
         run.checkpointer.keep_best(state.history[-1], run.trained(record), run.weights_metadata(record))  # model_best
         # Before the metrics line, so a line is never written twice; the last epoch's is fit's final
-        # checkpoint, which a full disk does not cost the trained model. (Every rank decides alike.)
-        last = state.epoch > run.args.epochs or target_reached(state.history, run.args.target_accuracy,
-                                                               run.args.patience)
-        if not last and run.checkpointer.due():
+        # checkpoint, which a full disk does not cost the trained model.
+        if epochs_left(state, run.args) and run.checkpointer.due():
             run.checkpointer.save(run, state)
     run.log.record(record)
     if run.monitor:
@@ -1056,6 +1053,12 @@ def unwrap(model):
 def limited(loader, limit_batches):
     """The batches of ``loader`` an epoch (or evaluation) takes: all, or at most --limit-batches."""
     return min(len(loader), limit_batches or len(loader))
+
+
+def epochs_left(state, args):
+    """Does the run train another epoch: one of --epochs is left, and --target-accuracy is not
+    reached? The same on every rank (the history is of all-reduced accuracies)."""
+    return state.epoch <= args.epochs and not target_reached(state.history, args.target_accuracy, args.patience)
 
 
 def target_reached(history, target, patience):
