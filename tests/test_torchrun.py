@@ -101,6 +101,30 @@ def test_more_signals_do_not_leave_the_ranks_behind(tmp_path):
     assert "Traceback" not in (tmp_path / "log").read_text()
 
 
+def test_a_signal_while_torchrun_logs_is_not_a_logging_traceback(tmp_path):
+    """A second Ctrl-C, or the job script's SIGTERM after it, that came while torchrun logged
+    "Sending process P closing signal S": torchrun's handler raised in logging's formatting,
+    and logging printed "--- Logging error ---" and torchrun's traceback into the job log (seen
+    in CI). Here that signal comes, for certain, inside such a log call, after a run."""
+    (tmp_path / "rank.py").write_text("print('rank ran')\n")
+    (tmp_path / "launch.py").write_text(
+        "import logging, os, signal, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from tools import torchrun as launcher\n"
+        "status = launcher.main(['--standalone', '--nproc_per_node=1', 'rank.py'])\n"
+        "class SignalMidLine:\n"
+        "    def __str__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # to torchrun's handler, still in place\n"
+        "        return 'SIGTERM'\n"
+        "logging.getLogger('torch.distributed.elastic.multiprocessing.api').warning(\n"
+        "    'Sending process %s closing signal %s', os.getpid(), SignalMidLine())\n"
+        "print('launcher went on', file=sys.stderr)\n"
+        "sys.exit(status)\n")
+    result = run([sys.executable, "launch.py"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 0 and "rank ran" in result.stdout, result.stderr
+    assert "launcher went on" in result.stderr, result.stderr  # not killed: torchrun's handler caught it
+    assert "Logging error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
 def test_a_rendezvous_that_cannot_be_reached_or_completed_is_one_line(tmp_path):
     """torchrun's own exceptions of this PyTorch, not ones the test builds: a store nobody
     listens on (connection refused until read_timeout), and a rendezvous the second node never

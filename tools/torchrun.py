@@ -17,6 +17,7 @@ place of torchrun; from an interactive allocation it takes torchrun's arguments:
     sbatch multigpu_job.sh       # runs it (TORCHRUN_PATH=torchrun runs PyTorch's own instead)
 """
 
+import logging
 import math
 import os
 import signal
@@ -153,6 +154,13 @@ def main(argv=None):
         print(f"error: {mistake}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGUSR1, pass_on_stop_request)
+    # torchrun's handler raises SignalException wherever the launcher is when a signal comes. In
+    # one of its log calls (a second Ctrl-C, or the job script's SIGTERM, while it logs "Sending
+    # process P closing signal S"), logging catches it and prints "--- Logging error ---" and 40
+    # lines of torchrun's traceback above the ranks' stop lines. The shutdown goes on the same
+    # either way (logging swallows the exception; torchrun's own SIGTERM to the ranks and
+    # wait_for_ranks follow): without raiseExceptions, it goes on without those lines.
+    logging.raiseExceptions = False
     try:
         torchrun.run(args)
     except ChildFailedError as err:  # each rank has said why (or its traceback has); torchrun logged which
