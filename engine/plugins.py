@@ -38,11 +38,16 @@ def load_plugin(ref, flag):
         except ModuleNotFoundError as err:
             if err.name != source.split(".")[0] and err.name != source:
                 raise user_error(err, f"{flag} {ref}: importing {source}", None) from None
+            if Path(source).is_dir():
+                raise not_a_file(Path(source), flag, ref) from None
             hint = ("one colon: FILE.py:NAME or module:NAME" if ".py:" in source else
                     f"for a file give its path: {source}.py:{name}")
             raise UserError(f"{flag} {ref}: no module named {source} ({hint})") from None
         except Exception as err:
             raise user_error(err, f"{flag} {ref}: importing {source}", None) from None
+        if getattr(module, "__file__", None) is None and hasattr(module, "__path__"):
+            # A folder without __init__.py on sys.path imports as a namespace package: no code, so no NAME in it.
+            raise not_a_file(Path(next(iter(module.__path__))), flag, ref)
     try:
         return getattr(module, name)
     except AttributeError:
@@ -50,14 +55,16 @@ def load_plugin(ref, flag):
         close = difflib.get_close_matches(name, public, n=3)
         shown = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
         hint = (f"did you mean {' or '.join(close)}?" if close else f"it defines: {shown or 'nothing'}")
-        raise UserError(f"{flag} {ref}: {getattr(module, '__file__', source)} has no {name} ({hint})") from None
+        raise UserError(f"{flag} {ref}: {getattr(module, '__file__', None) or source} has no {name} ({hint})") from None
 
 
 def import_file(path, flag, ref):
     """Import a Python file as the module of its stem (so that DataLoader workers and
     torch.compile find its classes again); its folder joins sys.path for its own imports."""
+    source, _, name = ref.rpartition(":")
+    if path.is_dir():
+        raise not_a_file(path, flag, ref)
     if not path.is_file():
-        source, _, name = ref.rpartition(":")
         typed = f"; did you mean {flag} {source}.py:{name}?" if path.with_name(path.name + ".py").is_file() else ""
         raise UserError(f"{flag} {ref}: no such file {path.absolute()}{typed}")
     path = path.resolve()
@@ -78,6 +85,13 @@ def import_file(path, flag, ref):
         del sys.modules[name]
         raise user_error(err, f"{flag} {ref}: importing {path.name}", path) from None
     return module
+
+
+def not_a_file(folder, flag, ref):
+    """The one line for FOLDER:NAME, a folder (the user's images, say) named in place of a file."""
+    source, _, name = ref.rpartition(":")
+    return UserError(f"{flag} {ref}: {folder.absolute()} is a folder, not a Python file or module; name the file "
+                     f"that defines {name}: {source.rstrip('/')}/FILE.py:{name}")
 
 
 def call_user_code(call, what, ref):

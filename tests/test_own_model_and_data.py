@@ -419,6 +419,12 @@ BAD_MODELS = {
     "missing file": ("", "nothing.py:Net", "error: --model nothing.py:Net: no such file {tmp}/nothing.py"),
     "no .py": ("", "./my_net:Net", "error: --model ./my_net:Net: no such file {tmp}/my_net; did you mean --model "
                                    "./my_net.py:Net?"),
+    # A folder named in place of a file (the user's images, say): not found as a module, or, from the project
+    # folder (on sys.path), imported as a namespace package, with no code.
+    "a folder": ("", "images:Net", "error: --model images:Net: {tmp}/images is a folder, not a Python file or "
+                                   "module; name the file that defines Net: images/FILE.py:Net"),
+    "a folder's path": ("", "./images/:Net", "error: --model ./images/:Net: {tmp}/images is a folder, not a Python "
+                                             "file or module; name the file that defines Net: ./images/FILE.py:Net"),
     "missing name": ("class Other: pass\n", "my_net.py:Net",
                      "error: --model my_net.py:Net: {tmp}/my_net.py has no Net (it defines: Other)"),
     "a typo": ("", "torchvision.models:resnet19",
@@ -504,6 +510,7 @@ BAD_MODELS = {
 def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     source, ref, expected = BAD_MODELS[case]
     (tmp_path / "my_net.py").write_text(source)
+    (tmp_path / "images").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(__import__("sys").modules, "my_net", raising=False)
     assert run_main("train.py", "--synthetic", "--model", ref, "--epochs", "1", *FAST) == 2
