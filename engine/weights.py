@@ -286,16 +286,26 @@ def trained_preprocessing(prep, trained, weights):
 def check_evaluable(data_dir, weights):
     """--eval-only evaluates an image folder's test/: one that holds its class folders directly
     has none, and --val-fraction (the advice to a training run) would evaluate a part of it,
-    calling the rest training images. predict.py --labelled evaluates all of it."""
+    calling the rest training images. predict.py --labelled evaluates all of it; where it holds,
+    by name, the images the --weights held a part of out (the folder they trained on, moved:
+    engine/flags.py matched it by path), predict.py --held-out evaluates that part again."""
     from engine.image_folder import FLAT, split_folders
+    root = Path(data_dir).expanduser()
     try:
-        _, layout = split_folders(Path(data_dir).expanduser(), held_out=True)
+        _, layout = split_folders(root, held_out=True)
     except (UserError, OSError):  # no folder, no class folders, mixed layouts: the scan's line says it
         return
-    if layout == FLAT:
-        raise UserError(f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds "
-                        f"its class folders directly: python predict.py --weights {weights} --labelled {data_dir} "
-                        "gives the accuracy over all of its images")
+    if layout != FLAT:
+        return
+    problem = (f"--eval-only evaluates the test/ images of an image folder, and --data-dir {data_dir} holds its class "
+               "folders directly")
+    record = read_weights(weights, mmap=True).metadata.get("split")
+    if record and record.get("names_sha256") == folder_names_sha256(root, record["skipped"]):
+        raise UserError(f"{problem}: the images --weights {weights} trained on, of which validation held "
+                        f"{record['fraction']:g} out (--val-fraction); python predict.py --weights {weights} "
+                        f"--held-out {data_dir} evaluates those again")
+    raise UserError(f"{problem}: python predict.py --weights {weights} --labelled {data_dir} gives the accuracy over "
+                    "all of its images")
 
 
 def as_trained(train, test, info, weights):
@@ -330,6 +340,15 @@ def as_trained_split(train, info, weights):
                                            f"and readable now ({shown}), as training had them"))
     held_out_again(train.labels, record, f"--data-dir {info.data_dir}", info.names_sha256)
     return train, info
+
+
+def folder_names_sha256(root, skipped):
+    """names_sha256 of the image folder ``root``'s training images less ``skipped``, or None
+    where it cannot be scanned (the scan's own line says why, where the run reads it)."""
+    try:
+        return names_sha256(cached_names(root, skipped))
+    except (UserError, OSError):
+        return None
 
 
 def cached_names(data_dir, skipped):

@@ -533,6 +533,22 @@ def test_eval_only_on_a_new_folder_of_class_folders_points_to_predict_labelled(p
         "gives the accuracy over all of its images"]
 
 
+def test_eval_only_on_the_training_folder_moved_points_to_predict_held_out(photos, trained, tmp_path, capsys):
+    """The folder the weights trained on with --val-fraction, moved: --labelled, the advice for
+    a new folder, would score the images they trained on too. --held-out finds the same images
+    by name and scores those validation held out, as it said."""
+    _, records = trained
+    shutil.copytree(photos / "photos", tmp_path / "moved", symlinks=True)  # its dangling link too
+    weights, moved = photos / "w.pt", tmp_path / "moved"
+    assert run_main("train.py", "--eval-only", "--weights", weights, "--data-dir", moved) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --eval-only evaluates the test/ images of an image folder, and --data-dir {moved} holds its class "
+        f"folders directly: the images --weights {weights} trained on, of which validation held 0.2 out "
+        f"(--val-fraction); python predict.py --weights {weights} --held-out {moved} evaluates those again"]
+    assert run_main("predict.py", "--weights", weights, "--held-out", moved, "--output", tmp_path / "val.csv") == 0
+    out = capsys.readouterr().out
+    assert "Classified 12 images" in out and f"12 images --val-fraction 0.2 (--seed 0) held out of {moved}" in out, out
+
 def test_two_processes_evaluate_the_same_held_out_photos(photos, trained):
     _, records = trained
     two = run(torchrun_cmd(2, "train_ddp.py", "--eval-only", "--weights", "w.pt", "--cache-dir", "cache",
