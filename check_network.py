@@ -70,7 +70,7 @@ from engine.bandwidth import ELEMENT_BYTES, bandwidths, human_size, message_size
 from engine.cli import OneLineParser, run_cli
 from engine.errors import RunAborted, UserError, first_sentences
 from engine.flags import non_negative_int, positive_float, positive_int
-from engine.interfaces import check_interfaces
+from engine.interfaces import check_interfaces, interfaces_line, node_interfaces
 from engine.log import count, rank_list
 from engine.nccl_log import (describe_network, nccl_debug_file, nccl_log_settings, nccl_report, network_label,
                              network_report, read_nccl_log)
@@ -357,9 +357,7 @@ def main():
     if args.interfaces:  # before torchrun: one line per node, no process group to fail in
         uses_nccl = torch.cuda.is_available()
         check_interfaces(os.environ, uses_nccl)
-        checked = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")[:1 + uses_nccl] if name in os.environ]
-        print(f"Interfaces of {socket.gethostname()}: "
-              + (", ".join(f"{name}={os.environ[name]}" for name in checked) + " found" if checked else "none named"))
+        print(interfaces_line(os.environ, node_interfaces(), uses_nccl, socket.gethostname()))
         return
     fault = parse_fault(os.environ.get(FAULT_VARIABLE))
     environ_before = dict(os.environ)  # what the user set, for the report

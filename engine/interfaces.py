@@ -72,7 +72,7 @@ def check_interfaces(env, uses_nccl, host=None):
     if not problems:
         return
     host = host or socket.gethostname()
-    have = ", ".join(f"{name} {' '.join(addresses) or '(no IPv4 address)'}" for name, addresses in interfaces.items())
+    have = listed(interfaces)
     routable = [name for name, addresses in interfaces.items() if addresses and name != "lo"]
     suggestion = routable[0] if routable else "lo"
     named = " and ".join(f"{variable}={value}" for variable, value in problems)
@@ -80,3 +80,21 @@ def check_interfaces(env, uses_nccl, host=None):
         f"{named}: node {host} has no such interface (it has: {have}); export "
         + " ".join(f"{variable}={suggestion}" for variable, _ in problems)
         + f" (an interface every node has) before sbatch, see {DOCS}", same_on_every_rank=False)
+
+
+def listed(interfaces):
+    """'lo 127.0.0.1, eth0 10.0.0.5, ib0 (no IPv4 address)' of node_interfaces()."""
+    return ", ".join(f"{name} {' '.join(addresses) or '(no IPv4 address)'}" for name, addresses in interfaces.items())
+
+
+def interfaces_line(env, interfaces, uses_nccl, host):
+    """check_network.py --interfaces' line for a node whose variables passed check_interfaces:
+    what they name, or, where none is set, who picks the interface instead."""
+    variables = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")[:1 + uses_nccl]
+    named = [f"{variable}={env[variable]}" for variable in variables if env.get(variable)]
+    if named:
+        return f"Interfaces of {host}: {', '.join(named)} found (it has: {listed(interfaces)})"
+    nccl = ", NCCL its own choice" if uses_nccl else ""
+    both = " and ".join(variables)
+    return (f"Interfaces of {host}: {both} not set, so gloo uses the address this host name resolves to{nccl} "
+            f"(it has: {listed(interfaces)}); set {both} to choose, see {DOCS}")

@@ -3,7 +3,7 @@ process group starts: the job scripts' Olivia defaults (hsn0) on a node without 
 are one line naming what the node has, not a traceback per rank."""
 
 from conftest import TINY_MODEL, clean_env, error_lines, run, torchrun_cmd, write_cifar10
-from engine.interfaces import interface_problems, nccl_selects, node_interfaces
+from engine.interfaces import interface_problems, interfaces_line, nccl_selects, node_interfaces
 
 
 def test_nccl_socket_ifname_is_read_as_nccl_reads_it():
@@ -24,6 +24,21 @@ def test_interfaces_the_node_lacks_are_named():
     assert interface_problems({"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^lo"}, node, True) == []
     assert "lo" in node_interfaces()  # this machine's, read from the kernel
 
+
+def test_the_interfaces_line_says_what_is_named_or_who_chooses():
+    """check_network.py --interfaces, run by multinode_job.sh on every node: with nothing set it
+    said only "none named"; it now says who picks the interface then, and what the node has."""
+    node = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"], "ib0": []}
+    has = "(it has: lo 127.0.0.1, eth0 10.0.0.5, ib0 (no IPv4 address))"
+    assert interfaces_line({}, node, uses_nccl=True, host="n1") == (
+        "Interfaces of n1: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME not set, so gloo uses the address this host name "
+        f"resolves to, NCCL its own choice {has}; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to choose, see "
+        'docs/network.md, "On another cluster"')
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "^lo"}
+    assert interfaces_line(env, node, uses_nccl=True, host="n1") == (
+        f"Interfaces of n1: GLOO_SOCKET_IFNAME=eth0, NCCL_SOCKET_IFNAME=^lo found {has}")
+    assert interfaces_line(env, node, uses_nccl=False, host="n1") == (  # a CPU node: NCCL's is not read
+        f"Interfaces of n1: GLOO_SOCKET_IFNAME=eth0 found {has}")
 
 def test_a_missing_gloo_interface_is_one_line_for_the_job(tmp_path):
     data = write_cifar10(tmp_path / "data")
