@@ -520,6 +520,18 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     assert "Traceback" not in err
 
 
+def test_a_folder_on_the_import_path_named_as_the_model_is_one_line(tmp_path, capsys, monkeypatch):
+    """From the project folder (sys.path[0] of python train.py) a folder without __init__.py,
+    the user's images, imports as a namespace package: no __file__, no code. It said "None has
+    no Net (it defines: nothing)"."""
+    (tmp_path / "my_images").mkdir()
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "my_images", raising=False)
+    assert run_main("train.py", "--synthetic", "--model", "my_images:Net", "--epochs", "1", *FAST) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: --model my_images:Net: {tmp_path / 'my_images'} is a folder, not a Python file or module; name the "
+        "file that defines Net: my_images/FILE.py:Net"]
+
 def test_a_model_name_mistyped_is_one_line_before_any_image_is_decoded(tmp_path, capsys, monkeypatch):
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
     (tmp_path / "my_net.py").write_text("class Net: pass\n")
