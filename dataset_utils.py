@@ -677,6 +677,14 @@ def build_data(args, ctx, listed=False, normalization=None):
     for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
+    if test is not None and not args.val_fraction:  # a class folder missing or empty in test/, say
+        unseen = [info.classes[c] for c in np.setdiff1d(np.arange(len(info.classes)), np.asarray(test.labels))]
+        if unseen:
+            shown = ", ".join(map(str, unseen[:3])) + (", ..." if len(unseen) > 3 else "")
+            info = replace(info, notes=(*info.notes, (
+                f"Warning: the test images hold none of {count(len(unseen), 'class', 'classes')} of the "
+                f"{len(info.classes)} ({shown}): the accuracy is over the others; add test images of each class, "
+                "or validate on part of the training images with --val-fraction 0.2")))
     if args.eval_only:  # the images prepared as the --weights' training prepared its own
         from engine.weights import as_trained, as_trained_split  # --eval-only only
         train, test, info = as_trained(train, test, info, args.weights)
@@ -695,6 +703,10 @@ def build_data(args, ctx, listed=False, normalization=None):
         if args.eval_only:  # the images the weights' training held out, or one line
             train, info = as_trained_split(train, info, args.weights)
         split = stratified_split(train.labels, args.val_fraction, args.seed)
+        if not len(split.val):  # every class of one image, kept for training: each accuracy would be nan
+            raise UserError(f"--val-fraction {args.val_fraction:g} holds out no image of {info.title}: each of its "
+                            f"{len(info.classes)} classes has a single training image, which stays in training; add "
+                            "images (two or more per class), or a test/ folder to validate on")
         unused = (f"; its {len(test)} test images are not used" if test is not None else "")
         record = held_out_record(args.val_fraction, args.seed, train.labels, info.skipped, info.names_sha256)
         described = describe_split(split, args.val_fraction, args.seed, info.classes, train.labels) + unused

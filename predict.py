@@ -229,6 +229,9 @@ def held_out_images(root, meta, weights):
     files, labels = [path for path, ok in zip(files, readable) if ok], labels[readable]
     names = names_sha256(path.relative_to(base) for path in files)
     held = held_out_again(labels, record, f"--held-out {shown(root)}", names)
+    if not len(held):  # weights of a training that validated on nothing (refused since): every class of one image
+        raise UserError(f"--held-out {shown(root)}: the --val-fraction {record['fraction']:g} of --weights "
+                        f"{shown(weights)} held out no image (each class had a single one, kept for training)")
     return ([files[i] for i in held], labels[held], f"the {len(held)} images --val-fraction {record['fraction']:g} "
             f"(--seed {record['seed']}) held out of {shown(root)}")
 

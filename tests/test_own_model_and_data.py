@@ -5,6 +5,7 @@ relative paths), and every mistake in a plug-in as one line."""
 import json
 import os
 import re
+import shutil
 import signal
 
 from pathlib import Path
@@ -22,8 +23,8 @@ from engine.errors import EXIT_STOPPED, UserError
 from engine.flags import among_images
 from engine import weights as weights_file
 from tools import demo_data
-from conftest import (FAST, REPO, error_lines, python_cmd, read_metrics, run, run_main, start, torchrun_cmd, wait_for,
-                      write_cifar100, write_image_folder)
+from conftest import (FAST, REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, start,
+                      torchrun_cmd, wait_for, write_cifar100, write_image_folder)
 from model import WideResNet
 
 # A small network with none of the Wide ResNet's attribute names (no fc, no input_block), so
@@ -273,7 +274,9 @@ def test_unreadable_images_are_left_out_and_named_and_a_class_of_none_is_one_lin
 @pytest.mark.parametrize("layout, expected", [
     ({"train/a/x.png": True}, "no {root}/test/ or {root}/val/"),
     ({"train/a/x.png": True, "test/b/y.png": True}, "class folder(s) b are not in {root}/train"),
-    ({"train/a/x.png": True, "train/b/notes.txt": False, "test/a/y.png": True}, "{root}/train/b holds no image files"),
+    ({"train/a/x.png": True, "train/b/notes.txt": False, "test/a/y.png": True},
+     "{root}/train/b holds no image files: add images of class b, or remove the folder (each folder of train/ is a "
+     "class)"),
     ({"train/x.png": True, "test/y.png": True}, "{root}/train has no class folders"),
     # Folders of anything but images (the scripts' own folder, say): not class folders that want --val-fraction.
     ({"engine/a.py": False, "tests/b.py": False, "docs/c.md": False},
@@ -291,6 +294,34 @@ def test_a_folder_in_the_wrong_layout_is_one_line(tmp_path, capsys, layout, expe
     [line] = error_lines(capsys.readouterr().err)
     assert expected.format(root=root) in line
 
+
+def test_a_split_that_holds_out_nothing_is_one_line(tmp_path, capsys):
+    """One image per class: --val-fraction leaves each in training, so validation had no image
+    and every epoch printed "Val Accuracy=nan", the run ending in success and weights."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=1, n_test=0, gray_every=0, stray=False)
+    shutil.rmtree(root / "test")
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--val-fraction", "0.2", "--cache-dir",
+                    tmp_path / "c", "--save-weights", tmp_path / "w.pt", *SMALL) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert line.startswith("error: --val-fraction 0.2 holds out no image of ") and line.endswith(
+        ": each of its 2 classes has a single training image, which stays in training; add images (two or more per "
+        "class), or a test/ folder to validate on"), line
+    assert not (tmp_path / "w.pt").exists()
+
+
+def test_a_class_without_test_images_is_named_at_the_start(tmp_path, capsys):
+    """A class folder missing (or empty) in test/ while train/ has it: the accuracy silently left
+    that class out."""
+    root = write_image_folder(tmp_path / "images", classes=3, n_train=4, n_test=2, gray_every=0, stray=False)
+    shutil.rmtree(root / "test" / "class_2")
+    tiny = (*SMALL, "--batch-size", "4", "--epochs", "1", *TINY_MODEL)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *tiny) == 0
+    out = capsys.readouterr().out
+    assert ("Warning: the test images hold none of 1 class of the 3 (class_2): the accuracy is over the others; add "
+            "test images of each class, or validate on part of the training images with --val-fraction 0.2") in out
+    root2 = write_image_folder(tmp_path / "all", classes=3, n_train=4, n_test=2, gray_every=0, stray=False)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root2, "--cache-dir", tmp_path / "c", *tiny) == 0
+    assert "hold none of" not in capsys.readouterr().out
 
 MY_DATA = '''
 import torch

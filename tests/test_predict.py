@@ -21,8 +21,11 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.errors import UserError
+from engine.image_folder import scan
+from engine.task import held_out_record, names_sha256
 from engine.weights import save_weights
-from predict import confusion_matrix, confusion_rows, per_class_accuracy, per_class_lines
+from predict import confusion_matrix, confusion_rows, held_out_images, per_class_accuracy, per_class_lines
 from predict import report as summary_report
 from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main,
                       write_image_folder)
@@ -610,3 +613,17 @@ def test_confusion_matrix_and_per_class_accuracy_of_a_small_example():
     assert out.getvalue().splitlines() == ['true \\ predicted,cat,dog,"red, panda",yak', "cat,2,1,0,0", "dog,0,1,0,0",
                                            '"red, panda",1,0,1,0', "yak,0,0,0,0"]
     assert confusion_matrix([], [], 2).tolist() == [[0, 0], [0, 0]]
+
+
+def test_held_out_images_of_a_split_that_held_out_none_is_one_line(tmp_path):
+    """Weights trained (before that was refused) with --val-fraction on one image per class: the
+    split they record holds out nothing, and --held-out ended in an IndexError traceback."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=1, n_test=0, gray_every=0, stray=False)
+    shutil.rmtree(root / "test")
+    files, labels = scan(root, held_out=True).splits["train"]
+    record = held_out_record(0.2, 0, labels, names=names_sha256(path.relative_to(root) for path in files))
+    meta = {"dataset": "folder", "classes": ["class_0", "class_1"], "split": record}
+    with pytest.raises(UserError) as raised:
+        held_out_images(root, meta, tmp_path / "w.pt")
+    assert str(raised.value) == (f"--held-out {root}: the --val-fraction 0.2 of --weights {tmp_path / 'w.pt'} held "
+                                 "out no image (each class had a single one, kept for training)")
