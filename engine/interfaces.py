@@ -5,8 +5,10 @@ fail in a traceback per rank. One line instead, with the interfaces the node has
 """
 
 import fcntl
+import ipaddress
 import socket
 import struct
+from pathlib import Path
 
 from engine.errors import UserError
 
@@ -22,11 +24,19 @@ class NetworkSetupError(UserError):
     rank0_first = True
 
 
-def node_interfaces():
-    """{interface name: [IPv4 addresses]} of this node, in the kernel's order."""
+def node_interfaces(inet6=Path("/proc/net/if_inet6")):
+    """{interface name: [IPv4 address, then IPv6 addresses]} of this node, in the kernel's
+    order: gloo and NCCL use an interface only where it has an address of either family."""
+    ipv6 = {}
+    try:  # Linux: one line per address, "ADDRESS(32 hex digits) INDEX PREFIX SCOPE FLAGS NAME"
+        for line in inet6.read_text().splitlines():
+            fields = line.split()
+            ipv6.setdefault(fields[-1], []).append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except (OSError, ValueError, IndexError):  # no IPv6, or not Linux: IPv4 alone
+        pass
     found = {}
     for _, name in socket.if_nameindex():
-        found[name] = [address] if (address := ipv4_address(name)) else []
+        found[name] = ([address] if (address := ipv4_address(name)) else []) + ipv6.get(name, [])
     return found
 
 
@@ -53,13 +63,15 @@ def nccl_selects(value, names):
 
 
 def interface_problems(env, interfaces, uses_nccl):
-    """(variable, value) pairs of ``env`` that name no usable interface of ``interfaces``."""
+    """(variable, value) pairs of ``env`` that name no usable interface of ``interfaces``: none
+    of that name, or one without an address (gloo: "Unable to find address for: ifb0")."""
     problems = []
+    usable = [name for name, addresses in interfaces.items() if addresses]
     gloo = env.get("GLOO_SOCKET_IFNAME")
-    if gloo and any(part not in interfaces for part in gloo.split(",")):
+    if gloo and any(part not in usable for part in gloo.split(",")):
         problems.append(("GLOO_SOCKET_IFNAME", gloo))
     nccl = env.get("NCCL_SOCKET_IFNAME")
-    if uses_nccl and nccl and not nccl_selects(nccl, interfaces):
+    if uses_nccl and nccl and not nccl_selects(nccl, usable):
         problems.append(("NCCL_SOCKET_IFNAME", nccl))
     return problems
 
@@ -77,14 +89,14 @@ def check_interfaces(env, uses_nccl, host=None):
     suggestion = routable[0] if routable else "lo"
     named = " and ".join(f"{variable}={value}" for variable, value in problems)
     raise NetworkSetupError(
-        f"{named}: node {host} has no such interface (it has: {have}); export "
+        f"{named}: node {host} has no such interface with an address (it has: {have}); export "
         + " ".join(f"{variable}={suggestion}" for variable, _ in problems)
         + f" (an interface every node has) before sbatch, see {DOCS}", same_on_every_rank=False)
 
 
 def listed(interfaces):
-    """'lo 127.0.0.1, eth0 10.0.0.5, ib0 (no IPv4 address)' of node_interfaces()."""
-    return ", ".join(f"{name} {' '.join(addresses) or '(no IPv4 address)'}" for name, addresses in interfaces.items())
+    """'lo 127.0.0.1, eth0 10.0.0.5 fe80::1, ib0 (no address)' of node_interfaces()."""
+    return ", ".join(f"{name} {' '.join(addresses) or '(no address)'}" for name, addresses in interfaces.items())
 
 
 def interfaces_line(env, interfaces, uses_nccl, host):

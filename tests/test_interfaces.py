@@ -25,11 +25,25 @@ def test_interfaces_the_node_lacks_are_named():
     assert "lo" in node_interfaces()  # this machine's, read from the kernel
 
 
+def test_an_interface_without_an_address_is_not_usable(tmp_path):
+    """ifb0 exists but has no address: --interfaces said "found", and gloo then failed on every
+    rank ("Unable to find address for: ifb0"). An address of either family makes it usable."""
+    node = {"lo": ["127.0.0.1"], "ifb0": [], "ib0": ["fe80::1"]}
+    assert interface_problems({"GLOO_SOCKET_IFNAME": "ifb0"}, node, uses_nccl=False) == [("GLOO_SOCKET_IFNAME", "ifb0")]
+    assert interface_problems({"NCCL_SOCKET_IFNAME": "ifb"}, node, uses_nccl=True) == [("NCCL_SOCKET_IFNAME", "ifb")]
+    assert interface_problems({"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "i"}, node, uses_nccl=True) == []
+    inet6 = tmp_path / "if_inet6"  # Linux's /proc/net/if_inet6
+    inet6.write_text("00000000000000000000000000000001 01 80 10 80       lo\n"
+                     "fe8000000000000000fc00fffe000001 04 40 20 80 nosuch9\n")
+    found = node_interfaces(inet6)
+    assert found["lo"][-1] == "::1" and "nosuch9" not in found  # only the kernel's interfaces are listed
+
+
 def test_the_interfaces_line_says_what_is_named_or_who_chooses():
     """check_network.py --interfaces, run by multinode_job.sh on every node: with nothing set it
     said only "none named"; it now says who picks the interface then, and what the node has."""
     node = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"], "ib0": []}
-    has = "(it has: lo 127.0.0.1, eth0 10.0.0.5, ib0 (no IPv4 address))"
+    has = "(it has: lo 127.0.0.1, eth0 10.0.0.5, ib0 (no address))"
     assert interfaces_line({}, node, uses_nccl=True, host="n1") == (
         "Interfaces of n1: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME not set, so gloo uses the address this host name "
         f"resolves to, NCCL its own choice {has}; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to choose, see "
@@ -48,5 +62,5 @@ def test_a_missing_gloo_interface_is_one_line_for_the_job(tmp_path):
     assert result.returncode == 1
     (line,) = error_lines(result.stdout + result.stderr)
     assert line.startswith("error: GLOO_SOCKET_IFNAME=hsn0: node ")
-    assert "has no such interface (it has: lo 127.0.0.1" in line
+    assert "has no such interface with an address (it has: lo 127.0.0.1" in line
     assert line.endswith('before sbatch, see docs/network.md, "On another cluster"')
