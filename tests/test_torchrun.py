@@ -125,6 +125,27 @@ def test_a_signal_while_torchrun_logs_is_not_a_logging_traceback(tmp_path):
     assert "launcher went on" in result.stderr, result.stderr  # not killed: torchrun's handler caught it
     assert "Logging error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
+
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_at_once(tmp_path):
+    """torchrun retried the name for its join timeout (105 s on the walk), printing 55 lines of
+    C++ warnings and stack frames before its error. .invalid never resolves (RFC 6761)."""
+    result = launch_multinode(tmp_path, "nosuchhost.invalid:29500", "join_timeout=30")
+    assert result.returncode == 1, result.stderr
+    assert error_lines(result.stderr) == [
+        f"error: torchrun on {socket.gethostname()}: the rendezvous host nosuchhost.invalid (--rdzv_endpoint "
+        f"nosuchhost.invalid:29500) does not resolve ({socket_error('nosuchhost.invalid')}); check the name "
+        "(RDZV_HOST in multinode_job.sh)"], result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def socket_error(host):
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as err:
+        return err.strerror
+    raise AssertionError(f"{host} resolves here")
+
+
 def test_a_rendezvous_that_cannot_be_reached_or_completed_is_one_line(tmp_path):
     """torchrun's own exceptions of this PyTorch, not ones the test builds: a store nobody
     listens on (connection refused until read_timeout), and a rendezvous the second node never

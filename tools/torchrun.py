@@ -30,6 +30,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 if __package__ in (None, ""):  # run as python tools/torchrun.py: the project's modules are one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,6 +94,24 @@ def launch_mistake(args):
     return None if nproc > 0 else f"--nproc_per_node={args.nproc_per_node}: at least 1 process"
 
 
+def unresolved_endpoint(args):
+    """The one line for a --rdzv_endpoint whose host name does not resolve, or None. torchrun
+    would retry it until its join timeout (a minute and more), logging a C++ stack of 30 frames
+    each time, before its own error."""
+    if args.standalone or not args.rdzv_endpoint:
+        return None
+    try:
+        host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)  # torchrun's default port
+        socket.getaddrinfo(host, None)
+    except ValueError:  # no valid port: torchrun's own error
+        return None
+    except socket.gaierror as err:
+        return (f"torchrun on {socket.gethostname()}: the rendezvous host {host} (--rdzv_endpoint "
+                f"{args.rdzv_endpoint}) does not resolve ({err.strerror}); check the name (RDZV_HOST in "
+                "multinode_job.sh)")
+    return None
+
+
 def child_pids(proc=Path("/proc")):
     """The PIDs of this process's children (its ranks), from Linux's /proc; none where unreadable."""
     me, children = os.getpid(), []
@@ -153,6 +172,10 @@ def main(argv=None):
     if mistake:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
+    unresolved = unresolved_endpoint(args)
+    if unresolved:  # as a rendezvous that cannot be joined: exit 1
+        print(f"error: {unresolved}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGUSR1, pass_on_stop_request)
     # torchrun's handler raises SignalException wherever the launcher is when a signal comes. In
     # one of its log calls (a second Ctrl-C, or the job script's SIGTERM, while it logs "Sending
