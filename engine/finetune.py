@@ -50,14 +50,15 @@ def load_fitting(model, path, model_name, classes):
     new = [name for name in own if name not in fits]
     if not fits:
         first = next(iter(own))
-        raise UserError(f"--finetune {path}: none of its {len(saved)} tensors fits {model_name} (its first, {first}, "
-                        f"is {_shape(saved.get(first))} there, {_shape(own[first])} here): weights of another --model?")
+        raise UserError(f"--finetune {path}: none of its {len(saved)} tensors fits {model_name} (the model's first, "
+                        f"{first}, is {_shape(saved.get(first))} in the file, {_shape(own[first])} in the model): "
+                        "weights of another --model?")
     position = {name: i for i, name in enumerate(own)}  # state_dict order: the head comes last
     last_fit = max(position[name] for name in fits)
     early = [name for name in new if position[name] < last_fit]
     if early:
         raise UserError(f"--finetune {path} does not fit {model_name} beyond its last layers: {early[0]} is "
-                        f"{_shape(saved.get(early[0]))} there, {_shape(own[early[0]])} here"
+                        f"{_shape(saved.get(early[0]))} in the file, {_shape(own[early[0]])} in the model"
                         + (f" (and {len(early) - 1} more)" if len(early) > 1 else "")
                         + ": weights of another --model?")
     unused = [name for name in saved if name not in fits]  # no place in the model, or another shape

@@ -149,6 +149,9 @@ def check_stop_file(path):
     """--stop-file at start: a path that holds something other than an empty file (the user's
     own file, named by mistake) is refused: the run would take it for a stop request after its
     first step. An empty one is a request made before the start: the run stops after that step."""
+    if os.path.isdir(path):
+        raise UserError(f"--stop-file {path} is a folder: name a file of its own, which need not exist (a stop is "
+                        "requested with: touch PATH)")
     if os.path.lexists(path) and not is_empty_file(path):
         raise UserError(f"--stop-file {path} exists and is not an empty file: the run would take it for a stop "
                         "request after its first step; name a path of its own (a stop is requested with: touch PATH)")

@@ -491,9 +491,11 @@ def test_a_stop_file_that_names_the_users_own_file_is_refused_and_kept(tmp_path,
     else:
         own.mkdir()
     result = run(python_cmd("train.py", *RUN, "--stop-file", own), cwd=tmp_path)
-    assert result.returncode == 2 and one_error(result.stderr) == (
+    assert result.returncode == 2 and one_error(result.stderr) == ((
         f"error: --stop-file {own} exists and is not an empty file: the run would take it for a stop request after "
-        "its first step; name a path of its own (a stop is requested with: touch PATH)")
+        "its first step; name a path of its own (a stop is requested with: touch PATH)") if kind == "file" else (
+        f"error: --stop-file {own} is a folder: name a file of its own, which need not exist (a stop is requested "
+        "with: touch PATH)"))
     assert (own.read_text() == "my notes\n") if kind == "file" else own.is_dir()
     request = tmp_path / "STOP"
     request.touch()

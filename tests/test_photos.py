@@ -340,9 +340,10 @@ def test_finetune_keeps_what_fits_and_names_the_new_head(tmp_path):
 def test_finetune_refuses_other_networks_in_one_line(tmp_path):
     torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pt")
     with pytest.raises(UserError, match=r"does not fit resnet34 beyond its last layers: layer1.2.conv1.weight is "
-                                        r"missing there, \(64, 64, 3, 3\) here \(and \d+ more\)"):
+                                        r"missing in the file, \(64, 64, 3, 3\) in the model \(and \d+ more\)"):
         load_fitting(torchvision.models.resnet34(num_classes=3), tmp_path / "r18.pt", "resnet34", ("a", "b", "c"))
-    with pytest.raises(UserError, match="none of its 122 tensors fits Net"):
+    with pytest.raises(UserError, match=r"none of its 122 tensors fits Net \(the model's first, 0.weight, is missing "
+                                        r"in the file, \(3, 2\) in the model\)"):
         load_fitting(torch.nn.Sequential(torch.nn.Linear(2, 3)), tmp_path / "r18.pt", "Net", ("a", "b", "c"))
     # A deeper network of the same family: its first layers fit by name and shape, most of the file is unused.
     torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pt")
