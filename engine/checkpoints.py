@@ -221,7 +221,8 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
     old, new = checkpoint["data"], fingerprint
     differ = fingerprints_differ(old, new)
     if differ:
-        other = {"train_labels_sha256": "different labels", "classes": "other classes",
+        other = {"test_images": f"{old.get('test_images')} test images then, {new.get('test_images')} now",
+                 "train_labels_sha256": "different labels", "classes": "other classes",
                  "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now",
                  "train_sample_sha256": "other pixels in a sample of the training images",
                  "train_names_sha256": "other file names (renamed, moved or replaced), which may move images "
@@ -232,8 +233,10 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         def images(of):  # a fingerprint's
             return f"{of['train_images']} {'--synthetic ' if of['synthetic'] else ''}training images"
 
-        raise UserError(f"the checkpoint was trained on other data ({images(old)}; now {images(new)}"
-                        + "".join(f", {other[key]}" for key in other if key in differ) + "): resume on the data it "
+        counts = (f"{images(new)}, as then" if images(old) == images(new) else
+                  f"{images(old)} then, {images(new)} now")
+        raise UserError(f"the checkpoint was trained on other data ({counts}"
+                        + "".join(f"; {other[key]}" for key in other if key in differ) + "): resume on the data it "
                         "was trained on, or start a new run in another --checkpoint-dir")
     check_resume_flags(saved, flags, recipe_flags)
     edited = recipe_edits(checkpoint, {"optimizer": now, "LR scheduler": scheduler_source(scheduler_class),

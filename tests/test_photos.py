@@ -492,8 +492,8 @@ def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, traine
                              "--checkpoint-dir", "ck", "--resume", "--log-interval", "0")
         assert run_main("train.py", *resumed) == 2
         [line] = error_lines(capsys.readouterr().err)
-        assert line.startswith("error: the checkpoint was trained on other data (61 training images; now 61 training "
-                               "images, other file names (renamed, moved or replaced)"), line
+        assert line.startswith("error: the checkpoint was trained on other data (61 training images, as then; "
+                               "other file names (renamed, moved or replaced)"), line
     finally:
         first.with_name("zz_renamed.JPG").rename(first)
 

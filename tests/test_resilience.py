@@ -276,14 +276,21 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     check({**_checkpoint_like(args, before, model), "args": old_args})
     with pytest.raises(UserError, match="does not fit WideResNet"):
         check(_checkpoint_like(args, data, WideResNet(num_classes=10)))
-    with pytest.raises(UserError, match="trained on other data .50000 training images; now 50000 training images, "
-                                        "different labels.: resume on the data it was trained on, or start a new run "
+    with pytest.raises(UserError, match="trained on other data .50000 training images, as then; different labels.: "
+                                        "resume on the data it was trained on, or start a new run "
                                         "in another --checkpoint-dir"):
         check(_checkpoint_like(args, data, model), fingerprint={**data, "train_labels_sha256": "b"})
     folder = {**data, "dataset": "folder", "classes": ["a", "b"], "image_shape": [32, 32, 3]}
-    with pytest.raises(UserError, match=r"now 50000 training images, images of shape \[32, 32, 3\] then, "
-                                        r"\[64, 64, 3\] now\)"):
+    with pytest.raises(UserError, match=r"\(50000 training images, as then; images of shape \[32, 32, 3\] "
+                                        r"then, \[64, 64, 3\] now\)"):
         check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
+    # The same training images, fewer test images (a class folder removed from test/): it said "50000 training
+    # images; now 50000 training images" and no more.
+    with pytest.raises(UserError, match=r"\(50000 training images, as then; 10000 test images then, 9000 now\)"):
+        check(_checkpoint_like(args, data, model), fingerprint={**data, "test_images": 9000})
+    with pytest.raises(UserError, match=r"\(50000 training images then, 40000 training images now; different labels"):
+        check(_checkpoint_like(args, data, model), fingerprint={**data, "train_images": 40000,
+                                                                "train_labels_sha256": "b"})
     # The pixels: a sample of a built-in data set's images (here all black since), an image folder's mean.
     images = np.random.default_rng(0).integers(0, 256, (1000, 8, 8, 3), dtype=np.uint8)
     labels = np.arange(1000) % 10
@@ -292,8 +299,8 @@ def test_resume_refuses_another_model_data_set_or_recipe():
         return task.data_fingerprint("cifar10", False, labels, 100, images=pixels, mean=mean, mean_of=mean_of)
 
     check(_checkpoint_like(args, stored(), model), fingerprint=stored(images.copy()))  # the same bytes
-    with pytest.raises(UserError, match=r"trained on other data \(1000 training images; now 1000 training images, "
-                                        r"other pixels in a sample of the training images\)"):
+    with pytest.raises(UserError, match=r"trained on other data \(1000 training images, as then; other pixels in a "
+                                        r"sample of the training images\)"):
         check(_checkpoint_like(args, stored(), model), fingerprint=stored(np.zeros_like(images)))
     check(_checkpoint_like(args, stored(mean=(0.5, 0.4, 0.3)), model), fingerprint=stored(mean=(0.505, 0.4, 0.3)))
     with pytest.raises(UserError, match=r"training images of mean \[0.5, 0.4, 0.3\] then, \[0.0, 0.0, 0.0\] now"):
