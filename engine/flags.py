@@ -399,7 +399,7 @@ def adopt_trained_settings(args, given, saved, error):
         args.dataset = dataset
     same_folder = "data_dir" not in given or (trained.get("data_dir") and os.path.realpath(
         os.path.expanduser(args.data_dir)) == trained["data_dir"])
-    if "data_dir" not in given and trained.get("data_dir"):
+    if "data_dir" not in given and trained.get("data_dir") and args.dataset == dataset:  # not another data set's
         args.data_dir = trained["data_dir"]
     recorded = {"augment": trained.get("augment")}
     if args.dataset == FOLDER and trained.get("image_size"):

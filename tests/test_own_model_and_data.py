@@ -155,6 +155,17 @@ def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
         "as the wrong labels; use the data set they were trained on"]
 
 
+def test_eval_only_on_another_data_set_does_not_take_the_weights_folder(tmp_path, capsys):
+    """--eval-only --weights W --dataset cifar10, W trained on an image folder: W's folder was
+    taken as CIFAR-10's --data-dir, and the line said to add --dataset folder, which W records."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=2, n_test=1, gray_every=0, stray=False)
+    weights_file.save_weights(WideResNet(num_classes=2), tmp_path / "w.pt",
+                              {"classes": ["class_0", "class_1"], "dataset": "folder", "data_dir": str(root)})
+    assert run_main("train.py", "--eval-only", "--weights", tmp_path / "w.pt", "--dataset", "cifar10",
+                    "--no-download", *FAST) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert str(root) not in line and "--dataset folder" not in line, line  # the default folder, datasets/
+
 def test_a_cache_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
     """It trained, and the next run read the cache's folder as one more class (or two layouts)."""
     root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, gray_every=0, stray=False)
