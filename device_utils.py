@@ -144,7 +144,8 @@ def single_process_context(device="auto") -> DistContext:
     if world_size > 1:
         raise UserError(
             f"train.py trains with one process but WORLD_SIZE={world_size}; "
-            "use train_ddp.py for several processes (torchrun --nproc_per_node=N train_ddp.py)")
+            "use train_ddp.py for several processes (python tools/torchrun.py --standalone --nproc_per_node=N "
+            "train_ddp.py)")
     return DistContext(device=use_device(env_int("LOCAL_RANK", 0), device), launcher_pid=launcher_pid())
 
 

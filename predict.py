@@ -58,7 +58,7 @@ with recipe_imported():  # dataset_utils imports recipe.py: a mistake in it is o
 from engine.errors import OutOfMemory, UserError
 from engine.files import check_writable
 from engine.flags import positive_int
-from engine.image_folder import OneClassFolder, Unreadable, class_files, decode, image_extensions, scan
+from engine.image_folder import SPLIT_FOLDERS, OneClassFolder, Unreadable, class_files, decode, image_extensions, scan
 from engine.log import count
 from engine.memory import is_out_of_memory
 from engine.models import check_output, make_model
@@ -219,8 +219,10 @@ def held_out_images(root, meta, weights):
                         "trained on: another folder?")
     if record is None:
         if "test" not in scanned.splits:
+            inside = Path(root).name in (*SPLIT_FOLDERS["train"], *SPLIT_FOLDERS["test"])  # my_images/test itself
             raise UserError(f"--weights {shown(weights)} were validated on a test/ (or val/) folder, and "
-                            f"--held-out {shown(root)} has none")
+                            f"--held-out {shown(root)} has none"
+                            + (f"; did you mean --held-out {shown(Path(root).parent)}?" if inside else ""))
         files, labels = scanned.splits["test"]
         return files, labels, f"the {count(len(files), 'test image', 'test images')} of {shown(root)}"
     files, labels = scanned.splits["train"]

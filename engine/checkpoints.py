@@ -62,7 +62,7 @@ def continues_run(directory, resume):
     if resume == "auto":
         return bool(existing)
     if existing:
-        raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of another run (newest: "
+        raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of an earlier run (newest: "
                         f"{existing[0].name}); continue that run with --resume, or give this run another "
                         "--checkpoint-dir")
     if directory and (Path(directory) / BEST_WEIGHTS).exists():  # its checkpoints gone, its best weights not

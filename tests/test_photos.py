@@ -631,7 +631,7 @@ def test_what_the_outputs_claim_would_refuse_is_refused_before_any_decoding(phot
               f"error: --resume: no checkpoint in {tmp_path / 'empty'}, nothing to continue (--resume=auto starts a "
               "new run where there is none)"),
              (("--checkpoint-dir", photos / "ck"),
-              f"error: --checkpoint-dir {photos / 'ck'} already holds checkpoints of another run (newest: "
+              f"error: --checkpoint-dir {photos / 'ck'} already holds checkpoints of an earlier run (newest: "
               f"{checkpoint_paths(photos / 'ck')[0].name}); continue that run with --resume, or give this run another "
               "--checkpoint-dir"),
              (("--save-weights", tmp_path / "taken.pt"),

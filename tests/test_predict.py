@@ -627,3 +627,15 @@ def test_held_out_images_of_a_split_that_held_out_none_is_one_line(tmp_path):
         held_out_images(root, meta, tmp_path / "w.pt")
     assert str(raised.value) == (f"--held-out {root}: the --val-fraction 0.2 of --weights {tmp_path / 'w.pt'} held "
                                  "out no image (each class had a single one, kept for training)")
+
+
+def test_held_out_on_the_test_folder_itself_names_the_folder_meant(tmp_path):
+    """--held-out my_images/test, for weights validated on my_images/test/: the line said only
+    that it has no test/ folder."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=1, n_test=1, gray_every=0, stray=False)
+    meta = {"dataset": "folder", "classes": ["class_0", "class_1"]}
+    with pytest.raises(UserError) as raised:
+        held_out_images(root / "test", meta, "w.pt")
+    assert str(raised.value) == (f"--weights w.pt were validated on a test/ (or val/) folder, and --held-out "
+                                 f"{root / 'test'} has none; did you mean --held-out {root}?")
+    assert len(held_out_images(root, meta, "w.pt")[0]) == 2  # the folder meant: its two test images

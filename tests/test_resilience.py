@@ -476,7 +476,7 @@ def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(tmp_path, r
     before = {path.name: path.read_bytes() for path in folder.iterdir()}
     assert run_main("train.py", *RUN, "--seed", "1", "--checkpoint-dir", folder) == 2
     assert error_lines(capsys.readouterr().err) == [
-        f"error: --checkpoint-dir {folder} already holds checkpoints of another run (newest: "
+        f"error: --checkpoint-dir {folder} already holds checkpoints of an earlier run (newest: "
         "checkpoint_000000012.pt); continue that run with --resume, or give this run another --checkpoint-dir"]
     assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # untouched
 
@@ -504,7 +504,7 @@ def test_resume_without_checkpoints_says_what_is_there(tmp_path):
 
 def test_a_new_run_never_starts_over_checkpoints(tmp_path):
     (tmp_path / "checkpoint_000000004.pt").touch()
-    with pytest.raises(UserError, match="already holds checkpoints of another run"):
+    with pytest.raises(UserError, match="already holds checkpoints of an earlier run"):
         checkpoints.continues_run(tmp_path, None)
 
 

@@ -135,7 +135,8 @@ def test_truncated_data_file_is_named(cifar_dir, capsys):
     (["--val-fraction", "0.9", "--batch-size", "32"], {},
      "the 26 training images (--val-fraction 0.9 held out 6 of 32) give no full batch of 32 per process; lower "
      "--batch-size or --val-fraction"),
-    ([], {"WORLD_SIZE": "2"}, "train.py trains with one process but WORLD_SIZE=2"),
+    ([], {"WORLD_SIZE": "2"}, "train.py trains with one process but WORLD_SIZE=2; use train_ddp.py for several "
+                              "processes (python tools/torchrun.py --standalone --nproc_per_node=N train_ddp.py)"),
 ])
 def test_bad_input(cifar_dir, capsys, monkeypatch, args, env, expected):
     for name, value in env.items():
