@@ -187,20 +187,21 @@ def test_a_finished_run_is_status_0(tmp_path):
 
 
 def test_an_unreachable_rendezvous_is_one_line_with_its_cause(monkeypatch, capsys):
+    """(A host name that resolves: one that does not is refused before torchrun runs.)"""
     def unreachable(args):  # what torchrun raises after its minute of retries
         try:
-            raise DistNetworkError("The client socket has failed to connect to [head-node]:29400 (errno: 111 - "
+            raise DistNetworkError("The client socket has failed to connect to [localhost]:29400 (errno: 111 - "
                                    "Connection refused).\nmore detail")
         except DistNetworkError as err:
             raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception "
                                             "for details.") from err
     monkeypatch.setattr(launcher.torchrun, "run", unreachable)
     status = launcher.main(["--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
-                            "--rdzv_endpoint=head-node:29400", "train_ddp.py"])
+                            "--rdzv_endpoint=localhost:29400", "train_ddp.py"])
     [line] = capsys.readouterr().err.splitlines()
     assert status == 1 and line.startswith("error: torchrun on ")
-    assert line.endswith("could not join the rendezvous at head-node:29400 (c10d): DistNetworkError: The client socket "
-                         "has failed to connect to [head-node]:29400 (errno: 111 - Connection refused); check that the "
+    assert line.endswith("could not join the rendezvous at localhost:29400 (c10d): DistNetworkError: The client socket "
+                         "has failed to connect to [localhost]:29400 (errno: 111 - Connection refused); check that the "
                          "head node is reachable from here and its port free (RDZV_HOST and RDZV_PORT in "
                          "multinode_job.sh)")
 
@@ -223,11 +224,11 @@ def test_each_rendezvous_failure_says_what_to_check(monkeypatch, capsys):
     def times_out(args):
         raise RendezvousTimeoutError("The node 'n2_1' has not joined within 900 s.")
     monkeypatch.setattr(launcher.torchrun, "run", times_out)
-    assert launcher.main(["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400", "train_ddp.py"]) == 1
+    assert launcher.main(["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:29400", "train_ddp.py"]) == 1
     assert capsys.readouterr().err.endswith(
-        "not every node joined the rendezvous at head:29400 (c10d) in time (RendezvousTimeoutError: The node 'n2_1' "
-        "has not joined within 900 s); a node whose task failed to start (its lines above), or --nnodes more than the "
-        "allocation's nodes\n")
+        "not every node joined the rendezvous at localhost:29400 (c10d) in time (RendezvousTimeoutError: The node "
+        "'n2_1' has not joined within 900 s); a node whose task failed to start (its lines above), or --nnodes more "
+        "than the allocation's nodes\n")
 
     def refused(args):
         raise RendezvousConnectionError("The connection to the C10d store has failed")
