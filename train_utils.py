@@ -900,6 +900,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
         from engine.compiling import prepare_compile  # --compile only
         compiled = prepare_compile(args.compile_mode or "auto", ctx.device.type, ctx.process_group, args.accumulate,
                                    args.checkpoint_dir, os.environ)
+    # The checkpoint to continue, refused before the start-up block when it is another run's (other data,
+    # another --model or recipe): the error is the one line the user sees.
+    resumed = resumable_checkpoint(task, args, ctx, log, optimizer, loss_fn, own, described) if continuing else None
     layout = memory_format(args.channels_last, ctx.device)  # the model's, from build_task
     name = device_name(ctx.device)
     header = (describe_evaluation(args, ctx, name, precision, layout == torch.channels_last, task) if args.eval_only
@@ -929,8 +932,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:
-        state, rng_state, scheduler = resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps,
-                                             factor, own, described)
+        state, rng_state, scheduler = resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps,
+                                             factor, own)
     else:
         if args.resume == "auto":
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
@@ -965,20 +968,29 @@ def monitors(ctx, log, state, continuing, steps_left, steps_per_epoch, tensorboa
                     steps_per_epoch, tensorboard, profile_dir, profile_skip, profile_steps)
 
 
-def resume(task, args, ctx, log, optimizer, loss_fn, scaler, ema, checkpointer, steps, factor, own=None,
-           optimizer_settings=""):
-    """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
-    continued from the checkpoint global rank 0 chose, loaded on every rank; a larger
-    --epochs extends lr_factor's schedule by a warm restart (``own``: recipe.make_scheduler's
-    scheduler, which keeps the run's --epochs; ``optimizer_settings``: Run's)."""
-    from engine.checkpoints import check_resumable, load_agreed_checkpoint, restore
+def resumable_checkpoint(task, args, ctx, log, optimizer, loss_fn, own=None, optimizer_settings=""):
+    """(path, checkpoint): the one global rank 0 chose in --checkpoint-dir, read on every rank,
+    once it is known to continue this run: the same data, --model, optimizer and recipe
+    (engine/checkpoints.check_resumable; ``own``: recipe.make_scheduler's scheduler or None,
+    ``optimizer_settings``: Run's)."""
+    from engine.checkpoints import check_resumable, load_agreed_checkpoint
     from engine.weights import check_state_fits
-    module = unwrap(task.model)
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
     check_resumable(checkpoint, vars(args), task.data.fingerprint, task.model_key, optimizer,
-                    partial(check_state_fits, module, model_name=task.model_name), *resume_rules(),
+                    partial(check_state_fits, unwrap(task.model), model_name=task.model_name), *resume_rules(),
                     scheduler_class=type(own).__name__ if own is not None else "LambdaLR",
                     recipe_code=recipe_code(loss_fn, task.data.prep, optimizer_settings))
+    return path, checkpoint
+
+
+def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps, factor, own=None):
+    """(TrainState, this rank's RNG states or None, scheduler) of the run in --checkpoint-dir,
+    continued from ``resumed`` (resumable_checkpoint's path and checkpoint) on every rank; a
+    larger --epochs extends lr_factor's schedule by a warm restart (``own``:
+    recipe.make_scheduler's scheduler, which keeps the run's --epochs)."""
+    from engine.checkpoints import restore
+    module = unwrap(task.model)
+    path, checkpoint = resumed
     saved = checkpoint["args"]
     planned = saved["epochs"]
     # A checkpoint written before extensions existed has the one cycle its flags define.
