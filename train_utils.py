@@ -971,8 +971,8 @@ def monitors(ctx, log, state, continuing, steps_left, steps_per_epoch, tensorboa
 def resumable_checkpoint(task, args, ctx, log, optimizer, loss_fn, own=None, optimizer_settings=""):
     """(path, checkpoint): the one global rank 0 chose in --checkpoint-dir, read on every rank,
     once it is known to continue this run: the same data, --model, optimizer and recipe
-    (engine/checkpoints.check_resumable; ``own``: recipe.make_scheduler's scheduler or None,
-    ``optimizer_settings``: Run's)."""
+    (engine/checkpoints.check_resumable), and a larger --epochs only where the schedule can be
+    extended (``own``: recipe.make_scheduler's scheduler or None; ``optimizer_settings``: Run's)."""
     from engine.checkpoints import check_resumable, load_agreed_checkpoint
     from engine.weights import check_state_fits
     path, checkpoint = load_agreed_checkpoint(args.checkpoint_dir, ctx, log)
@@ -980,6 +980,12 @@ def resumable_checkpoint(task, args, ctx, log, optimizer, loss_fn, own=None, opt
                     partial(check_state_fits, unwrap(task.model), model_name=task.model_name), *resume_rules(),
                     scheduler_class=type(own).__name__ if own is not None else "LambdaLR",
                     recipe_code=recipe_code(loss_fn, task.data.prep, optimizer_settings))
+    planned = checkpoint["args"]["epochs"]
+    if own is not None and args.epochs > planned and not target_reached(checkpoint["state"]["history"],
+                                                                         args.target_accuracy, args.patience):
+        raise UserError(f"--epochs {args.epochs}: the run in {args.checkpoint_dir} planned {planned}, and "
+                        f"recipe.make_scheduler's {type(own).__name__} cannot be extended (lr_factor's "
+                        f"schedule can); resume with --epochs {planned}, or start a new run")
     return path, checkpoint
 
 
@@ -996,11 +1002,7 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
     # A checkpoint written before extensions existed has the one cycle its flags define.
     cycles = checkpoint["state"].get("lr_cycles") or [first_cycle(planned, saved["warmup_epochs"], steps)]
     finished = target_reached(checkpoint["state"]["history"], args.target_accuracy, args.patience)
-    if args.epochs > planned and not finished:
-        if own is not None:
-            raise UserError(f"--epochs {args.epochs}: the run in {args.checkpoint_dir} planned {planned}, and "
-                            f"recipe.make_scheduler's {type(own).__name__} cannot be extended (lr_factor's "
-                            f"schedule can); resume with --epochs {planned}, or start a new run")
+    if args.epochs > planned and not finished and own is None:  # an own scheduler: resumable_checkpoint refused it
         cycles = extend(cycles, args.epochs, args.warmup_epochs, steps, checkpoint["scheduler"]["last_epoch"], factor)
         log.info(describe_extension(planned, args.epochs, args.base_lr, args.lr_schedule, Cycle(*cycles[-1]), steps))
     scheduler = own if own is not None else make_scheduler(optimizer, cycles, factor, args.epochs * steps)

@@ -156,6 +156,7 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
     process.wait(timeout=120)
     assert "Stopped after step 2 of epoch 2 (SIGUSR1)" in (stopped / "log").read_text()
     longer = run(single(*RUN, *outputs[1], "--resume", "--epochs", "4"), cwd=stopped)
+    assert "Training " not in longer.stdout  # refused before the start-up block
     assert error_lines(longer.stderr) == [
         f"error: --epochs 4: the run in {stopped / 'ckpt'} planned 3, and recipe.make_scheduler's MultiStepLR cannot "
         "be extended (lr_factor's schedule can); resume with --epochs 3, or start a new run"], longer.stderr
