@@ -135,7 +135,7 @@ def run_cli(main):
             print(stop, flush=True)
         elif stop.exit_code:
             let_rank0_fail_first()
-        leave(stop.exit_code)
+        leave(stop.exit_code, stopped=True)
     except UserError as err:
         prints = not err.silent and (rank == 0 or not err.same_on_every_rank)
         if prints and rank and getattr(err, "rank0_first", False):
@@ -259,13 +259,23 @@ def say(line):
     sys.stderr.flush()
 
 
-def leave(code):
+def leave(code, stopped=False):
     """Exit with status ``code``. A rank of several that torchrun started leaves with os._exit
     once its output is flushed: its process group is gone by then (or hung: a lost rank), its
     files are closed, and what is left are C++ threads that PyTorch's and gloo's destructors
     may join or abandon ("terminate called without an active exception"), which turned
     finished runs into SIGABRT and torchrun's traceback now and then. Anything else (a test
-    calling an entry point in its own process) exits as usual."""
+    calling an entry point in its own process) exits as usual.
+
+    ``stopped``: a stop request ended the run, its checkpoint written. A repeated stop signal
+    (Slurm signals every process of the step, torchrun passes its own on, a second Ctrl-C)
+    while the process shuts down is ignored: Python gives every signal it handles back its
+    default action before it frees its modules (PyTorch's destructors: seconds), and one that
+    came then killed the process, turning exit status 75 into 130 or 143. SIG_IGN survives
+    that; nothing is started after it to inherit it."""
+    if stopped:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
     if launcher_pid() is not None and world_size_or_one() > 1:
         sys.stdout.flush()
         sys.stderr.flush()

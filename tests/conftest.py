@@ -208,7 +208,8 @@ def run_main(script, *args):
     """Run ``script``'s __main__ block in this process, as ``python script args`` would, for
     runs that end in an error (no interpreter start-up: seconds saved per test). Returns the
     exit status; use capsys for the output."""
-    saved, handlers = sys.argv, {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    saved = sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     sys.argv = [str(REPO / script), *map(str, args)]
     try:
         runpy.run_path(str(REPO / script), run_name="__main__")
@@ -216,7 +217,7 @@ def run_main(script, *args):
         return exit_.code
     finally:
         sys.argv = saved
-        for sig, handler in handlers.items():  # a stopped run leaves its own, as a process that exits would
+        for sig, handler in handlers.items():  # a stopped run leaves its own (engine.cli.leave) for its exit
             signal.signal(sig, handler)
     return 0
 

@@ -443,6 +443,48 @@ def test_a_repeated_stop_signal_cannot_turn_exit_75_into_143(tmp_path):
     assert {sig: signal.getsignal(sig) for sig in stop.SIGNALS} == before  # no stop: the handlers as they were
 
 
+STOPPED_THEN_SIGNALLED = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from engine.cli import run_cli
+from engine.stopping import STOP_SIGNAL, StopRequests
+
+class Ctx:
+    is_main = True
+    launcher_pid = None
+
+
+class SignalledWhileFreed:
+    # Freed with the modules, after Python gave its signals their default actions back: a repeated
+    # stop signal that comes while PyTorch's destructors run (seconds, in a training run).
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=getattr(signal, sys.argv[1])):
+        kill(pid, sig)
+
+
+freed = SignalledWhileFreed()
+
+
+def main():
+    stop = StopRequests(Ctx())
+    with stop:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        raise stop.stopped(STOP_SIGNAL, "after step 3 of epoch 1", "ck/checkpoint_000000003.pt")
+
+
+run_cli(main)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_repeated_while_the_process_shuts_down_keeps_exit_75(tmp_path, name):
+    """The stop line is printed and its checkpoint written; the same signal again while the
+    interpreter frees its modules (docs/checkpoints.md: "a second SIGTERM while a stopped run
+    exits") killed the process with it (130, 143), which reads as a run quit without a checkpoint."""
+    result = run([sys.executable, "-c", STOPPED_THEN_SIGNALLED, name], cwd=python_cmd("train.py")[1].parent)
+    assert (result.returncode, result.stdout) == (EXIT_STOPPED, f"Stopped after step 3 of epoch 1 ({name}); "
+                                                  "checkpoint ck/checkpoint_000000003.pt: continue with --resume\n")
+
+
 def test_a_second_ctrl_c_names_what_is_kept_and_after_the_stop_checkpoint_changes_nothing(tmp_path):
     class Ctx:
         is_main = True
