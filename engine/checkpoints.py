@@ -212,17 +212,12 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         raise UserError(f"the checkpoint was trained with --model {saved['model']}, this run has --model "
                         f"{flags['model']}; "
                         f"resume with --model {saved['model']}, or start a new run in another --checkpoint-dir")
-    check_fits(checkpoint["model"], "the checkpoint")
-    saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
-    if saved_class != now and saved["optimizer"] != flags["optimizer"]:
-        raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
-                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; resume with "
-                        f"--optimizer {saved['optimizer']}, or start a new run in another --checkpoint-dir")
     old, new = checkpoint["data"], fingerprint
     differ = fingerprints_differ(old, new)
     if differ:
         other = {"test_images": f"{old.get('test_images')} test images then, {new.get('test_images')} now",
-                 "train_labels_sha256": "different labels", "classes": "other classes",
+                 "train_labels_sha256": "different labels",
+                 "classes": class_change(old.get("classes"), new.get("classes")),
                  "image_shape": f"images of shape {old.get('image_shape')} then, {new.get('image_shape')} now",
                  "train_sample_sha256": "other pixels in a sample of the training images",
                  "train_names_sha256": "other file names (renamed, moved or replaced), which may move images "
@@ -238,6 +233,13 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         raise UserError(f"the checkpoint was trained on other data ({counts}"
                         + "".join(f"; {other[key]}" for key in other if key in differ) + "): resume on the data it "
                         "was trained on, or start a new run in another --checkpoint-dir")
+    # Other data before the model's shape: a class folder added makes the model's head another size.
+    check_fits(checkpoint["model"], "the checkpoint")
+    saved_class, now = checkpoint.get("optimizer_class", "SGD"), type(optimizer).__name__
+    if saved_class != now and saved["optimizer"] != flags["optimizer"]:
+        raise UserError(f"the checkpoint was trained with the optimizer {saved_class}, this run builds {now} "
+                        f"(--optimizer {flags['optimizer']}, recipe.py): its state would not fit; resume with "
+                        f"--optimizer {saved['optimizer']}, or start a new run in another --checkpoint-dir")
     check_resume_flags(saved, flags, recipe_flags)
     edited = recipe_edits(checkpoint, {"optimizer": now, "LR scheduler": scheduler_source(scheduler_class),
                                        **(recipe_code or {})})
@@ -245,6 +247,21 @@ def check_resumable(checkpoint, flags, fingerprint, model_key, optimizer, check_
         raise UserError("--resume needs the checkpoint's recipe, but recipe.py made another since: its "
                         + ", ".join(edited) + "; restore recipe.py as it was, or start a new run in another "
                         "--checkpoint-dir (--weights takes the checkpoint's model)")
+
+
+def class_change(old, new):
+    """A data set's classes then (``old``) and now (``new``), in words: '4 classes then, 5 now
+    (class_9 added)'; None when either is unknown."""
+    if old is None or new is None:
+        return None
+    added, removed = [c for c in new if c not in old], [c for c in old if c not in new]
+    if not added and not removed:
+        return "the same classes in another order"
+
+    def named(names, what):
+        return f"{', '.join(names[:3])}{' and others' if len(names) > 3 else ''} {what}" if names else None
+    changes = "; ".join(filter(None, (named(added, "added"), named(removed, "removed"))))
+    return f"{len(old)} classes then, {len(new)} now ({changes})"
 
 
 def other_data_set(trained_on, now, given):

@@ -284,6 +284,15 @@ def test_resume_refuses_another_model_data_set_or_recipe():
     with pytest.raises(UserError, match=r"\(50000 training images, as then; images of shape \[32, 32, 3\] "
                                         r"then, \[64, 64, 3\] now\)"):
         check(_checkpoint_like(args, folder, model), fingerprint={**folder, "image_shape": [64, 64, 3]})
+    # A class folder added: the model built for it has a head of another size, which was reported as "weights
+    # of another --model or --dataset?" though neither flag changed.
+    with pytest.raises(UserError, match=r"\(50000 training images, as then; 2 classes then, 3 now \(c added\)\)"):
+        check(_checkpoint_like(args, folder, WideResNet(num_classes=2)),
+              fingerprint={**folder, "classes": ["a", "b", "c"]})
+    with pytest.raises(UserError, match=r"; 2 classes then, 2 now \(c added; b removed\)\)"):
+        check(_checkpoint_like(args, folder, model), fingerprint={**folder, "classes": ["a", "c"]})
+    with pytest.raises(UserError, match=r"; the same classes in another order\)"):
+        check(_checkpoint_like(args, folder, model), fingerprint={**folder, "classes": ["b", "a"]})
     # The same training images, fewer test images (a class folder removed from test/): it said "50000 training
     # images; now 50000 training images" and no more.
     with pytest.raises(UserError, match=r"\(50000 training images, as then; 10000 test images then, 9000 now\)"):
