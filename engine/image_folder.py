@@ -352,7 +352,7 @@ def check_left(labels, classes, split, skipped):
 def image_notes(headers, size, mode, why, ignored, splits):
     """The start-up block's lines on the images decoded (``headers``: split -> their
     image_folder.Header) at ``size`` in ``mode`` (``why``: that size's reason), the files
-    ``ignored`` as not images, and file names that are not UTF-8."""
+    ``ignored`` (not images, or images beside the class folders), and file names that are not UTF-8."""
     decoded = [h for split_headers in headers.values() for h in split_headers]
     resized = sum(h.size != size for h in decoded)
     converted = sum(h.mode != mode for h in decoded)
@@ -361,7 +361,8 @@ def image_notes(headers, size, mode, why, ignored, splits):
     enlarged = enlargement_note([h.size for h in decoded], size)
     if enlarged:
         notes.append(enlarged)
-    notes += ignored_note(len(ignored), ignored[:1])
+    not_images, outside = ignored_kinds(ignored)
+    notes += ignored_note(len(not_images), not_images[:1], len(outside), outside[:1])
     undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
     if undecodable:
         notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
@@ -369,11 +370,28 @@ def image_notes(headers, size, mode, why, ignored, splits):
     return notes
 
 
-def ignored_note(number, examples):
-    """[the line on ``number`` files left out as not images, naming the first of ``examples``], or []."""
-    if not number:
-        return []
-    return [f"Ignored {count(number, 'file that is not an image', 'files that are not images')}, e.g. {examples[0]}"]
+def ignored_kinds(ignored):
+    """(files that are not images, images outside the class folders) of the files a scan
+    ``ignored``: inside a class folder a file by an image's name is an image, so one in the
+    ignored is beside the class folders (DIR/train/IMAGE), where it belongs to no class."""
+    extensions = image_extensions()
+    outside = [path for path in ignored if Path(path).suffix.lower() in extensions]
+    return [path for path in ignored if Path(path).suffix.lower() not in extensions], outside
+
+
+def ignored_note(number, examples, outside=0, outside_examples=()):
+    """[the line on ``number`` files left out as not images, naming the first of ``examples``;
+    the warning on ``outside`` images left out as beside the class folders], or []."""
+    notes = []
+    if number:
+        notes.append(f"Ignored {count(number, 'file that is not an image', 'files that are not images')}, "
+                     f"e.g. {examples[0]}")
+    if outside:
+        first = Path(outside_examples[0])
+        notes.append(f"WARNING: {count(outside, 'image lies', 'images lie')} beside the class folders, in no class, "
+                     f"and {'is' if outside == 1 else 'are'} left out, e.g. {first}: move each into the folder of "
+                     f"its class ({first.parent}/CLASS/)")
+    return notes
 
 
 def enlargement_note(sizes, size, most=ENLARGE_NOTE_FACTOR):

@@ -23,7 +23,7 @@ from PIL import Image
 from engine.errors import NO_SPACE, DatasetError, space_problem
 from engine.image_cache import SizeRequest, cache_root, folder_version, unreadable_notes
 from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable, check_left, folder_stats, header,
-                                 ignored_note, map_threads, scan)
+                                 ignored_kinds, ignored_note, map_threads, scan)
 from engine.log import count
 from engine.processes import available_cores
 from engine.task import names_sha256
@@ -120,8 +120,9 @@ def build_list(root, scanned, workers, log):
             "mean": mean, "std": std, "gray": gray, "stats": folder_stats(sizes)._asdict(),
             "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
                         for split, errs in skipped.items()},
-            "ignored": {"count": len(scanned.ignored),  # files that are not images: how many, and the first
-                        "first": [str(Path(path).relative_to(root)) for path in scanned.ignored[:1]]},
+            # Files that are not images, and images beside the class folders: how many, and the first.
+            **{key: {"count": len(paths), "first": [str(Path(path).relative_to(root)) for path in paths[:1]]}
+               for key, paths in zip(("ignored", "outside"), ignored_kinds(scanned.ignored))},
             "cmyk_tiff": {"count": len(cmyk_tiffs), "first": [str(path.relative_to(root)) for path in cmyk_tiffs[:1]]}}
 
 
@@ -184,11 +185,12 @@ def read_list(target, root):
               for split, errs in listed["skipped"].items()}
     stats = FolderStats(**{**listed["stats"], "common_size": tuple(listed["stats"]["common_size"])})
     images = sum(len(labels) for _, labels in splits.values())
-    ignored = listed.get("ignored", {})  # a list made before it was recorded: nothing said
+    ignored, outside = listed.get("ignored", {}), listed.get("outside", {})  # a list made before: nothing said
     notes = (f"Images: {images} files decoded by DALI every epoch (none kept decoded: training crops the whole "
              "image, validation resizes it to cover the stored size below and takes the centre), "
              + ("gray (every image is gray)" if listed["gray"] else "RGB") + f"; checked once, listed in {target}",
-             *ignored_note(ignored.get("count", 0), [given / name for name in ignored.get("first", [])]),
+             *ignored_note(ignored.get("count", 0), [given / name for name in ignored.get("first", [])],
+                           outside.get("count", 0), [given / name for name in outside.get("first", [])]),
              *cmyk_tiff_note(listed.get("cmyk_tiff", {}), given),
              *unreadable_notes(errors, target))
     skipped = {split: tuple(name for name, _ in errs) for split, errs in listed["skipped"].items()}

@@ -756,3 +756,18 @@ def test_sixteen_bit_gray_images_are_scaled_not_clipped(tmp_path):
     assert data.train[0].shape == (2, 8, 8, 1) and data.train[0].max() == 128  # 32768 / 257, not 255
 
 
+
+
+@pytest.mark.parametrize("loader", ["cache", "dali"])
+def test_an_image_beside_the_class_folders_is_a_warning_not_a_file_that_is_no_image(tmp_path, capsys, monkeypatch,
+                                                                                  loader):
+    """train/stray.png belongs to no class and is left out: it was counted among the "files that
+    are not images", so the user looked for a file that was not an image and found only images."""
+    monkeypatch.chdir(tmp_path)
+    write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2)
+    shutil.copy(tmp_path / "images" / "train" / "class_0" / "image_0.png", tmp_path / "images" / "train" / "stray.png")
+    assert du.main(["--dataset", "folder", "--data-dir", "images", "--cache-dir", "cache", "--loader", loader]) == 0
+    out = capsys.readouterr().out
+    assert "\nIgnored 2 files that are not images, e.g. images/train/class_0/notes.txt\n" in out  # as before
+    assert ("\nWARNING: 1 image lies beside the class folders, in no class, and is left out, e.g. "
+            "images/train/stray.png: move each into the folder of its class (images/train/CLASS/)\n") in out
