@@ -770,9 +770,7 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
            else f"{args.warmup_epochs:g} warm-up epochs, then {args.lr_schedule}"),
         *([f"Regularization: {regularization}"] if regularization else []),
         describe_length(args.epochs, args.target_accuracy, args.patience),
-        *([f"Note: the {args.warmup_epochs:g} warm-up epochs are longer than this {args.epochs}-epoch run: the "
-           f"learning rate peaks at {args.epochs / args.warmup_epochs:.0%} of the base LR"]
-          if args.warmup_epochs > args.epochs and not own_schedule else []),
+        *([] if own_schedule else warmup_notes(args.warmup_epochs, args.epochs, args.lr_schedule)),
         *([f"Note: {' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} lr_factor's schedule, which "
            f"recipe.make_scheduler's {own_schedule} replaces: "
            f"{'they have' if len(ignored) > 1 else 'it has'} no effect"]
@@ -854,6 +852,18 @@ def flags_not_passed_on(args, optimizer, loss_fn):
               if name in built and built[name] != getattr(args, name)]
     return (f"Note: recipe.py did not pass on {', '.join(missed)} as given: the Recipe line has what runs"
             if missed else None)
+
+
+def warmup_notes(warmup_epochs, epochs, schedule):
+    """[the Note on lr_factor's warm-up that fills the run], or []: longer than the run, the
+    learning rate never reaches the base LR; as long, the run ends at it, before any decay."""
+    if warmup_epochs > epochs:
+        return [f"Note: the {warmup_epochs:g} warm-up epochs are longer than this {epochs}-epoch run: the "
+                f"learning rate peaks at {epochs / warmup_epochs:.0%} of the base LR"]
+    if warmup_epochs == epochs and schedule != "constant":
+        return [f"Note: the {warmup_epochs:g} warm-up epochs are the whole of this {epochs}-epoch run: it ends at the "
+                f"base LR, before any {schedule} decay (a lower --warmup-epochs or a higher --epochs has one)"]
+    return []
 
 
 def describe_weights(args, continuing=False, note=""):

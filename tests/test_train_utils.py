@@ -750,3 +750,15 @@ def test_loss_books_find_the_first_non_finite_step_from_the_loss_alone(losses, f
         assert totals.loss_sum == 4 * sum(losses)
     else:
         assert not math.isfinite(totals.loss_sum)
+
+
+def test_a_warm_up_that_fills_the_run_is_said():
+    """--epochs 2 with the default 2 warm-up epochs ended at the peak LR, no cosine phase at all,
+    while the Recipe line said "2 warm-up epochs, then cosine" and nothing else."""
+    assert tu.warmup_notes(2, 2, "cosine") == [
+        "Note: the 2 warm-up epochs are the whole of this 2-epoch run: it ends at the base LR, before any cosine decay "
+        "(a lower --warmup-epochs or a higher --epochs has one)"]
+    assert tu.warmup_notes(2, 1, "cosine") == [
+        "Note: the 2 warm-up epochs are longer than this 1-epoch run: the learning rate peaks at 50% of the base LR"]
+    assert tu.warmup_notes(2, 2, "constant") == []  # it stays at the base LR after a warm-up anyway
+    assert tu.warmup_notes(2, 3, "cosine") == tu.warmup_notes(0, 1, "cosine") == []
