@@ -91,11 +91,16 @@ def test_a_run_resumed_on_another_number_of_processes_says_so_and_is_not_a_scali
                                                                                           capsys):
     resumed = tmp_path / "resumed.jsonl"
     one, two = read_metrics(metrics[1]), read_metrics(metrics[2])
-    records = [one[0], {**two[1], "run_id": one[0]["run_id"]}]  # epoch 1 on 1 process, epoch 2 on 2
+    # Epoch 1 on 1 process, epoch 2 on 2, with --batch-size kept: half of it on each.
+    records = [one[0], {**two[1], "run_id": one[0]["run_id"], "per_process_batch": one[0]["per_process_batch"] // 2}]
     resumed.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert report.main([str(metrics[1]), str(resumed)]) == 0
     out = capsys.readouterr().out
     assert [row["Processes"] for row in _rows(out, "Runs")] == ["1", "1 then 2"]
+    # Each epoch's share of the batch, as Processes: it showed the last epoch's alone.
+    batches = [records[0]["per_process_batch"], records[1]["per_process_batch"]]
+    assert [row["Batch per process"] for row in _rows(out, "Runs")] == [str(batches[0]),
+                                                                       f"{batches[0]} then {batches[1]}"]
     assert f"Left out of scaling tables: {resumed.name}, resumed on another number of processes." in out
     assert "## Scaling" not in out
 

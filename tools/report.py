@@ -62,11 +62,14 @@ class RunRecords:
     def world_size(self):
         return self.value("world_size", 1)
 
+    def changes(self, key, default=None):
+        """The values ``key`` took over its epochs, in the order they ran: more than one for a run
+        resumed on another number of processes (world_size, per_process_batch, nodes)."""
+        return list(dict.fromkeys(r.get(key, default) for r in self.records))
+
     @property
     def processes(self):
-        """The process counts of its epochs, in the order they ran: more than one for a run
-        resumed on another number of processes."""
-        return list(dict.fromkeys(r.get("world_size", 1) for r in self.records))
+        return self.changes("world_size", 1)
 
     @property
     def is_cpu(self):
@@ -201,8 +204,9 @@ def runs_table(runs):
         best = max(run.records, key=validated)  # with --model-ema, the better of the model and its average
         peaks = [r["peak_memory_gib"] for r in run.records if r.get("peak_memory_gib") is not None]
         rows.append([
-            run.label, len(run.records), " then ".join(map(str, run.processes)), run.value("nodes", "-"),
-            run.value("per_process_batch", "-"),
+            run.label, len(run.records),
+            *(" then ".join(map(str, run.changes(key, default)))
+              for key, default in (("world_size", 1), ("nodes", "-"), ("per_process_batch", "-"))),
             run.value("precision", "-"), f"{last['val_accuracy']:.4f}",
             f"{validated(best):.4f} (epoch {best['epoch']})",
             last.get("val_samples", "-"), _number(sum(r["epoch_time_s"] for r in run.records)),
