@@ -69,16 +69,19 @@ def fit(task, args, ctx, clock=None):
     ``clock``: the run's RunClock, started by the entry point before the data was read.
     Returns the epochs' metrics records."""
     clock = clock or RunClock()
+    stops = None if args.eval_only else StopRequests(ctx, args.stop_file, args.checkpoint_dir)
     # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
     with claimed_outputs(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
                          None if args.eval_only else args.save_weights) as continuing:
-        run, state, rng_state = prepare_run(task, args, ctx, continuing, clock)
-        if args.eval_only:
-            return [evaluate_once(run, task.test_loader)]
-        run.clock.loop_started()
-        # To the end of the run a signal only sets a flag: one that comes after the last step
-        # (Ctrl-C, scancel during the summary) waits for the final weights, which are written.
-        with run.stop:
+        # From the start-up block, which promises a checkpoint on a stop request, to the end of
+        # the run a signal only sets a flag: one that comes while a resume reads its checkpoint
+        # stops the run after its first step; one after the last step (Ctrl-C, scancel during the
+        # summary) waits for the final weights, which are written. An evaluation stops at once.
+        with stops or nullcontext():
+            run, state, rng_state = prepare_run(task, args, ctx, continuing, clock, stops)
+            if args.eval_only:
+                return [evaluate_once(run, task.test_loader)]
+            run.clock.loop_started()
             with run.monitor or nullcontext():
                 while epochs_left(state, args):
                     run_epoch(run, state, rng_state)
@@ -876,10 +879,11 @@ def describe_weights(args, continuing=False, note=""):
     return f"random initialization (--seed {args.seed})"
 
 
-def prepare_run(task, args, ctx, continuing=False, clock=None):
+def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
     """(Run, TrainState, this rank's RNG states or None): the optimizer, schedule, scaler and
     loss for ``task``, a new run's state or (``continuing``) the checkpoint's, loaded on every
-    rank; the derived values printed once."""
+    rank; the derived values printed once. ``stop``: fit's StopRequests, entered already (None:
+    a new one, for the tools that call this and the loop's functions themselves)."""
     precision = configure_precision(args.precision, ctx.device)
     log = RunLogger(ctx.is_main, args.metrics_file, checkpointed=bool(args.checkpoint_dir))
     steps = limited(task.train_loader, args.limit_batches)  # optimizer steps per epoch
@@ -956,7 +960,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None):
               precision=precision, autocast=precision.autocaster(ctx.device), memory_format=layout, ctx=ctx,
               args=args, task=task, log=log, steps=steps,
               checkpointer=checkpointer, device_name=name, clock=clock or RunClock(),
-              stop=StopRequests(ctx, args.stop_file, args.checkpoint_dir),
+              stop=stop or StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=monitors(ctx, log, state, continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps,
                                args.tensorboard, args.profile_dir, args.profile_skip, args.profile_steps),
               mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,

@@ -508,6 +508,21 @@ def test_a_second_ctrl_c_names_what_is_kept_and_after_the_stop_checkpoint_change
         signal.signal(signal.SIGINT, before)
 
 
+def test_a_stop_signal_while_a_resume_is_prepared_stops_after_its_first_step(tmp_path):
+    """scancel (SIGTERM) after the start-up block, which promises a checkpoint on a stop request,
+    but before the loop (here as the resumed model is first read: tests/tiny_net.py's
+    SIGNAL_AT_SAVE) killed the run: exit 143, no checkpoint, and not even the lines it had
+    printed, which were still buffered."""
+    first = run(python_cmd("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", "ck"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    resumed = run(python_cmd("train.py", *RUN, "--checkpoint-dir", "ck", "--resume"), cwd=tmp_path,
+                  env=clean_env(SIGNAL_AT_SAVE="SIGTERM"))
+    assert resumed.returncode == EXIT_STOPPED, resumed.stdout + resumed.stderr
+    assert resumed.stdout.endswith("Stopped after step 1 of epoch 2 (SIGTERM); checkpoint "
+                                   "ck/checkpoint_000000003.pt: continue with --resume\n"), resumed.stdout
+    assert "Resuming from ck/checkpoint_000000002.pt" in resumed.stdout
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_stop_after_the_last_step_waits_for_the_final_weights(tmp_path, name):
     """Ctrl-C or scancel while the summary is printed and --save-weights written (here: as the
