@@ -18,9 +18,10 @@ The recipe and every flag are shared with train_ddp.py, so 1-GPU and N-GPU runs 
 like with like.
 """
 
-from engine.errors import quiet_interrupt
+from engine.errors import hold_stop_request, quiet_interrupt
 
 quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+hold_stop_request()  # a SIGUSR1 from now on stops training after its first step, with a checkpoint
 
 from engine.cli import recipe_imported, run_cli
 

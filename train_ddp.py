@@ -17,9 +17,10 @@ flag are shared with train.py.
 
 from dataclasses import replace
 
-from engine.errors import quiet_interrupt
+from engine.errors import hold_stop_request, quiet_interrupt
 
 quiet_interrupt()  # Ctrl-C while torch imports (seconds) ends the command without a traceback
+hold_stop_request()  # a SIGUSR1 from now on stops training after its first step, with a checkpoint
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -44,7 +44,7 @@ from device_utils import (Precision, broadcast_buffers, check_every_parameter_le
                           reset_peak_memory)
 from engine import flags
 from engine.cli import user_code_error
-from engine.errors import ResourceProblem, RunAborted, UserError
+from engine.errors import ResourceProblem, RunAborted, UserError, release_stop_request
 from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, describe_device, describe_length,
                         describe_resume, epoch_record, flag_value, per_process, processes, reconcile_metrics,
                         size_warning, throughput, validated, validated_ema)
@@ -70,6 +70,8 @@ def fit(task, args, ctx, clock=None):
     Returns the epochs' metrics records."""
     clock = clock or RunClock()
     stops = None if args.eval_only else StopRequests(ctx, args.stop_file, args.checkpoint_dir)
+    if stops is None:
+        release_stop_request()  # an evaluation ends at once on a SIGUSR1, as on any signal
     # Before anything is printed: a held folder, another run's folder or --save-weights file is refused.
     with claimed_outputs(None if args.eval_only else args.checkpoint_dir, args.resume, ctx,
                          None if args.eval_only else args.save_weights) as continuing:

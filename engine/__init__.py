@@ -5,7 +5,7 @@ scripts import the engine, and the engine imports no top-level module except the
 files named on the command line (--model, --dataset FILE.py:NAME).
 
     errors.py        UserError, RunAborted, OutOfMemory, DatasetError, TrainingStopped: what ends a run with
-                     one line, its exit status; a full disk
+                     one line, its exit status; a full disk; Ctrl-C and SIGUSR1 before training takes them
     cli.py           run_cli: those as one line and an exit status; OneLineParser: a bad command line as
                      one line; torchrun's variables, read without torch
     processes.py     who this process is (DistContext) and how the ranks agree

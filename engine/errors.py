@@ -4,7 +4,8 @@ request after its checkpoint (TrainingStopped); and the line of a write that fai
 disk or the quota is full, with the space it needed and the space free, so the user knows what
 to clear.
 engine/cli.py turns each into its line and exit status; before that, quiet_interrupt keeps
-Ctrl-C during the entry point's imports from ending in a traceback. No torch import
+Ctrl-C during the entry point's imports from ending in a traceback, and hold_stop_request keeps
+a SIGUSR1 for training to take. No torch import
 (tools/report.py uses it on any machine, and the entry points import it before torch).
 """
 
@@ -22,6 +23,26 @@ def quiet_interrupt():
     that ignores SIGINT (started in the background by a shell) goes on ignoring it."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def hold_stop_request():
+    """A SIGUSR1, the stop request (engine/stopping.py; scancel --signal=USR1 reaches every
+    process of a job step), that comes before training can take it (while torch imports or
+    the data is read and decoded: minutes for a large image folder) is held: blocked, it
+    waits instead of killing the process with its default action, which lost the run's
+    requeue. release_stop_request hands it on, once StopRequests' handler is in place: the run
+    then stops after its first step, with a checkpoint. The threads started meanwhile (torch's,
+    the process group's) inherit the block, so the signal goes to the main thread, where Python
+    runs its handlers."""
+    if hasattr(signal, "pthread_sigmask"):  # not on Windows, which has no SIGUSR1 either
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
+def release_stop_request():
+    """Deliver a SIGUSR1 held by hold_stop_request to the handler in place now, and take any
+    later one as it comes. A no-op where nothing blocked it."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
 class UserError(Exception):

@@ -8,7 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
-from engine.errors import EXIT_STOPPED, TrainingStopped, UserError
+from engine.errors import EXIT_STOPPED, TrainingStopped, UserError, release_stop_request
 from engine.processes import PendingMax, group_active, max_over_ranks
 
 
@@ -52,6 +52,7 @@ class StopRequests:
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        release_stop_request()  # one that came during the imports or the data's read is handled now
         if self.stop_file is not None:
             threading.Thread(target=self._watch_stop_file, name="stop-file", daemon=True).start()
         return self

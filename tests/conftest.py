@@ -210,6 +210,7 @@ def run_main(script, *args):
     exit status; use capsys for the output."""
     saved = sys.argv
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the entry point holds SIGUSR1 (hold_stop_request)
     sys.argv = [str(REPO / script), *map(str, args)]
     try:
         runpy.run_path(str(REPO / script), run_name="__main__")
@@ -219,6 +220,7 @@ def run_main(script, *args):
         sys.argv = saved
         for sig, handler in handlers.items():  # a stopped run leaves its own (engine.cli.leave) for its exit
             signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return 0
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, start,
-                      unavailable, wait_held, write_image_folder)
+from conftest import (FAST, REPO, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main,
+                      start, unavailable, wait_held, write_image_folder)
 from engine import checkpoints, files, folder_lock, image_cache, stopping, task
 from engine import weights as weights_file
 from engine.errors import EXIT_STOPPED, ResourceProblem, TrainingStopped, UserError
@@ -521,6 +521,28 @@ def test_a_stop_signal_while_a_resume_is_prepared_stops_after_its_first_step(tmp
     assert resumed.stdout.endswith("Stopped after step 1 of epoch 2 (SIGTERM); checkpoint "
                                    "ck/checkpoint_000000003.pt: continue with --resume\n"), resumed.stdout
     assert "Resuming from ck/checkpoint_000000002.pt" in resumed.stdout
+
+
+@pytest.mark.parametrize("launcher", ["train.py", "torchrun"])
+def test_a_stop_request_before_training_starts_stops_it_after_its_first_step(tmp_path, launcher):
+    """A SIGUSR1 (scancel --signal=USR1 reaches every process of a job step) while the run is
+    set up (here as the model is built: tests/tiny_net.py's SIGNAL_AT_BUILD; the imports and the
+    data's read are the same) killed it with SIGUSR1's default action: no checkpoint, and in a
+    job script status 138, which ended the job instead of requeueing it. Under torchrun the
+    process group's threads are started by then. An evaluation still ends at once."""
+    # tools/torchrun.py, as the job scripts run it, passes the ranks' status 75 on (torchrun reports a crash).
+    cmd = python_cmd("train.py", *RUN, "--checkpoint-dir", "ck") if launcher == "train.py" else \
+        python_cmd("tools/torchrun.py", "--standalone", "--nproc_per_node=2", REPO / "train_ddp.py", *RUN,
+                   "--checkpoint-dir", "ck")
+    result = run(cmd, cwd=tmp_path, env=clean_env(SIGNAL_AT_BUILD="SIGUSR1"))
+    assert result.returncode == EXIT_STOPPED, result.stdout + result.stderr
+    step = 1 if launcher == "train.py" else 2  # the ranks agree on a request one step after it was seen
+    assert result.stdout.endswith(f"Stopped after step {step} of epoch 1 (SIGUSR1); checkpoint "
+                                  f"ck/checkpoint_00000000{step}.pt: continue with --resume\n"), result.stdout
+    if launcher == "train.py":
+        evaluation = run(python_cmd("train.py", *RUN, "--weights", "ck/checkpoint_000000001.pt", "--eval-only"),
+                         cwd=tmp_path, env=clean_env(SIGNAL_AT_BUILD="SIGUSR1"))
+        assert evaluation.returncode == -signal.SIGUSR1, evaluation.stdout + evaluation.stderr
 
 
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])

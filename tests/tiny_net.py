@@ -11,7 +11,8 @@ there already (resumed, requeued) is not held.
 
 SIGNAL_AT_SAVE=NAME sends the signal NAME (SIGINT, SIGTERM) to the process when its weights
 are first read to be saved (state_dict): a stop that comes after the last step, while the
-final weights are written."""
+final weights are written. SIGNAL_AT_BUILD=NAME sends it as the model is first built: before
+training, while the run is still being set up."""
 
 import os
 import signal
@@ -26,6 +27,9 @@ FORWARD_S = 0.05
 class Net(nn.Module):
     def __init__(self, num_classes, in_channels):
         super().__init__()
+        name = os.environ.pop("SIGNAL_AT_BUILD", None)  # once
+        if name:
+            os.kill(os.getpid(), signal.Signals[name])
         self.layers = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                     nn.Dropout(0.1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
         self.forwards = 0  # training steps' forwards, in this process
