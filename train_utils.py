@@ -50,9 +50,9 @@ from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, de
                         size_warning, throughput, validated, validated_ema)
 from engine.memory import device_memory, is_out_of_memory, measured_training
 from engine.models import build_model
-from engine.optimization import (Cycle, check_loss, describe_extension, describe_loss, describe_optimizer, extend,
-                                 first_cycle, fit_optimizer_to_params, kernel_choices, make_scheduler,
-                                 prefill_momentum)
+from engine.optimization import (Cycle, check_loss, check_schedule_length, describe_extension, describe_loss,
+                                 describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
+                                 make_scheduler, prefill_momentum)
 from engine.plugins import load_plugin, own_file, plugin_key
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
@@ -905,6 +905,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
     own = None if args.eval_only else recipe.make_scheduler(optimizer, args, args.epochs * steps)
     schedule_notes = []
+    if own is None and not args.eval_only:  # lr_factor's, tabulated per step: a bounded length
+        check_schedule_length(args.epochs, steps)
     if own is not None:  # what its first step (or its last) would find in a traceback, and a length meant as epochs
         from engine.own_scheduler import check_scheduler, schedule_length_notes
         check_scheduler(own, args.epochs * steps)

@@ -15,10 +15,13 @@ from engine.cli import OneLineParser
 from engine.errors import EXIT_STOPPED, UserError
 from engine.log import flag_value
 from engine.models import DEFAULT_MODEL
-from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN
+from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, available_cores
 from engine.task import DATASETS
 
 MAX_AUTO_WORKERS = 8
+# --num-workers' bound: loader workers (processes; DALI's threads) per CPU core a process may use.
+# More than a few per core only queue for the cores, and a slip (1000) started 1000 processes.
+MAX_WORKERS_PER_CORE = 4
 PRECISIONS = ("auto", "bf16", "fp16", "tf32", "fp32")
 LOADERS = ("auto", "device", "torchvision", "dali")
 # torch.compile's modes, and auto: engine/compiling.compile_mode chooses by device, DDP and --accumulate.
@@ -156,6 +159,11 @@ def check_data_arguments(args, error):
         error(f"--image-size applies to --dataset {FOLDER} (the other data sets have one size already)")
     if args.cache_dir and args.dataset != FOLDER:
         error(f"--cache-dir applies to --dataset {FOLDER} (the other data sets are read as they are)")
+    workers, cores = getattr(args, "num_workers", None), available_cores()  # dataset_utils.py has no --num-workers
+    if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
+        error(f"--num-workers {workers}: more than {MAX_WORKERS_PER_CORE} loader workers for each of the "
+              f"{cores} CPU cores this process may use (at most {MAX_WORKERS_PER_CORE * cores}); leave it out for one "
+              f"per spare core (at most {MAX_AUTO_WORKERS})")
     if args.cache_dir and args.data_dir and among_images(args.cache_dir, args.data_dir):
         error(f"--cache-dir {args.cache_dir} is inside --data-dir {args.data_dir}: the next run would read the cache "
               "as one more class folder; put it beside the images, not among them")
@@ -218,7 +226,8 @@ def build_parser(description, add_recipe_arguments):
     task.add_argument("--num-workers", metavar="N", type=non_negative_int, default=None,
                       help="--loader torchvision: worker processes per training process (default: CPU "
                            f"cores per process - 1, at most {MAX_AUTO_WORKERS}); --loader dali: DALI's CPU threads "
-                           "per process (default: the same number, at least 1)")
+                           "per process (default: the same number, at least 1); at most "
+                           f"{MAX_WORKERS_PER_CORE} per CPU core the process may use")
     task.add_argument("--seed", metavar="N", type=non_negative_int, default=0,
                       help="seed for weights, shuffling, augmentation and dropout (CPU runs repeat exactly)")
 
@@ -397,6 +406,11 @@ def adopt_trained_settings(args, given, saved, error):
             error(f"--weights {path} were trained on --dataset {dataset}: give --dataset FILE.py:NAME (and "
                   "--data-dir) to evaluate them")
         args.dataset = dataset
+    if classes is not None and args.dataset in DATASETS and len(classes) != DATASETS[args.dataset].num_classes:
+        # Known without the data: before a download, or a read, of a data set they cannot be evaluated on.
+        error(f"--weights {path} were trained on other classes ({len(classes)} classes there, "
+              f"{DATASETS[args.dataset].num_classes} in --dataset {args.dataset}): their outputs would be read as the "
+              "wrong labels; use the data set they were trained on")
     same_folder = "data_dir" not in given or (trained.get("data_dir") and os.path.realpath(
         os.path.expanduser(args.data_dir)) == trained["data_dir"])
     if "data_dir" not in given and trained.get("data_dir") and args.dataset == dataset:  # not another data set's
@@ -406,6 +420,11 @@ def adopt_trained_settings(args, given, saved, error):
         recorded["image_size"] = tuple(trained["image_size"])
     if same_folder and trained.get("split"):
         recorded.update(val_fraction=trained["split"]["fraction"], seed=trained["split"]["seed"])
+    elif same_folder and args.dataset == dataset and "val_fraction" in given and args.val_fraction:
+        where = f" of {args.data_dir}" if args.data_dir else ""
+        error(f"--val-fraction {args.val_fraction:g}: --weights {path} were trained on all the training images{where} "
+              "(no --val-fraction), so none is held out: these would score images the weights trained on; leave it "
+              "out to evaluate the test images, or classify images never trained on with predict.py --labelled")
     for name, value in recorded.items():
         if value is None:
             continue

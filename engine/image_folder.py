@@ -212,7 +212,7 @@ def _scan(root, held_out, flag):
             found, others = class_files(folder / name, extensions) if (folder / name).is_dir() else ([], [])
             if not found and split == "train":
                 raise DatasetError(f"{folder / name} holds no image files: add images of class {name}, or remove "
-                                   "the folder (each folder of train/ is a class)")
+                                   f"the folder (each folder of {folder} is a class)")
             files += found
             labels += [label] * len(found)
             ignored += others

@@ -286,8 +286,8 @@ def test_unreadable_images_are_left_out_and_named_and_a_class_of_none_is_one_lin
     ({"train/a/x.png": True}, "no {root}/test/ or {root}/val/"),
     ({"train/a/x.png": True, "test/b/y.png": True}, "class folder(s) b are not in {root}/train"),
     ({"train/a/x.png": True, "train/b/notes.txt": False, "test/a/y.png": True},
-     "{root}/train/b holds no image files: add images of class b, or remove the folder (each folder of train/ is a "
-     "class)"),
+     "{root}/train/b holds no image files: add images of class b, or remove the folder (each folder of {root}/train "
+     "is a class)"),
     ({"train/x.png": True, "test/y.png": True}, "{root}/train has no class folders"),
     # Folders of anything but images (the scripts' own folder, say): not class folders that want --val-fraction.
     ({"engine/a.py": False, "tests/b.py": False, "docs/c.md": False},
@@ -304,6 +304,22 @@ def test_a_folder_in_the_wrong_layout_is_one_line(tmp_path, capsys, layout, expe
     assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--cache-dir", tmp_path / "c", *SMALL) == 2
     [line] = error_lines(capsys.readouterr().err)
     assert expected.format(root=root) in line
+
+
+def test_an_empty_class_folder_beside_the_others_names_their_folder(tmp_path, capsys):
+    """Class folders in the folder itself (--val-fraction): the line said "each folder of train/
+    is a class", of a train/ there is not."""
+    root = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=0, stray=False)
+    shutil.rmtree(root / "test")
+    for folder in (root / "train").iterdir():
+        folder.rename(root / folder.name)
+    (root / "train").rmdir()
+    (root / "horse").mkdir()
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, "--val-fraction", "0.5", "--cache-dir",
+                    tmp_path / "c", *SMALL) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: {root}/horse holds no image files: add images of class horse, or remove the folder (each folder of "
+        f"{root} is a class)"]
 
 
 def test_a_split_that_holds_out_nothing_is_one_line(tmp_path, capsys):

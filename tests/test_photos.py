@@ -4,6 +4,7 @@ network with a new head, and the checks that keep each of them one line when mis
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from conftest import REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd
+from conftest import (REPO, TINY_MODEL, error_lines, python_cmd, read_metrics, run, run_main, torchrun_cmd,
+                      write_image_folder)
 from engine.checkpoints import checkpoint_paths
 from engine.errors import UserError
 from engine.folder_lock import FolderLock
@@ -458,6 +460,31 @@ def test_eval_only_takes_everything_from_the_weights(photos, trained, tmp_path, 
     assert error_lines(capsys.readouterr().err) == [
         f"train.py: error: --image-size 48x48 contradicts --weights {photos / 'w.pt'}, whose training's image "
         "size was 32x32: leave it out, the weights say how their images were prepared (see --help)"]
+
+
+def test_eval_only_with_a_val_fraction_the_weights_never_held_out_is_one_line(tmp_path, capsys, monkeypatch):
+    """Weights trained on all of train/ (no --val-fraction), then --eval-only --val-fraction 0.5:
+    it evaluated half the training images as "held-out images", every one of them trained on,
+    and reported that accuracy with exit 0. And --dataset cifar10 on them downloaded CIFAR-10
+    before its classes were found to differ."""
+    images = write_image_folder(tmp_path / "images", classes=2, n_train=8, n_test=4, stray=False)
+    monkeypatch.chdir(tmp_path)
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", images, *TINY_MODEL, "--epochs", "1",
+                    "--batch-size", "4", "--save-weights", "w.pt") == 0
+    capsys.readouterr()
+    assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--val-fraction", "0.5") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"train.py: error: --val-fraction 0.5: --weights w.pt were trained on all the training images of {images} (no "
+        "--val-fraction), so none is held out: these would score images the weights trained on; leave it out to "
+        "evaluate the test images, or classify images never trained on with predict.py --labelled (see --help)"]
+    # Another data set's class count is known without its files: not downloaded first (no internet here).
+    assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--dataset", "cifar10") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "train.py: error: --weights w.pt were trained on other classes (2 classes there, 10 in --dataset cifar10): "
+        "their outputs would be read as the wrong labels; use the data set they were trained on (see --help)"]
+    assert not (tmp_path / "datasets").exists()
+    assert run_main("train.py", "--eval-only", "--weights", "w.pt") == 0  # the test images, as training's
+    assert re.search(r"Evaluation: Loss=[\d.]+, Accuracy=[\d.]+ on all 8 test images\n", capsys.readouterr().out)
 
 
 def test_eval_only_on_a_folder_changed_since_training_is_one_line(photos, trained, capsys, monkeypatch):

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-
+import train_utils as tu
 from conftest import FAST, TINY_MODEL, clean_env, error_lines, python_cmd, read_metrics, run, run_main, write_cifar100
+from engine import optimization
+from engine.errors import UserError
 from model import WideResNet
 
 REQUIRED = {"epoch", "train_loss", "val_loss", "val_accuracy", "epoch_time_s", "images_per_sec", "lr", "world_size"}
@@ -191,6 +193,35 @@ def test_the_start_up_block_confirms_the_weights(tmp_path, cifar_dir, capsys):
                     "--batch-size", "4", "--weights", weights)
     out = capsys.readouterr().out
     assert code == 0 and f"\nWeights: loaded from {weights}\n" in out
+
+
+def test_an_epochs_too_long_to_tabulate_is_one_line_before_the_start_up_block(tmp_path):
+    """--epochs 1000000000 (3 steps each): lr_factor's schedule, computed per step at start, was
+    minutes of start-up with gigabytes of memory growing, and a SIGTERM meanwhile was not taken.
+    Now one line, before anything else; the longest schedule tabulated still starts."""
+    cmd = python_cmd("train.py", "--synthetic", *TINY_MODEL, "--epochs", "1000000000", "--limit-batches", "3",
+                     "--batch-size", "4")
+    result = run(cmd, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert error_lines(result.stderr) == [
+        "error: --epochs 1000000000: 3,000,000,000 optimizer steps (3 steps per epoch), more than the 10,000,000 "
+        "lr_factor's schedule is computed for at start (MAX_SCHEDULE_STEPS in engine/optimization.py); lower "
+        "--epochs, or return a torch scheduler of your own from recipe.make_scheduler"]
+    optimization.check_schedule_length(optimization.MAX_SCHEDULE_STEPS // 4, 4)
+    with pytest.raises(UserError, match=r"^--epochs 2500001: 10,000,004 optimizer steps \(4 steps per epoch\)"):
+        optimization.check_schedule_length(optimization.MAX_SCHEDULE_STEPS // 4 + 1, 4)
+
+
+def test_num_workers_by_the_thousand_is_one_line(capsys):
+    """--num-workers 1000 on 2 cores started about 1000 worker processes, PyTorch's multi-line
+    warning the only word; now more than 4 a core is refused, and 4 a core is taken."""
+    cores = len(os.sched_getaffinity(0))
+    assert run_main("train.py", "--synthetic", "--loader", "torchvision", "--num-workers", 4 * cores + 1) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"train.py: error: --num-workers {4 * cores + 1}: more than 4 loader workers for each of the {cores} CPU "
+        f"cores this process may use (at most {4 * cores}); leave it out for one per spare core (at most 8) (see "
+        "--help)"]
+    assert tu.parse_args("test", ["--synthetic", "--num-workers", str(4 * cores)]).num_workers == 4 * cores
 
 
 def test_num_workers_beside_the_device_loader_is_said_to_have_no_effect(capsys):
