@@ -663,9 +663,11 @@ def build_data(args, ctx, listed=False, normalization=None):
     if args.dataset in DATASETS:
         train, test, info = builtin_data(args, ctx)
     elif args.dataset == FOLDER:
-        if args.eval_only and not args.val_fraction:  # a folder the weights were not validated on
-            from engine.weights import check_evaluable  # --eval-only only
-            check_evaluable(args.data_dir, args.weights)
+        if args.eval_only:
+            from engine.weights import check_evaluable, check_folder_classes  # --eval-only only
+            if not args.val_fraction:  # a folder the weights were not validated on
+                check_evaluable(args.data_dir, args.weights)
+            check_folder_classes(args.data_dir, args.weights)  # before the images are decoded
         train, test, info = (folder_list_data if listed else folder_data)(args, ctx)
     else:  # global rank 0 first, so that a NAME that downloads or unpacks does it once; then the others
         loaded = {}

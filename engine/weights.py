@@ -193,23 +193,41 @@ def load_weights(model, path, model_name=None, expected=None, evaluating=False):
     is not one, does not fit ``model``, or was trained on other classes than ``expected``'s
     (naming --finetune, which starts from them with a new head, unless ``evaluating``)."""
     saved = read_weights(path)
-    classes, wanted = saved.metadata.get("classes"), (expected or {}).get("classes")
-    # Numbers name the classes of --synthetic, and of the built-in data sets in weights saved before their names were
-    # read: only the count can differ then.
-    numbered = classes is not None and list(classes) == [str(label) for label in range(len(classes))]
-    if classes is not None and wanted is not None and list(classes) != list(wanted) and not (
-            numbered and len(classes) == len(wanted)):
-        if len(classes) == len(wanted):
-            label = next(i for i, (a, b) in enumerate(zip(classes, wanted)) if a != b)
-            detail = f"label {label} is {classes[label]!r} there and {wanted[label]!r} here"
-        else:
-            detail = f"{len(classes)} classes there, {len(wanted)} here"
-        raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
-                        "read as the wrong labels; use the data set they were trained on"
-                        + ("" if evaluating else ", or --finetune to start from them with a new head"))
+    check_classes(saved.metadata.get("classes"), (expected or {}).get("classes"), path, evaluating)
     # After the classes: weights for other classes do not fit the head either, and their names say more.
     check_state_fits(model, saved.state, f"--weights {path}", model_name, finetune_path=None if evaluating else path)
     model.load_state_dict(saved.state)
+
+
+def check_classes(classes, wanted, path, evaluating=False):
+    """One line where the --weights ``path``, trained on ``classes`` (None: not recorded), would
+    be read as the labels ``wanted`` (None: unknown) of other classes."""
+    # Numbers name the classes of --synthetic, and of the built-in data sets in weights saved before their names were
+    # read: only the count can differ then.
+    numbered = classes is not None and list(classes) == [str(label) for label in range(len(classes))]
+    if classes is None or wanted is None or list(classes) == list(wanted) or (numbered and len(classes) == len(wanted)):
+        return
+    if len(classes) == len(wanted):
+        label = next(i for i, (a, b) in enumerate(zip(classes, wanted)) if a != b)
+        detail = f"label {label} is {classes[label]!r} there and {wanted[label]!r} here"
+    else:
+        detail = f"{len(classes)} classes there, {len(wanted)} here"
+    raise UserError(f"--weights {path} were trained on other classes ({detail}): their outputs would be "
+                    "read as the wrong labels; use the data set they were trained on"
+                    + ("" if evaluating else ", or --finetune to start from them with a new head"))
+
+
+def check_folder_classes(data_dir, weights):
+    """--eval-only on an image folder whose class folders are not the classes the --weights
+    record: check_classes' line from the folders' names, before the images are decoded
+    (minutes for a large folder, and a cache on disk) to be refused by load_weights."""
+    from engine.image_folder import split_folders
+    try:
+        folders, _ = split_folders(Path(data_dir).expanduser(), held_out=True)
+        names = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and not p.name.startswith("."))
+    except (UserError, OSError, KeyError):  # no folder, no class folders, mixed layouts: the scan's line says it
+        return
+    check_classes(read_weights(weights, mmap=True).metadata.get("classes"), names, weights, evaluating=True)
 
 
 def _strip_prefixes(state):

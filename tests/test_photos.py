@@ -465,8 +465,8 @@ def test_eval_only_takes_everything_from_the_weights(photos, trained, tmp_path, 
 def test_eval_only_with_a_val_fraction_the_weights_never_held_out_is_one_line(tmp_path, capsys, monkeypatch):
     """Weights trained on all of train/ (no --val-fraction), then --eval-only --val-fraction 0.5:
     it evaluated half the training images as "held-out images", every one of them trained on,
-    and reported that accuracy with exit 0. And --dataset cifar10 on them downloaded CIFAR-10
-    before its classes were found to differ."""
+    and reported that accuracy with exit 0. And --dataset cifar10 on them downloaded CIFAR-10,
+    and a folder of 3 classes was decoded whole, before the classes were found to differ."""
     images = write_image_folder(tmp_path / "images", classes=2, n_train=8, n_test=4, stray=False)
     monkeypatch.chdir(tmp_path)
     assert run_main("train.py", "--dataset", "folder", "--data-dir", images, *TINY_MODEL, "--epochs", "1",
@@ -483,6 +483,13 @@ def test_eval_only_with_a_val_fraction_the_weights_never_held_out_is_one_line(tm
         "train.py: error: --weights w.pt were trained on other classes (2 classes there, 10 in --dataset cifar10): "
         "their outputs would be read as the wrong labels; use the data set they were trained on (see --help)"]
     assert not (tmp_path / "datasets").exists()
+    # So is an image folder's, from its class folders' names: not after its images are decoded into a cache.
+    other = write_image_folder(tmp_path / "other", classes=3, n_train=2, n_test=1, stray=False)
+    assert run_main("train.py", "--eval-only", "--weights", "w.pt", "--data-dir", other, "--cache-dir", "c") == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: --weights w.pt were trained on other classes (2 classes there, 3 here): their outputs would be read "
+        "as the wrong labels; use the data set they were trained on"]
+    assert not (tmp_path / "c").exists()
     assert run_main("train.py", "--eval-only", "--weights", "w.pt") == 0  # the test images, as training's
     assert re.search(r"Evaluation: Loss=[\d.]+, Accuracy=[\d.]+ on all 8 test images\n", capsys.readouterr().out)
 
