@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.cli import OneLineParser
-from engine.errors import DatasetError, UserError, first_line, size_text
+from engine.errors import DatasetError, UserError, first_line, size_text, stop_request_held
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
@@ -281,9 +281,18 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
         check_image_transforms(train_set, transform)
     train_set = train_set.with_transform(transform)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
-    return (DataLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
-                       generator=torch.Generator().manual_seed(seed), **common),
-            DataLoader(test_set, sampler=test_sampler, **common))
+    return (WorkerLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
+                         generator=torch.Generator().manual_seed(seed), **common),
+            WorkerLoader(test_set, sampler=test_sampler, **common))
+
+
+class WorkerLoader(DataLoader):
+    """A DataLoader whose worker processes, started by its first iterator, do not take the
+    stop request meant for the training process (engine.errors.stop_request_held)."""
+
+    def __iter__(self):
+        with stop_request_held():
+            return super().__iter__()
 
 
 def with_image_transforms(train_set, transforms):

@@ -4,15 +4,17 @@ request after its checkpoint (TrainingStopped); and the line of a write that fai
 disk or the quota is full, with the space it needed and the space free, so the user knows what
 to clear.
 engine/cli.py turns each into its line and exit status; before that, quiet_interrupt keeps
-Ctrl-C during the entry point's imports from ending in a traceback, and hold_stop_request keeps
-a SIGUSR1 for training to take. No torch import
-(tools/report.py uses it on any machine, and the entry points import it before torch).
+Ctrl-C during the entry point's imports from ending in a traceback, hold_stop_request keeps a
+SIGUSR1 for training to take, and stop_request_held keeps it from the processes a run starts.
+No torch import (tools/report.py uses it on any machine, and the entry points import it before
+torch).
 """
 
 import errno
 import re
 import shutil
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -43,6 +45,23 @@ def release_stop_request():
     later one as it comes. A no-op where nothing blocked it."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+
+@contextmanager
+def stop_request_held():
+    """SIGUSR1 blocked inside, so that the processes started there inherit the block: a
+    DataLoader's workers, and the forkserver and resource tracker of multiprocessing (Python
+    3.14's default start method), which would die of a SIGUSR1 sent to the whole job step and
+    leave a screen of tracebacks after a correct stop. One that comes meanwhile is delivered
+    to this process as the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class UserError(Exception):

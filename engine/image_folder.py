@@ -128,6 +128,11 @@ def _visible(path):
     return not path.name.startswith(".")
 
 
+def class_folders(folder):
+    """The sorted names of the class folders in ``folder`` (a split's): its visible folders."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and _visible(p))
+
+
 def image_folder_layout(root, most=100):
     """The layout (FLAT or SPLIT) of ``root`` when it is an image folder, else None. For the
     --data-dir of a built-in data set whose files are missing: --dataset folder forgotten, not
@@ -196,7 +201,7 @@ def _scan(root, held_out, flag):
     if not root.is_dir():
         raise DatasetError(f"{flag} {root}: {'a file, not a folder' if root.exists() else 'no such folder'}")
     folders, layout = split_folders(root, held_out, flag)
-    classes = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and _visible(p))
+    classes = class_folders(folders["train"])
     if not classes:
         raise DatasetError(f"{folders['train']} has no class folders (expected {folders['train']}/CLASS/IMAGE)")
     extensions = image_extensions()

@@ -9,6 +9,7 @@ models) is an RGB network: it gets none, and gray data is refused in one line.
 
 import inspect
 import re
+import warnings
 
 import torch
 import torch.nn as nn
@@ -42,19 +43,24 @@ def build_model(ref, data, seed, device, layout, weights=None, evaluating=False)
     factory = load_plugin(ref, "--model")
     height, width, channels = data.prep.image_shape
     torch.manual_seed(seed)  # each epoch then reseeds per rank (seeds.epoch_seed)
-    model, name = make_model(factory, ref, num_classes=len(data.classes), in_channels=channels,
-                             image_size=(height, width))
-    shape = (channels, height, width)
-    # Probed on its device (a model may use operations only the GPU has), first in NCHW, which
-    # gives lazy modules their shapes, then in the layout training feeds it (x.view fails on
-    # channels_last).
-    model = model.to(device)
-    # --image-size sets the size of an image folder's images only (the only data with a data_dir).
-    check_output(model, ref, shape, len(data.classes), device, resizable=data.data_dir is not None,
-                 trains=not evaluating)
-    model = model.to(memory_format=layout)
-    if layout != torch.contiguous_format:
-        check_output(model, ref, shape, len(data.classes), device, layout, trains=not evaluating)
+    # The model's own warnings (torchvision's googlenet warns of its initialization) are shown once it
+    # is accepted: above the one line that refuses it they would only hide that line.
+    with warnings.catch_warnings(record=True) as said:
+        model, name = make_model(factory, ref, num_classes=len(data.classes), in_channels=channels,
+                                 image_size=(height, width))
+        shape = (channels, height, width)
+        # Probed on its device (a model may use operations only the GPU has), first in NCHW, which
+        # gives lazy modules their shapes, then in the layout training feeds it (x.view fails on
+        # channels_last).
+        model = model.to(device)
+        # --image-size sets the size of an image folder's images only (the only data with a data_dir).
+        check_output(model, ref, shape, len(data.classes), device, resizable=data.data_dir is not None,
+                     trains=not evaluating)
+        model = model.to(memory_format=layout)
+        if layout != torch.contiguous_format:
+            check_output(model, ref, shape, len(data.classes), device, layout, trains=not evaluating)
+    for warning in said:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if weights:
         from engine.weights import load_weights  # --weights only
         load_weights(model, weights, name, expected=data.weights_metadata(), evaluating=evaluating)

@@ -221,10 +221,10 @@ def check_folder_classes(data_dir, weights):
     """--eval-only on an image folder whose class folders are not the classes the --weights
     record: check_classes' line from the folders' names, before the images are decoded
     (minutes for a large folder, and a cache on disk) to be refused by load_weights."""
-    from engine.image_folder import split_folders
+    from engine.image_folder import class_folders, split_folders
     try:
         folders, _ = split_folders(Path(data_dir).expanduser(), held_out=True)
-        names = sorted(p.name for p in folders["train"].iterdir() if p.is_dir() and not p.name.startswith("."))
+        names = class_folders(folders["train"])
     except (UserError, OSError, KeyError):  # no folder, no class folders, mixed layouts: the scan's line says it
         return
     check_classes(read_weights(weights, mmap=True).metadata.get("classes"), names, weights, evaluating=True)

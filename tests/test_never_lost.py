@@ -545,6 +545,31 @@ def test_a_stop_request_before_training_starts_stops_it_after_its_first_step(tmp
         assert evaluation.returncode == -signal.SIGUSR1, evaluation.stdout + evaluation.stderr
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_stop_request_to_the_whole_job_step_spares_the_loaders_processes(tmp_path, start_method):
+    """scancel --signal=USR1 signals every process of the job step: the DataLoader's workers,
+    and under forkserver (Python 3.14's default start method; set here by a sitecustomize) the
+    forkserver and multiprocessing's resource tracker, which died of it. The run still
+    stopped (exit 75), but with a screen of resource-tracker tracebacks after its line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import multiprocessing\nmultiprocessing.set_start_method({start_method!r})\n")
+    data = write_image_folder(tmp_path / "data", n_train=12, n_test=4)
+    go, log = tmp_path / "go", tmp_path / "run.log"
+    cmd = python_cmd("train.py", "--dataset", "folder", "--data-dir", data, "--loader", "torchvision",
+                     "--num-workers", "2", "--epochs", "1", "--batch-size", "4", "--cache-dir", tmp_path / "cache",
+                     *TINY_MODEL)
+    process = start(cmd, tmp_path, log, env=clean_env(HOLD_AT=f"2:{go}", PYTHONPATH=site))
+    wait_held(go, process)  # the workers are running, and so are the forkserver and the resource tracker
+    os.killpg(process.pid, signal.SIGUSR1)
+    go.touch()
+    assert process.wait(120) == EXIT_STOPPED, log.read_text()
+    output = log.read_text()
+    assert output.endswith("Stopped after step 2 of epoch 1 (SIGUSR1); nothing saved (no --checkpoint-dir)\n"), output
+    assert "Traceback" not in output and "died unexpectedly" not in output, output
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_stop_after_the_last_step_waits_for_the_final_weights(tmp_path, name):
     """Ctrl-C or scancel while the summary is printed and --save-weights written (here: as the

@@ -564,7 +564,6 @@ BAD_MODELS = {
 
 
 @pytest.mark.parametrize("case", BAD_MODELS)
-@pytest.mark.filterwarnings("ignore:The default weight initialization of GoogleNet:FutureWarning")  # torchvision's
 def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     source, ref, expected = BAD_MODELS[case]
     (tmp_path / "my_net.py").write_text(source)
@@ -576,6 +575,31 @@ def test_every_bad_model_is_one_line(tmp_path, capsys, monkeypatch, case):
     [line] = error_lines(err)
     assert line.startswith(expected.format(tmp=tmp_path, torchvision=Path(torchvision.__file__).parent)), line
     assert "Traceback" not in err
+
+
+WARNS = ("import warnings\nimport torch.nn as nn\nclass Net(nn.Module):\n"
+         "    def __init__(self, num_classes, in_channels):\n        super().__init__()\n"
+         "        warnings.warn('the default initialization will change', FutureWarning)\n"
+         "        self.head = nn.LazyLinear(num_classes)\n\n"
+         "    def forward(self, x):\n        x = x.flatten(1)\n"
+         "        return (self.head(x), self.head(x)) if self.training and AUX else self.head(x)\n")
+
+
+@pytest.mark.parametrize("aux", [True, False])
+def test_a_models_own_warning_is_shown_when_it_trains_and_not_above_its_refusal(tmp_path, aux):
+    """torchvision's googlenet warns of its initialization as it is built: two lines above the
+    one line that refuses its auxiliary outputs. A model that is accepted still shows it."""
+    (tmp_path / "my_net.py").write_text(f"AUX = {aux}\n" + WARNS)
+    result = run(python_cmd("train.py", "--synthetic", "--model", "my_net.py:Net", "--epochs", "1",
+                            "--limit-batches", "1", "--batch-size", "4", *FAST), cwd=tmp_path)
+    if aux:
+        assert result.returncode == 2
+        assert result.stderr.startswith("error: --model my_net.py:Net maps images (2, 3, 32, 32) in training mode "
+                                        "to tuple"), result.stderr
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert "FutureWarning: the default initialization will change" in result.stderr
 
 
 def test_a_folder_on_the_import_path_named_as_the_model_is_one_line(tmp_path, capsys, monkeypatch):
