@@ -34,10 +34,12 @@ rank). They draw the same distribution of crops, not the same crops.
 """
 
 import math
+import mmap
 import sys
 from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -461,6 +463,20 @@ class InMemoryImages(Dataset):
     def __len__(self):
         return len(self.labels)
 
+    def __getstate__(self):
+        """What a DataLoader worker that is not forked receives (forkserver, Python 3.14's default
+        start method; spawn): a memory-mapped image cache as its file's name, which the worker maps
+        again. Pickled, a memory map is a copy of every image, in each worker of each loader."""
+        state = dict(self.__dict__)
+        if isinstance(self.source, np.memmap) and isinstance(self.source.base, mmap.mmap):  # a whole file's array
+            state["source"] = MappedImages(self.source.filename, self.source.mode, self.source.shape)
+        return state
+
+    def __setstate__(self, state):
+        if isinstance(state["source"], MappedImages):
+            state["source"] = state["source"].open()
+        self.__dict__.update(state)
+
     def __getitem__(self, key):
         index, seed = key if isinstance(key, tuple) else (key, None)
         row = index if self.rows is None else self.rows[index]
@@ -476,6 +492,20 @@ class InMemoryImages(Dataset):
                                 f"{index} (stored {stored}); " + LOADER_TAKES.format(*self.prep.image_shape))
         image = centre_crop(image.permute(1, 2, 0)[None], self.prep.image_shape[:2])  # (1, h, w, C); test images
         return normalize(image, *self.scale_shift)[0].contiguous(), int(self.labels[index])
+
+
+class MappedImages(NamedTuple):
+    """A memory-mapped .npy file of images, as InMemoryImages is pickled for a worker."""
+    path: str
+    mode: str  # np.load's mmap_mode
+    shape: tuple
+
+    def open(self):
+        images = np.load(self.path, mmap_mode=self.mode)
+        if images.shape != self.shape:  # replaced since the training process mapped it
+            raise DatasetError(f"{self.path} changed while training read it: images {images.shape}, not "
+                               f"{self.shape}", same_on_every_rank=False)
+        return images
 
 
 class FileImages:

@@ -2,6 +2,8 @@
 guide's distribution and pixels in each (the device loader's batched operations, torchvision's
 transforms in the DataLoader), and augmentation that a restarted run repeats exactly."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -215,3 +217,26 @@ def test_torchvision_augmentation_does_not_depend_on_workers_or_restarts(cifar_d
 
     assert keys(1) == keys(1) != keys(2)  # each epoch augments anew
     assert [index for index, _ in keys(1)] == list(range(64)) and len({seed for _, seed in keys(1)}) == 64
+
+
+def test_a_memory_mapped_cache_goes_to_a_worker_by_its_file_not_as_a_copy(tmp_path):
+    """Under forkserver (Python 3.14's default start method) and spawn, the DataLoader pickles
+    its data set for each worker: an image folder's memory-mapped cache (engine/image_cache.py
+    maps it copy-on-write) was copied whole into every worker of both loaders."""
+    images = np.random.default_rng(0).integers(0, 256, (64, 32, 32, 3), dtype=np.uint8)
+    np.save(tmp_path / "train_images.npy", images)
+    mapped = np.load(tmp_path / "train_images.npy", mmap_mode="c")
+    train = du.InMemoryImages(mapped, np.arange(64) % 4, CIFAR).with_transform(recipe.loader_transforms(CIFAR))
+    for dataset in (train, train.subset([3, 5, 60])):
+        pickled = pickle.dumps(dataset)
+        assert len(pickled) < images.nbytes / 20, len(pickled)
+        received = pickle.loads(pickled)
+        assert isinstance(received.source, np.memmap) and received.source.mode == "c"
+        for key in (0, (2, 7)):  # a test image, and a training image with its seed
+            assert torch.equal(received[key][0], dataset[key][0]) and received[key][1] == dataset[key][1]
+    assert len(pickle.dumps(du.InMemoryImages(images, np.arange(64), CIFAR))) > images.nbytes  # in memory: whole
+    np.save(tmp_path / "rebuilt.npy", images[:10])  # the cache rebuilt meanwhile: refused, never read as other images
+    (tmp_path / "rebuilt.npy").replace(tmp_path / "train_images.npy")
+    with pytest.raises(du.DatasetError, match="changed while training read it: images \\(10, 32, 32, 3\\), not "
+                                              "\\(64, 32, 32, 3\\)"):
+        pickle.loads(pickle.dumps(train))
