@@ -35,6 +35,8 @@ rank). They draw the same distribution of crops, not the same crops.
 
 import math
 import mmap
+import multiprocessing
+import pickle
 import sys
 from dataclasses import dataclass, replace
 from itertools import islice
@@ -282,6 +284,8 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
     if train_set.prep.per_image is not None:
         check_image_transforms(train_set, transform)
     train_set = train_set.with_transform(transform)
+    if num_workers:
+        check_sendable(transform, num_workers, multiprocessing.get_start_method())
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
     return (WorkerLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
                          generator=torch.Generator().manual_seed(seed), **common),
@@ -295,6 +299,22 @@ class WorkerLoader(DataLoader):
     def __iter__(self):
         with stop_request_held():
             return super().__iter__()
+
+
+def check_sendable(transform, num_workers, start_method):
+    """The DataLoader's workers that are not forked (``start_method`` forkserver, Python 3.14's
+    default, or spawn) receive the training set pickled, recipe.py's transforms with it: a lambda
+    or a function defined inside another among them failed as the first epoch began, in a
+    traceback."""
+    if start_method == "fork":
+        return
+    try:
+        pickle.dumps(transform)
+    except Exception as err:
+        raise UserError(f"the DataLoader's {num_workers} worker processes (--num-workers) receive recipe.py's "
+                        f"per-image transforms pickled (Python's start method {start_method!r}), and they cannot be: "
+                        f"{type(err).__name__}: {first_line(err)}; define each function at the top of recipe.py, not "
+                        "as a lambda or inside another function, or give --num-workers 0") from None
 
 
 def with_image_transforms(train_set, transforms):

@@ -192,6 +192,37 @@ def test_a_scheduler_or_loss_the_step_cannot_use_is_one_line_at_start(project, t
     assert result.returncode == 2 and error_lines(result.stderr) == [f"error: {expected}"], result.stderr
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_lambda_among_the_image_transforms_is_one_line_where_workers_are_not_forked(project, tmp_path,
+                                                                                       start_method):
+    """v2.Lambda(lambda image: ...) in recipe.image_transforms: under forkserver (Python 3.14's
+    default start method; set here by a sitecustomize) the DataLoader pickles it for each worker,
+    which failed as the first epoch began, in a traceback. Forked workers need no pickle."""
+    shutil.copytree(project, tmp_path / "edited")
+    edited = tmp_path / "edited" / "recipe.py"
+    source = edited.read_text()
+    assert "        # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here\n" in source
+    edited.write_text(source.replace("        # v2.ColorJitter(0.4, 0.4, 0.4),  # yours here\n",
+                                     "        v2.Lambda(lambda image: image),\n"))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        f"import multiprocessing\nmultiprocessing.set_start_method({start_method!r})\n")
+    result = run(single(*BASE, *PHOTOS, "--epochs", "1", "--loader", "torchvision", "--num-workers", "2",
+                        "--cache-dir", tmp_path / "cache"),
+                 cwd=tmp_path / "edited", env=clean_env(PYTHONPATH=tmp_path / "site"))
+    if start_method == "fork":
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode == 2, result.stderr
+    [line] = error_lines(result.stderr)  # pickle's own words (AttributeError: Can't pickle local object ...) vary
+    assert line.startswith("error: the DataLoader's 2 worker processes (--num-workers) receive recipe.py's per-image "
+                           "transforms pickled (Python's start method 'forkserver'), and they cannot be: "), line
+    assert "image_transforms.<locals>.<lambda>" in line and line.endswith(
+        "; define each function at the top of recipe.py, not as a lambda or inside another function, or give "
+        "--num-workers 0"), line
+    assert "Training" not in result.stdout  # before the start-up block
+
+
 def test_the_schedulers_and_losses_a_step_cannot_use_are_named():
     from engine.optimization import check_loss
     from engine.own_scheduler import check_scheduler
