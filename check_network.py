@@ -37,7 +37,9 @@ read), and rank 0 reports what NCCL chose: the aws-ofi-nccl (Libfabric) plugin o
 Slingshot, or plain TCP sockets when the plugin was not found, which a multi-node run
 states as a WARNING. The temporary logs are removed at the end.
 
-Exit status: 0 the check passed; 2 a bad command line or environment; 3 an all-reduce
+Exit status: 0 the check passed; 1 this node's network setup cannot run it (an interface
+GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names that the node lacks, NCCL_NET's plugin not
+loading); 2 a bad command line or another setting; 3 an all-reduce
 gave a wrong value (one line naming the size, the iterations, the ranks and their hosts);
 4 the busbw of the largest size is below --min-busbw; 5 a rank stopped responding or a
 collective failed (one line naming the ranks that did not answer). On GPUs the check sets

@@ -66,8 +66,9 @@ def continues_run(directory, resume):
                         f"{existing[0].name}); continue that run with --resume, or give this run another "
                         "--checkpoint-dir")
     if directory and (Path(directory) / BEST_WEIGHTS).exists():  # its checkpoints gone, its best weights not
-        raise UserError(f"--checkpoint-dir {directory} holds {BEST_WEIGHTS}, another run's best weights: move them "
-                        "elsewhere, or give this run another --checkpoint-dir")
+        raise UserError(f"--checkpoint-dir {directory} holds {BEST_WEIGHTS} (an earlier run's best weights, or a file "
+                        "of your own), which this run would replace: move it elsewhere, or give this run another "
+                        "--checkpoint-dir")
     return False
 
 

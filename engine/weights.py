@@ -150,8 +150,11 @@ def read_weights(path, flag="--weights", mmap=False):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"{flag} {path}: no such file", same_on_every_rank=False) from None
-    except IsADirectoryError:
-        raise UserError(f"{flag} {path} is a folder, not a weights file", same_on_every_rank=False) from None
+    except IsADirectoryError:  # a checkpoint folder, often: the file in it that is meant
+        meant = next((Path(path) / name for name in ("model_best.pt", "weights.pt") if (Path(path) / name).is_file()),
+                     None)
+        raise UserError(f"{flag} {path} is a folder, not a weights file"
+                        + (f"; did you mean {meant}?" if meant else ""), same_on_every_rank=False) from None
     except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
         if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):  # weights_only refused a class
             raise UserError(f"{flag} {path} holds pickled Python objects (a whole model saved with "

@@ -363,7 +363,7 @@ def warned_job(tmp_path, env, *args):
                 env={**env, "HOLD_AT": f"{STEPS_PER_EPOCH + 1}:{go}"})
     wait_held(go, job)
     job.send_signal(signal.SIGUSR1)
-    wait_for_path(tmp_path / f".singlegpu_{JOB_ID}.stop", job)
+    wait_for_path(tmp_path / f".singlegpu_{env.get('SLURM_JOB_ID', 'local')}.stop", job)
     time.sleep(STOP_FILE_POLL_S * 1.5)
     go.touch()
     assert job.wait(timeout=120) == 0
@@ -449,6 +449,20 @@ def test_a_job_too_short_for_the_stop_margin_is_not_requeued(tmp_path):
                      rf"{re.escape(again)} --checkpoint-dir "
                      rf"checkpoints/singlegpu_{JOB_ID}$", log, re.M), log
     assert "scontrol requeue" not in (tmp_path / "stub.log").read_text()
+
+
+@pytest.mark.parametrize("requeue_min_s", [0, 300])
+def test_a_job_script_run_outside_slurm_stops_on_usr1_and_says_how_to_go_on(tmp_path, requeue_min_s):
+    """bash singlegpu_job.sh at a terminal, then kill -USR1: training stopped with its
+    checkpoint, and then the requeue read SLURM_JOB_ID, unset, under set -u: "unbound
+    variable", exit 1."""
+    env = job_env(tmp_path, REQUEUE_MIN_S=requeue_min_s)
+    del env["SLURM_JOB_ID"]
+    log = warned_job(tmp_path, env)
+    assert "Stopped after step 1 of epoch 2 (--stop-file " in log and "checkpoints/singlegpu_local/checkpoint_" in log
+    assert log.endswith("Not requeueing: this is not a Slurm job (no SLURM_JOB_ID); the same command continues from "
+                        "checkpoints/singlegpu_local (--resume=auto)\n"), log
+    assert "scontrol" not in (tmp_path / "stub.log").read_text()
 
 
 def test_a_job_whose_training_ended_before_the_stop_is_not_requeued(tmp_path):
@@ -599,6 +613,32 @@ def test_missing_container_is_a_clear_error(tmp_path, script):
     result = run_job(script, tmp_path, env)
     assert result.returncode == 2
     assert result.stderr == f"error: container image {tmp_path / 'missing.sif'} not found (set CONTAINER_PATH)\n"
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS)
+@pytest.mark.parametrize("missing", ["apptainer", "TORCHRUN_PATH"])
+def test_no_apptainer_or_no_torchrun_in_the_container_is_one_line(tmp_path, script, missing):
+    """Without apptainer on the node the job said "apptainer: command not found" (exit 127); with
+    TORCHRUN_PATH not in the container, "Running train.py ..." and then "No such file" (127)."""
+    env = job_env(tmp_path, SLURM_GPUS_ON_NODE=1, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="n1")
+    if missing == "apptainer":
+        bare = tmp_path / "bin"  # the stubs but apptainer, and the system's programs
+        bare.mkdir()
+        for stub in STUBS.iterdir():
+            if stub.name != "apptainer":
+                (bare / stub.name).symlink_to(stub)
+        env["PATH"] = f"{bare}{os.pathsep}{env['PATH'].split(os.pathsep, 1)[1]}"
+        expected = (f"error: apptainer not found on this node's PATH: the job runs training with it, in "
+                    f"CONTAINER_PATH={tmp_path / 'pytorch.sif'}")
+    else:
+        env["TORCHRUN_PATH"] = "/nonexistent/torchrun"
+        expected = (f"error: TORCHRUN_PATH=/nonexistent/torchrun is not a program in the container "
+                    f"{tmp_path / 'pytorch.sif'} (apptainer exec {tmp_path / 'pytorch.sif'} which torchrun shows its "
+                    "own)")
+    result = run_job(script, tmp_path, env)
+    assert (result.returncode, result.stderr) == (2, expected + "\n")
+    stubs_ran = (tmp_path / "stub.log").read_text() if (tmp_path / "stub.log").exists() else ""
+    assert "Running" not in result.stdout and "srun" not in stubs_ran and "nvidia-smi" not in stubs_ran
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)

@@ -258,6 +258,17 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out == ""  # to stdout: no CSV header alone either
 
 
+def test_a_checkpoint_folder_given_as_weights_names_the_weights_in_it(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(trained)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    assert one_line_error(capsys, *MODEL, "--weights", folder, "imgs/test") == (
+        2, f"error: --weights {folder} is a folder, not a weights file")
+    shutil.copy(trained / "w.pt", folder / "model_best.pt")  # what --checkpoint-dir keeps: its best epoch's
+    assert one_line_error(capsys, *MODEL, "--weights", folder, "imgs/test") == (
+        2, f"error: --weights {folder} is a folder, not a weights file; did you mean {folder / 'model_best.pt'}?")
+
+
 def test_a_reader_that_closes_stdout_ends_it_quietly(trained, tmp_path):
     """predict.py ... | head: once the reader has the rows it wanted and closes the pipe,
     predict.py ends as Unix tools do: no line, and 141, the status SIGPIPE gives them; but only

@@ -44,7 +44,8 @@ whole_number() {  # whole_number NAME UNIT: NAME's value is a whole number of UN
 decimal_re='^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$'  # a non-negative decimal, as Python's float() reads it
 zero_re='^0*[.]?0*([eE].*)?$'  # 0, 0.0, 0e5: nothing would train
 
-# PER_GPU_BATCH, BASE_LR, GPU_LOG_INTERVAL, CONTAINER_PATH, REQUEUE_MIN_S and STOP_FILE, and the
+# PER_GPU_BATCH, BASE_LR, GPU_LOG_INTERVAL, CONTAINER_PATH (and apptainer to run it, and
+# TORCHRUN_PATH in it), REQUEUE_MIN_S and STOP_FILE, and the
 # GPU log: the folder of GPU_LOG_VARIABLE's value (GPU_LOG_FILE, or GPU_LOG_PREFIX for a file per
 # node), since nvidia-smi appends to it in the background, where a failure is silent, and the
 # GPU_LOG files known now (check_gpu_log).
@@ -65,6 +66,14 @@ check_job_settings() {  # check_job_settings GPU_LOG_VARIABLE [GPU_LOG...]
         check_gpu_log "$gpu_log" "$1"
     done
     [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
+    command -v apptainer >/dev/null ||
+        die "apptainer not found on this node's PATH: the job runs training with it, in CONTAINER_PATH=$CONTAINER_PATH"
+    # TORCHRUN_PATH is a program inside the container (the guide's /usr/local/bin/torchrun).
+    # shellcheck disable=SC2016  # $1 is the container shell's: TORCHRUN_PATH, passed as its argument
+    [[ -z "$TORCHRUN_PATH" ]] ||
+        apptainer exec "$CONTAINER_PATH" sh -c 'command -v "$1" >/dev/null' sh "$TORCHRUN_PATH" ||
+        die "TORCHRUN_PATH=$TORCHRUN_PATH is not a program in the container $CONTAINER_PATH" \
+            "(apptainer exec $CONTAINER_PATH which torchrun shows its own)"
     [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
     # STOP_FILE is the job's own: created empty, removed when training stops on it and when the
     # job ends, left behind only by a job killed before its EXIT trap ran. So on a requeued job's
@@ -259,10 +268,16 @@ wait_for() {  # wait_for PID: sets status to PID's exit status, through the trap
 # A job that ran less than REQUEUE_MIN_S (300 s, the signal's margin) is not requeued: its time
 # limit leaves so little past the margin that each requeued run would stop soon after starting.
 # It says how to continue: the variables that shape the recipe (recipe_env), this job's own
-# arguments (args) and its checkpoint folder.
+# arguments (args) and its checkpoint folder. Outside Slurm (bash singlegpu_job.sh, then a USR1)
+# there is no job to requeue: the same command continues.
 requeue() {  # requeue SBATCH_WORDS [COMMAND...]: SBATCH_WORDS follow "sbatch --time=HH:MM:SS"; COMMAND runs first
     local words="$1"
     shift
+    if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+        echo "Not requeueing: this is not a Slurm job (no SLURM_JOB_ID); the same command continues from" \
+            "$CHECKPOINT_DIR (--resume=auto)"
+        return
+    fi
     if ((SECONDS < REQUEUE_MIN_S)); then
         local again="" env=""
         ((${#args[@]} == 0)) || again="$(printf ' %q' "${args[@]}")"
