@@ -36,6 +36,7 @@ rank). They draw the same distribution of crops, not the same crops.
 import math
 import mmap
 import multiprocessing
+import os
 import pickle
 import sys
 from dataclasses import dataclass, replace
@@ -285,7 +286,9 @@ def build_loaders(train_set, test_set, batch_size, *, loader="torchvision", num_
         check_image_transforms(train_set, transform)
     train_set = train_set.with_transform(transform)
     if num_workers:
-        check_sendable(transform, num_workers, multiprocessing.get_start_method())
+        # The start method the DataLoader will use (the first listed is the default), without fixing it.
+        start_method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        check_sendable(transform, num_workers, start_method)
     # A private generator for the loader's base seed, so the global RNG (dropout) is not consumed.
     return (WorkerLoader(train_set, sampler=AugmentSampler(sampler, len(train_set), seed), drop_last=True,
                          generator=torch.Generator().manual_seed(seed), **common),
@@ -456,6 +459,7 @@ class InMemoryImages(Dataset):
         self.labels = labels if rows is None else np.asarray(labels)[rows]
         self.dtype = torch.uint8 if images.dtype == np.uint8 else torch.float32  # as stored
         self.scale_shift = normalization(prep.mean, prep.std, self.dtype)  # float32 (C,) each
+        self.mapped = MappedImages.of(images)  # an image cache's file: what a worker that is not forked maps
 
     @property
     def images(self):
@@ -485,19 +489,18 @@ class InMemoryImages(Dataset):
 
     def __getstate__(self):
         """What a DataLoader worker that is not forked receives (forkserver, Python 3.14's default
-        start method; spawn): a memory-mapped image cache as its file's name, which the worker maps
-        again. Pickled, a memory map is a copy of every image, in each worker of each loader."""
+        start method; spawn): a memory-mapped image cache as its file (MappedImages), which the
+        worker maps again, where pickle would copy every image into each worker of each loader.
+        A file removed or replaced since it was mapped (another job rebuilt the cache) goes as
+        the images themselves."""
         state = dict(self.__dict__)
-        if isinstance(self.source, np.memmap) and isinstance(self.source.base, mmap.mmap):  # a whole file's array
-            state["source"] = MappedImages(self.source.filename, self.source.mode, self.source.shape)
+        if self.mapped is not None and file_identity(self.mapped.path) == self.mapped.identity:
+            state["source"] = self.mapped
         return state
 
-    def __setstate__(self, state):
-        if isinstance(state["source"], MappedImages):
-            state["source"] = state["source"].open()
-        self.__dict__.update(state)
-
     def __getitem__(self, key):
+        if isinstance(self.source, MappedImages):  # in a worker, sent the file (__getstate__): mapped once
+            self.source = self.source.open()
         index, seed = key if isinstance(key, tuple) else (key, None)
         row = index if self.rows is None else self.rows[index]
         image = torch.from_numpy(np.array(self.source[row])).permute(2, 0, 1)  # (C, H, W): a copy, out of the map
@@ -515,17 +518,42 @@ class InMemoryImages(Dataset):
 
 
 class MappedImages(NamedTuple):
-    """A memory-mapped .npy file of images, as InMemoryImages is pickled for a worker."""
+    """A read-only memory map of a whole file of images (an image cache's .npy), as InMemoryImages
+    sends it to a worker that is not forked: where it is in the file, and the file's identity."""
     path: str
-    mode: str  # np.load's mmap_mode
+    dtype: str
+    mode: str  # np.memmap's "r" or "c" (copy-on-write): never one that writes the file
+    offset: int  # bytes: the .npy header
     shape: tuple
+    order: str  # "C" or "F"
+    identity: tuple  # file_identity when it was mapped
+
+    @classmethod
+    def of(cls, array):
+        """``array``'s MappedImages, or None where it is not a read-only map of a whole file (a view
+        of one, an array in memory)."""
+        if not (isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.mode in ("r", "c")):
+            return None
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        return cls(array.filename, array.dtype.str, array.mode, array.offset, array.shape, order,
+                   file_identity(array.filename))
 
     def open(self):
-        images = np.load(self.path, mmap_mode=self.mode)
-        if images.shape != self.shape:  # replaced since the training process mapped it
-            raise DatasetError(f"{self.path} changed while training read it: images {images.shape}, not "
-                               f"{self.shape}", same_on_every_rank=False)
-        return images
+        """The images mapped again, in a worker: refused in one line (through the worker's error)
+        when the file is no longer the one the training process mapped."""
+        if file_identity(self.path) != self.identity:
+            raise DatasetError(f"{self.path} was removed or replaced while training read it (another run rebuilt "
+                               "the image cache?); start the run again", same_on_every_rank=False)
+        return np.memmap(self.path, np.dtype(self.dtype), self.mode, self.offset, self.shape, self.order)
+
+
+def file_identity(path):
+    """(device, inode, size, modification time in ns) of the file ``path``, or None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class FileImages:

@@ -44,7 +44,7 @@ def build_model(ref, data, seed, device, layout, weights=None, evaluating=False)
     height, width, channels = data.prep.image_shape
     torch.manual_seed(seed)  # each epoch then reseeds per rank (seeds.epoch_seed)
     # The model's own warnings (torchvision's googlenet warns of its initialization) are shown once it
-    # is accepted: above the one line that refuses it they would only hide that line.
+    # and its --weights are accepted: above the one line that refuses either they would only hide it.
     with warnings.catch_warnings(record=True) as said:
         model, name = make_model(factory, ref, num_classes=len(data.classes), in_channels=channels,
                                  image_size=(height, width))
@@ -59,11 +59,11 @@ def build_model(ref, data, seed, device, layout, weights=None, evaluating=False)
         model = model.to(memory_format=layout)
         if layout != torch.contiguous_format:
             check_output(model, ref, shape, len(data.classes), device, layout, trains=not evaluating)
+        if weights:
+            from engine.weights import load_weights  # --weights only
+            load_weights(model, weights, name, expected=data.weights_metadata(), evaluating=evaluating)
     for warning in said:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    if weights:
-        from engine.weights import load_weights  # --weights only
-        load_weights(model, weights, name, expected=data.weights_metadata(), evaluating=evaluating)
     return model, name
 
 

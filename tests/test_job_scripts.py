@@ -616,7 +616,7 @@ def test_missing_container_is_a_clear_error(tmp_path, script):
 
 
 @pytest.mark.parametrize("script", JOB_SCRIPTS)
-@pytest.mark.parametrize("missing", ["apptainer", "TORCHRUN_PATH"])
+@pytest.mark.parametrize("missing", ["apptainer", "/nonexistent/torchrun", "/usr/local/bin"])  # the folder
 def test_no_apptainer_or_no_torchrun_in_the_container_is_one_line(tmp_path, script, missing):
     """Without apptainer on the node the job said "apptainer: command not found" (exit 127); with
     TORCHRUN_PATH not in the container, "Running train.py ..." and then "No such file" (127)."""
@@ -630,9 +630,9 @@ def test_no_apptainer_or_no_torchrun_in_the_container_is_one_line(tmp_path, scri
         env["PATH"] = f"{bare}{os.pathsep}{env['PATH'].split(os.pathsep, 1)[1]}"
         expected = (f"error: apptainer not found on this node's PATH: the job runs training with it, in "
                     f"CONTAINER_PATH={tmp_path / 'pytorch.sif'}")
-    else:
-        env["TORCHRUN_PATH"] = "/nonexistent/torchrun"
-        expected = (f"error: TORCHRUN_PATH=/nonexistent/torchrun is not a program in the container "
+    else:  # TORCHRUN_PATH: looked up in the container, whose sh (dash here too) takes a folder for a command
+        env["TORCHRUN_PATH"] = missing
+        expected = (f"error: TORCHRUN_PATH={missing} is not a program in the container "
                     f"{tmp_path / 'pytorch.sif'} (apptainer exec {tmp_path / 'pytorch.sif'} which torchrun shows its "
                     "own)")
     result = run_job(script, tmp_path, env)

@@ -585,21 +585,28 @@ WARNS = ("import warnings\nimport torch.nn as nn\nclass Net(nn.Module):\n"
          "        return (self.head(x), self.head(x)) if self.training and AUX else self.head(x)\n")
 
 
-@pytest.mark.parametrize("aux", [True, False])
-def test_a_models_own_warning_is_shown_when_it_trains_and_not_above_its_refusal(tmp_path, aux):
+@pytest.mark.parametrize("case", ["refused", "trains", "its weights refused"])
+def test_a_models_own_warning_is_shown_when_it_trains_and_not_above_its_refusal(tmp_path, case):
     """torchvision's googlenet warns of its initialization as it is built: two lines above the
-    one line that refuses its auxiliary outputs. A model that is accepted still shows it."""
-    (tmp_path / "my_net.py").write_text(f"AUX = {aux}\n" + WARNS)
-    result = run(python_cmd("train.py", "--synthetic", "--model", "my_net.py:Net", "--epochs", "1",
-                            "--limit-batches", "1", "--batch-size", "4", *FAST), cwd=tmp_path)
-    if aux:
-        assert result.returncode == 2
-        assert result.stderr.startswith("error: --model my_net.py:Net maps images (2, 3, 32, 32) in training mode "
-                                        "to tuple"), result.stderr
-        assert len(result.stderr.splitlines()) == 1, result.stderr
-    else:
+    one line that refuses its auxiliary outputs (or --weights that do not fit it). A model that
+    is accepted still shows it."""
+    (tmp_path / "my_net.py").write_text(f"AUX = {case == 'refused'}\n" + WARNS)
+    run_args = ("--synthetic", "--epochs", "1", "--limit-batches", "1", "--batch-size", "4", *FAST)
+    weights = ()
+    if case == "its weights refused":  # another model's
+        assert run(python_cmd("train.py", *run_args, *TINY_MODEL, "--save-weights", "tiny.pt"), cwd=tmp_path
+                   ).returncode == 0
+        weights = ("--weights", "tiny.pt")
+    result = run(python_cmd("train.py", *run_args, "--model", "my_net.py:Net", *weights), cwd=tmp_path)
+    if case == "trains":
         assert result.returncode == 0, result.stderr
         assert "FutureWarning: the default initialization will change" in result.stderr
+        return
+    assert result.returncode == 2
+    refusal = ("error: --model my_net.py:Net maps images (2, 3, 32, 32) in training mode to tuple"
+               if case == "refused" else "error: --weights tiny.pt does not fit Net(")
+    assert result.stderr.startswith(refusal), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 def test_a_folder_on_the_import_path_named_as_the_model_is_one_line(tmp_path, capsys, monkeypatch):

@@ -68,12 +68,19 @@ check_job_settings() {  # check_job_settings GPU_LOG_VARIABLE [GPU_LOG...]
     [[ -f "$CONTAINER_PATH" ]] || die "container image $CONTAINER_PATH not found (set CONTAINER_PATH)"
     command -v apptainer >/dev/null ||
         die "apptainer not found on this node's PATH: the job runs training with it, in CONTAINER_PATH=$CONTAINER_PATH"
-    # TORCHRUN_PATH is a program inside the container (the guide's /usr/local/bin/torchrun).
-    # shellcheck disable=SC2016  # $1 is the container shell's: TORCHRUN_PATH, passed as its argument
-    [[ -z "$TORCHRUN_PATH" ]] ||
-        apptainer exec "$CONTAINER_PATH" sh -c 'command -v "$1" >/dev/null' sh "$TORCHRUN_PATH" ||
-        die "TORCHRUN_PATH=$TORCHRUN_PATH is not a program in the container $CONTAINER_PATH" \
+    # TORCHRUN_PATH is a program inside the container (the guide's /usr/local/bin/torchrun). Status
+    # 97 is the container's "not a program" (dash's command -v also finds folders); any other
+    # failure is apptainer's, which has said why.
+    if [[ -n "$TORCHRUN_PATH" ]]; then
+        local found=0
+        # shellcheck disable=SC2016  # $1 and $p are the container shell's: TORCHRUN_PATH, passed as its argument
+        apptainer exec "$CONTAINER_PATH" sh -c \
+            'p="$(command -v "$1")" || exit 97; case "$p" in /*) [ -f "$p" ] && [ -x "$p" ] || exit 97 ;; esac' \
+            sh "$TORCHRUN_PATH" || found=$?
+        ((found != 97)) || die "TORCHRUN_PATH=$TORCHRUN_PATH is not a program in the container $CONTAINER_PATH" \
             "(apptainer exec $CONTAINER_PATH which torchrun shows its own)"
+        ((found == 0)) || die "apptainer could not run the container CONTAINER_PATH=$CONTAINER_PATH (status $found)"
+    fi
     [[ "$REQUEUE_MIN_S" =~ ^[0-9]+$ ]] || die "REQUEUE_MIN_S=$REQUEUE_MIN_S is not a whole number of seconds"
     # STOP_FILE is the job's own: created empty, removed when training stops on it and when the
     # job ends, left behind only by a job killed before its EXIT trap ran. So on a requeued job's
