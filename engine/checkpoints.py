@@ -26,14 +26,14 @@ from engine.files import atomic_save
 from engine.flags import FOLDER, KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.processes import any_rank, from_rank0, gather_objects
-from engine.weights import MODEL_EMA, check_weights_target, read_weights, save_weights, with_model_file
+from engine.weights import (BEST_WEIGHTS, JOB_WEIGHTS, MODEL_EMA, check_weights_target, read_weights, save_weights,
+                            with_model_file)
 from engine.task import DATASETS, fingerprints_differ
 
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT = "checkpoint_", 1
 
 
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
-BEST_WEIGHTS = "model_best.pt"  # the weights of the run's best epoch so far (timm's model_best), a weights file
 
 
 def checkpoint_paths(directory):
@@ -119,7 +119,7 @@ def check_not_the_folders_own(path, directory, flag):
     else:
         return
     raise UserError(f"{flag} {path}: --checkpoint-dir {directory} keeps {kept} under that name; give {flag} "
-                    f"another (the job scripts write their weights to {Path(directory) / 'weights.pt'})")
+                    f"another (the job scripts write their weights to {Path(directory) / JOB_WEIGHTS})")
 
 
 def read_checkpoint(path, device, mmap=False):

@@ -23,6 +23,8 @@ from engine.task import MODEL_FILE, MODEL_FILE_NEAR, held_out_again, names_sha25
 WEIGHTS_METADATA = "task"  # the key of a weights file's metadata (state_dict._metadata[""])
 WRITTEN_FROM = "checkpoint_dir"  # in that metadata: the checkpoint folder of the run that wrote it, resolved
 MODEL_EMA = "model_ema"  # in a checkpoint of a --model-ema run: the average's state_dict, its weights
+# The weights files a checkpoint folder holds: its best epoch's (timm's model_best), and the job scripts' --save-weights.
+BEST_WEIGHTS, JOB_WEIGHTS = "model_best.pt", "weights.pt"
 
 
 class SavedWeights(NamedTuple):
@@ -151,8 +153,7 @@ def read_weights(path, flag="--weights", mmap=False):
     except FileNotFoundError:
         raise UserError(f"{flag} {path}: no such file", same_on_every_rank=False) from None
     except IsADirectoryError:  # a checkpoint folder, often: the file in it that is meant
-        meant = next((Path(path) / name for name in ("model_best.pt", "weights.pt") if (Path(path) / name).is_file()),
-                     None)
+        meant = next((Path(path) / name for name in (BEST_WEIGHTS, JOB_WEIGHTS) if (Path(path) / name).is_file()), None)
         raise UserError(f"{flag} {path} is a folder, not a weights file"
                         + (f"; did you mean {meant}?" if meant else ""), same_on_every_rank=False) from None
     except Exception as err:  # not a torch file, truncated, or pickled objects we refuse to run
