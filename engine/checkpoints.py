@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ResourceProblem, UserError
+from engine.errors import ResourceProblem, UserError, size_text
 from engine.files import atomic_save
 from engine.flags import FOLDER, KEEP_CHECKPOINTS
 from engine.log import count, flag_value
+from engine.memory import is_out_of_memory
 from engine.processes import any_rank, from_rank0, gather_objects
 from engine.weights import (BEST_WEIGHTS, JOB_WEIGHTS, MODEL_EMA, check_weights_target, read_weights, save_weights,
                             with_model_file)
@@ -50,16 +51,20 @@ def continues_run(directory, resume):
     would not know which run it continues. Call on global rank 0 (``from_rank0``).
     """
     existing = checkpoint_paths(directory) if directory else []
+    aside = [] if existing or not directory else set_aside(directory)
     if resume == "required":
+        if aside:  # unreadable, not absent: no new run is suggested over them
+            raise UserError(f"--resume: no readable checkpoint in {directory}: {count(len(aside), 'was', 'were')} "
+                            f"set aside as unreadable (newest: {aside[0].name}); see docs/checkpoints.md")
         if not existing:  # before the header and the first step, not after them
-            aside = sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt{UNREADABLE_SUFFIX}*"), reverse=True)
-            if aside:  # unreadable, not absent: no new run is suggested over them
-                raise UserError(f"--resume: no readable checkpoint in {directory}: {count(len(aside), 'was', 'were')} "
-                                f"set aside as unreadable (newest: {aside[0].name}); see docs/checkpoints.md")
             raise UserError(f"--resume: no checkpoint in {directory}, nothing to continue (--resume=auto starts a "
                             "new run where there is none)")
         return True
     if resume == "auto":
+        if aside:  # a run was here: a new one would take its model_best.pt for its own, and replace it
+            raise UserError(f"--resume=auto: no readable checkpoint in {directory}: {count(len(aside), 'was', 'were')} "
+                            f"set aside as unreadable (newest: {aside[0].name}), so no new run starts there: move "
+                            "them away first, or give this run another --checkpoint-dir; see docs/checkpoints.md")
         return bool(existing)
     if existing:
         raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of an earlier run (newest: "
@@ -122,8 +127,15 @@ def check_not_the_folders_own(path, directory, flag):
                     f"another (the job scripts write their weights to {Path(directory) / JOB_WEIGHTS})")
 
 
-def read_checkpoint(path, device, mmap=False):
-    checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+def set_aside(directory):
+    """The checkpoints in ``directory`` that choose_checkpoint renamed as unreadable, newest first."""
+    return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt{UNREADABLE_SUFFIX}*"), reverse=True)
+
+
+def read_checkpoint(path, mmap=False):
+    """The checkpoint at ``path``, on the CPU: restore copies each tensor to its parameter's
+    device, so a resume never holds the model twice in GPU memory."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ValueError("not a checkpoint of these scripts")
     return checkpoint
@@ -145,15 +157,22 @@ def _aside(path):
             return aside
 
 
-def choose_checkpoint(directory, device, log):
+def choose_checkpoint(directory, log):
     """(path, checkpoint): the newest checkpoint in ``directory`` that reads. A newer one that
     does not read is renamed to NAME.unreadable (kept, out of the way) with a warning. Never a
-    silent fresh start: nothing readable is an error. Call on global rank 0."""
+    silent fresh start: nothing readable is an error. A read that failed for the node's sake,
+    not the file's (an I/O or permission error, memory running out), stops the resume with
+    every file in place: an older checkpoint would lose the newer steps, and the next attempt
+    may read it. Call on global rank 0."""
     problems = []
     for path in checkpoint_paths(directory):
         try:
-            return path, read_checkpoint(path, device)
-        except Exception as err:  # truncated, corrupted, or foreign
+            return path, read_checkpoint(path)
+        except Exception as err:  # truncated, corrupted, or foreign; or the node's
+            if isinstance(err, OSError) or is_out_of_memory(err):
+                raise UserError(f"--resume: cannot read {path} ({_why(err)}); it is left in place and no older "
+                                "checkpoint is tried: run again once it can be read (the same command "
+                                "continues)") from None
             aside = _aside(path)
             try:
                 os.replace(path, aside)
@@ -176,14 +195,14 @@ def load_agreed_checkpoint(directory, ctx, log):
     chosen = {}
 
     def choose():
-        path, chosen["checkpoint"] = choose_checkpoint(directory, ctx.device, log)
+        path, chosen["checkpoint"] = choose_checkpoint(directory, log)
         return str(path)
 
     path = from_rank0(choose, ctx.control_group)
     failure = None
     if not ctx.is_main:
         try:
-            chosen["checkpoint"] = read_checkpoint(path, ctx.device)
+            chosen["checkpoint"] = read_checkpoint(path)
         except Exception as err:
             failure = _why(err)
     failures = {rank: why for rank, why in enumerate(gather_objects(failure, ctx.control_group)) if why}
@@ -372,7 +391,7 @@ def newest_checkpoint(directory):
     unreadable ones and says so."""
     for path in checkpoint_paths(directory):
         try:
-            return read_checkpoint(path, "cpu", mmap=True)
+            return read_checkpoint(path, mmap=True)
         except Exception:  # unreadable, or not a checkpoint: choose_checkpoint's to report
             continue
     return None
@@ -401,6 +420,23 @@ def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):
     scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     return rng[ctx.rank] if rng and len(rng) == ctx.world_size else None
+
+
+def remove_partial_writes(directory):
+    """Remove the temporary files of the folder's own names (atomic_save's .NAME.tmpPID of a
+    checkpoint or BEST_WEIGHTS) that a killed save left: SIGKILL during a stop checkpoint that
+    outlasted the grace, a node that crashed. They are never completed, each as large as a
+    checkpoint, and only the run that holds the folder (claimed_folder) writes those names.
+    Returns the line that says so (none when there were none). Call on global rank 0."""
+    partial = sorted({*directory.glob(f".{CHECKPOINT_PREFIX}*.pt.tmp*"), *directory.glob(f".{BEST_WEIGHTS}.tmp*")})
+    size = 0
+    for path in partial:
+        size += path.stat().st_size
+        path.unlink(missing_ok=True)
+    if not partial:
+        return []
+    return [f"Removed {count(len(partial), 'partial file', 'partial files')} ({size_text(size)}) that a killed save "
+            f"left in {directory}: {', '.join(path.name for path in partial)}"]
 
 
 # After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait
@@ -432,6 +468,8 @@ class Checkpointer:
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
         self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, new_run), ctx.control_group)
+        for line in from_rank0(lambda: remove_partial_writes(self.directory), ctx.control_group):
+            warn(line)
 
     def loaded(self, step, state):
         """The run was resumed from the checkpoint of optimizer step ``step`` at ``state``

@@ -56,14 +56,19 @@ def fit_optimizer_to_params(optimizer, kernels):
     (``kernels`` from kernel_choices), and every state tensor in its parameter's memory
     layout. ``load_state_dict`` keeps the saved layout (NCHW from a CPU run or
     --no-channels-last), and fused CUDA kernels need parameters, gradients and state to share
-    strides."""
+    strides. It also placed each step count by the saved run's kernels (on the CPU for
+    unfused ones); a fused or capturable kernel here wants it on the parameter's device, as a
+    float32 (torch's own rule for them)."""
     for group, chosen in zip(optimizer.param_groups, kernels):
         group.update(chosen)
+        on_device = group.get("fused") or group.get("capturable")
         for param in group["params"]:
             state = optimizer.state[param]
             for key, value in state.items():
                 if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
                     state[key] = torch.empty_like(param).copy_(value)  # empty_like keeps param's strides
+            if on_device and torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(dtype=torch.float32, device=param.device)
 
 
 def _value(value):

@@ -511,6 +511,20 @@ def test_resume_without_checkpoints_says_what_is_there(tmp_path):
                                   "(newest: checkpoint_000000008.pt.unreadable); see docs/checkpoints.md")
 
 
+def test_resume_auto_starts_no_new_run_over_checkpoints_set_aside(tmp_path):
+    """Checkpoints all set aside as unreadable are a run's folder, not an empty one: a new run
+    there would take the run's model_best.pt for its own and replace it."""
+    (tmp_path / "checkpoint_000000008.pt.unreadable").touch()
+    with pytest.raises(UserError) as refused:
+        checkpoints.continues_run(tmp_path, "auto")
+    assert str(refused.value) == (f"--resume=auto: no readable checkpoint in {tmp_path}: 1 was set aside as "
+                                  "unreadable (newest: checkpoint_000000008.pt.unreadable), so no new run starts "
+                                  "there: move them away first, or give this run another --checkpoint-dir; see "
+                                  "docs/checkpoints.md")
+    (tmp_path / "checkpoint_000000004.pt").touch()  # a readable one beside it: the run continues
+    assert checkpoints.continues_run(tmp_path, "auto") is True
+
+
 def test_a_new_run_never_starts_over_checkpoints(tmp_path):
     (tmp_path / "checkpoint_000000004.pt").touch()
     with pytest.raises(UserError, match="already holds checkpoints of an earlier run"):
@@ -793,13 +807,16 @@ def test_every_rank_loads_the_checkpoint_rank_0_chose(tmp_path, reference, unrea
     shutil.copytree(reference[0].parent / "ckpt", folder)
     spawn(_resume_worker, args=(tmp_path / "store", folder, tmp_path, unreadable_rank))
     outcomes = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    assert outcomes[0] == outcomes[1]
     if unreadable_rank == 1:  # rank 0 reads the newest: rank 1 must not fall back on its own
-        assert outcomes[0] == outcomes[1]
         assert outcomes[0].startswith("error: --resume: rank(s) [1] cannot read ")
         assert "checkpoint_000000012.pt, the checkpoint rank 0 chose (rank 1: OSError" in outcomes[0]
-    else:  # rank 0 falls back (and renames the unreadable file aside); rank 1 loads the same file
-        assert outcomes == ["loaded checkpoint_000000008.pt step 8"] * 2
-        assert (folder / "checkpoint_000000012.pt.unreadable").exists()
+    else:  # the node's error, not the file's: no rank falls back to the older one, nothing is renamed
+        assert outcomes[0] == (f"error: --resume: cannot read {folder / 'checkpoint_000000012.pt'} (OSError: [Errno 5] "
+                               "Input/output error); it is left in place and no older checkpoint is tried: run again "
+                               "once it can be read (the same command continues)")
+    assert sorted(path.name for path in folder.glob("checkpoint_*")) == ["checkpoint_000000008.pt",
+                                                                        "checkpoint_000000012.pt"]
 
 
 def test_unwritable_outputs_fail_at_start_and_nothing_is_created(tmp_path):
