@@ -277,8 +277,11 @@ def remove_stale(folder_cache, keep, log):
 
 def remove_abandoned(folder_cache):
     """Delete the temporary folders of builds that died (killed, a full disk): those of a
-    process of this host that is gone, and any a day old. Called before a build, so that a
+    process of this host that is gone, and any a day old; and what a removal that died left
+    (``_delete``'s folders, removed already in all but name). Called before a build, so that a
     failed build's space is free for the next."""
+    for aside in folder_cache.glob(".*.deleting*"):
+        shutil.rmtree(aside, ignore_errors=True)  # another process's removal under way: no harm done
     host = socket.gethostname()
     for old in folder_cache.glob(".*.tmp-*"):
         try:

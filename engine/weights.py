@@ -5,6 +5,7 @@ the same labels and prepares images the same way (for --eval-only: as_trained,
 as_trained_split). A checkpoint serves as a weights file too.
 """
 
+import itertools
 import os
 import pickle
 import tempfile
@@ -70,11 +71,11 @@ def save_trained_weights(model, path, metadata, checkpoint=None, unsaved=None):
             if unsaved:
                 raise ResourceProblem(f"{unsaved}; the trained weights were written to {written}{note}") from None
             return f"Model weights written to {written}{note}"
-    name = Path(path or "weights.pt").name
+    name = Path(path or JOB_WEIGHTS).name
     for spare in rescue_folders():
-        rescue = spare / f"{Path(name).stem}-rescued-{time.strftime('%Y%m%d-%H%M%S')}{Path(name).suffix or '.pt'}"
         try:
-            save_weights(model, rescue, metadata, "the weights")
+            rescue = save_beside(model, spare / f"{Path(name).stem}-rescued{Path(name).suffix}", metadata,
+                                 "the weights")
         except ResourceProblem:
             continue
         raise ResourceProblem(f"{problem}; the trained weights were written to {rescue} instead: move them where "
@@ -87,20 +88,30 @@ def write_new_weights(model, path, metadata, folder):
     """save_weights to ``path``, or beside it when it holds another run's file (one that appeared
     during this run; ``folder``: this run's checkpoint folder, whose own file it replaces).
     Returns (the path written, a note on why there)."""
-    written, note = Path(path), ""
-    beside = written.with_name(f"{written.stem}-{time.strftime('%Y%m%d-%H%M%S')}{written.suffix or '.pt'}")
     appeared = f" ({path} appeared during this run, from another run, and is kept)"
     own = os.path.isfile(path) and is_runs_own(path, folder)  # the run continued (check_weights_target let it)
-    if own:
-        note = ", in place of this run's earlier ones"
-    elif os.path.isfile(path):
-        written, note = beside, appeared
+    if os.path.isfile(path) and not own:
+        return save_beside(model, Path(path), metadata), appeared
     try:
-        save_weights(model, written, metadata, new=not own)
+        save_weights(model, path, metadata, new=not own)
     except NameTaken:  # written by another run since the look above: kept, as there
-        written, note = beside, appeared
-        save_weights(model, written, metadata, new=True)
-    return written, note
+        return save_beside(model, Path(path), metadata), appeared
+    return Path(path), ", in place of this run's earlier ones" if own else ""
+
+
+def save_beside(model, path, metadata, what="--save-weights"):
+    """save_weights to a new file named after ``path`` and the time, NAME-DATE-TIME.pt (-2, -3,
+    ... when runs finish in the same second): never over a file. Returns its path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        beside = path.with_name(f"{path.stem}-{stamp}{f'-{n}' if n > 1 else ''}{path.suffix or '.pt'}")
+        if beside.exists():
+            continue
+        try:
+            save_weights(model, beside, metadata, what, new=True)
+            return beside
+        except NameTaken:  # made in between
+            continue
 
 
 def check_weights_target(path, checkpoint_dir, continuing):
@@ -138,9 +149,10 @@ def written_from(path):
 
 
 def rescue_folders():
-    """Where weights go when their own path is full: $TMPDIR (Slurm's node-local scratch), the
-    system's temporary folder, the home folder, in that order, without repeats."""
-    folders = [os.environ.get("TMPDIR"), tempfile.gettempdir(), Path.home()]
+    """Where weights go when their own path is full: the home folder, then $TMPDIR and the
+    system's temporary folder, in that order, without repeats. Home first: a Slurm job's
+    $TMPDIR is often node-local scratch that is wiped when the job ends, with the weights."""
+    folders = [Path.home(), os.environ.get("TMPDIR"), tempfile.gettempdir()]
     return list(dict.fromkeys(Path(folder) for folder in folders if folder))
 
 

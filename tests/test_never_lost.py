@@ -94,7 +94,7 @@ def test_a_final_checkpoint_that_does_not_fit_costs_not_the_trained_model(small_
     disk = small_disk(256)
     ck, rescue = disk / "ck", tmp_path / "scratch"
     rescue.mkdir()
-    monkeypatch.setenv("TMPDIR", str(rescue))
+    monkeypatch.setenv("HOME", str(rescue))  # the first rescue folder
     assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", ck) == 0
     [first] = ck.glob("checkpoint_*.pt")
     fill(disk, leave=4096)
@@ -115,6 +115,26 @@ def test_a_final_checkpoint_that_does_not_fit_costs_not_the_trained_model(small_
         assert state._metadata[""]["task"]["epoch"] == 2  # the model trained to the end, not epoch 1's
         assert not torch.equal(state["layers.6.weight"], torch.load(first, weights_only=True)["model"]["layers.6.weight"])
         assert list(ck.glob("checkpoint_*.pt")) == [first]
+
+
+def test_a_killed_saves_partial_files_are_removed_and_nothing_else(tmp_path):
+    """SIGKILL during a save leaves its temporary file, as large as a checkpoint: the next run of
+    the folder removes those of the folder's own names, and says so; other files stay."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    partial = [ck / ".checkpoint_000000012.pt.tmp4242", ck / ".model_best.pt.tmp4242"]
+    kept = [ck / "checkpoint_000000008.pt", ck / ".weights.pt.tmp77", ck / "notes.txt"]
+    for path in partial + kept:
+        path.write_bytes(b"x" * 1000)
+    weights_file.save_weights(torch.nn.Linear(2, 2), ck / "model_best.pt", {"val_accuracy": 0.5})
+    kept.append(ck / "model_best.pt")
+    warnings = []
+    checkpoints.Checkpointer(ck, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
+    assert warnings == [f"Removed 2 partial files (2.0 kB) that a killed save left in {ck}: "
+                        ".checkpoint_000000012.pt.tmp4242, .model_best.pt.tmp4242"]
+    assert sorted(ck.iterdir()) == sorted(kept)
+    checkpoints.Checkpointer(ck, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
+    assert len(warnings) == 1  # none left: no line
 
 
 def test_model_best_that_does_not_fit_is_a_warning_and_keeps_the_earlier_weights(small_disk):
@@ -146,7 +166,7 @@ def test_save_weights_on_a_full_disk_is_rescued_elsewhere(small_disk, tmp_path, 
     fill(disk, leave=4096)
     rescue = tmp_path / "scratch"
     rescue.mkdir()
-    monkeypatch.setenv("TMPDIR", str(rescue))
+    monkeypatch.setenv("HOME", str(rescue))  # the first rescue folder
     assert run_main("train.py", *RUN, "--save-weights", disk / "w.pt") == 1
     line = one_error(capsys.readouterr().err)
     [saved] = rescue.glob("w-rescued-*.pt")
@@ -155,6 +175,27 @@ def test_save_weights_on_a_full_disk_is_rescued_elsewhere(small_disk, tmp_path, 
     state = torch.load(saved, weights_only=True)
     assert state["layers.6.weight"].shape == (100, 8)  # the trained model, loadable as any weights file
     assert not list(disk.glob("*w.pt*"))
+
+
+def test_weights_rescued_or_written_beside_never_replace_a_file(tmp_path):
+    """Runs that finish in the same second (an array job's tasks) each keep their own file:
+    the time in the name is made unique, and no file is written over."""
+    model = torch.nn.Linear(2, 2)
+    first = weights_file.save_beside(model, tmp_path / "weights-rescued.pt", {}, "the weights")
+    models = [torch.nn.Linear(2, 2) for _ in range(2)]
+    written = [weights_file.save_beside(m, tmp_path / "weights-rescued.pt", {}, "the weights") for m in models]
+    if len({p.name.rsplit("-", 1)[0] for p in (first, *written)}) == 1:  # all three in the same second
+        assert [p.name for p in written] == [first.name.replace(".pt", "-2.pt"), first.name.replace(".pt", "-3.pt")]
+    assert len(set(tmp_path.iterdir())) == 3
+    for m, path in zip((model, *models), (first, *written)):
+        assert torch.equal(torch.load(path, weights_only=True)["weight"], m.weight)
+
+
+def test_weights_are_rescued_to_the_home_folder_first(tmp_path, monkeypatch):
+    """A Slurm job's $TMPDIR is often wiped when the job ends: home keeps the weights."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "scratch"))
+    assert weights_file.rescue_folders()[:2] == [tmp_path / "home", tmp_path / "scratch"]
 
 
 def test_save_weights_on_a_full_disk_names_the_final_checkpoint(small_disk, tmp_path, capsys):
@@ -262,11 +303,12 @@ def test_a_dead_builds_temporary_folder_is_removed_by_the_next_build(tmp_path):
     root = image_cache.cache_root(images, tmp_path / "cache")
     dead = root / f".auto-0123.tmp-{socket.gethostname()}-999999999-abc"
     live = root / f".auto-0123.tmp-{socket.gethostname()}-{os.getpid()}-abc"  # a build under way
-    for folder in (dead, live):
+    deleting = root / ".auto-0042.deleting999999999"  # a removal of an outdated cache that was killed
+    for folder in (dead, live, deleting):
         folder.mkdir(parents=True)
         (folder / "train_images.npy").write_bytes(b"\0" * 1000)
     image_cache.prepare_folder(images, tmp_path / "cache", log=lambda _: None)
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and not deleting.exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def category(name):
 
 
 def profile_split(rows, wall_ms):
-    """{part: % of the wall time} from monitor.top_operators rows (every operator), and
+    """{part: % of the wall time} from profiling.top_operators rows (every operator), and
     'idle': the wall time no computation filled (communication overlaps, so it is left out)."""
     spent = {}
     for row in rows:
