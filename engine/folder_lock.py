@@ -9,7 +9,8 @@ requeued job (its old processes are gone) takes the folder at once. Lustre and N
 flock across nodes when mounted with it; where a file system refuses flock, the file is a
 lease instead: the holder rewrites it every LEASE_RENEW_S, and a lease is taken over when it
 is stale (older than LEASE_STALE_S), when its pid is gone from this host, or when it belongs
-to this Slurm job (a requeue).
+to this Slurm job (a requeue) and is not a live process of this host (two runs in one
+allocation).
 """
 
 import errno
@@ -48,11 +49,11 @@ def lease_is_free(holder, age_s, me):
     be taken by ``me`` (holder_record()) on a file system without flock."""
     if not isinstance(holder, dict) or age_s > LEASE_STALE_S:
         return True
+    if holder.get("host") == me["host"] and holder.get("pid") != me["pid"] and _alive(holder.get("pid")):
+        return False  # a live process here, of this job too: two runs in one allocation
     if holder.get("job") and holder.get("job") == me["job"]:
         return True  # a requeue of this job: its old processes are gone
-    if holder.get("host") == me["host"]:
-        return holder.get("pid") == me["pid"] or not _alive(holder.get("pid"))
-    return False
+    return holder.get("host") == me["host"]  # this host's holder, gone (or this process)
 
 
 def _alive(pid):
@@ -136,4 +137,7 @@ class FolderLock:
 
     def _renew(self):
         while not self._stop.wait(LEASE_RENEW_S):
-            os.utime(self.path)
+            try:
+                os.utime(self.path)
+            except OSError:  # a file system in trouble for a while: the next renewal tries again
+                continue

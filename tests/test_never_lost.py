@@ -405,6 +405,8 @@ def test_without_flock_the_lock_file_is_a_lease(tmp_path, monkeypatch):
     assert not lease_is_free({**me, "job": "76", "pid": os.getppid()}, 10, me)  # a live process of another job
     assert lease_is_free({**me, "pid": 999999999, "job": "76"}, 10, me)  # its process is gone
     assert lease_is_free({**me, "host": "elsewhere"}, 10, me)  # a requeue of this very job
+    assert lease_is_free({**me, "pid": 999999999}, 10, me)  # requeued on the same node
+    assert not lease_is_free({**me, "pid": os.getppid()}, 10, me)  # this job's other run, alive: two in one allocation
     assert not lease_is_free({**me, "host": "elsewhere", "job": "76"}, 10, me)
     assert lease_is_free({**me, "host": "elsewhere", "job": "76"}, folder_lock.LEASE_STALE_S + 1, me)
     ck = tmp_path / "ck"
