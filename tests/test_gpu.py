@@ -374,19 +374,22 @@ def _near_ties(weights, data_dir):
     return ties
 
 
-@pytest.mark.parametrize("layout", ["default", "--channels-last", "--no-channels-last"])
-@pytest.mark.parametrize("first, then", [("cpu", "cuda"), ("cuda", "cpu")])
-def test_a_checkpoint_resumes_on_the_other_device_type(tmp_path, first, then, layout):
+@pytest.mark.parametrize("first, then, layout, optimizer", [
+    *[(first, then, layout, "sgd") for layout in ("default", "--channels-last", "--no-channels-last")
+      for first, then in (("cpu", "cuda"), ("cuda", "cpu"))],
+    ("cpu", "cuda", "default", "adamw")])
+def test_a_checkpoint_resumes_on_the_other_device_type(tmp_path, first, then, layout, optimizer):
     """A stop file that is there from the start stops training after its first step, with a
     checkpoint (optimizer state and all); the other device type finishes the run. "default":
     NCHW on the CPU, channels_last on CUDA, so the momentum buffers are re-strided for the
-    fused SGD kernel (fit_optimizer_to_params), which fails on mismatched strides. A small
+    fused SGD kernel (fit_optimizer_to_params), which fails on mismatched strides; AdamW's step
+    count, on the CPU in the checkpoint, must be on the GPU for its fused kernel. A small
     convolutional net: the CPU evaluates the whole synthetic test set (the Wide ResNet took
     minutes there)."""
     envs = {"cpu": CPU_ONLY, "cuda": clean_env()}
     args = (*SMALL_MODEL, "--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "16",
             "--num-workers", "0", *([] if layout == "default" else [layout]), "--checkpoint-dir", tmp_path / "ck",
-            "--metrics-file", tmp_path / "m.jsonl")
+            "--metrics-file", tmp_path / "m.jsonl", "--optimizer", optimizer)
     (tmp_path / "STOP").touch()
     stopped = run(python_cmd("train.py", *args, "--stop-file", tmp_path / "STOP"), cwd=tmp_path, env=envs[first])
     assert stopped.returncode == 0 and "Stopped after step 1 of epoch 1" in stopped.stdout, stopped.stderr
