@@ -645,8 +645,8 @@ def build_task(args, ctx):
     # evaluation, which the job scripts give --resume=auto too: it reads --weights, no checkpoint.
     if args.resume and not args.eval_only:
         from engine.checkpoints import check_newest_flags
-        normalization = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args), *resume_rules()),
-                                   ctx.control_group)
+        normalization, args.epochs = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args),
+                                                                           *resume_rules()), ctx.control_group)
     load_plugin(args.model, "--model")  # a typo in its name is one line before minutes of decoding, not after
     per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
     loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI

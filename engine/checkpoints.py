@@ -18,6 +18,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -73,7 +74,8 @@ def continues_run(directory, resume):
     if directory and (Path(directory) / BEST_WEIGHTS).exists():  # its checkpoints gone, its best weights not
         raise UserError(f"--checkpoint-dir {directory} holds {BEST_WEIGHTS} (an earlier run's best weights, or a file "
                         "of your own), which this run would replace: move it elsewhere, or give this run another "
-                        "--checkpoint-dir")
+                        "--checkpoint-dir (a run of these flags that was killed before its first checkpoint: "
+                        "--resume=auto starts it again and keeps the better weights)")
     return False
 
 
@@ -123,8 +125,10 @@ def check_not_the_folders_own(path, directory, flag):
         kept = "its checkpoints"
     else:
         return
+    hint = (f" (the job scripts write their weights to {Path(directory) / JOB_WEIGHTS})" if flag == "--save-weights"
+            else "")
     raise UserError(f"{flag} {path}: --checkpoint-dir {directory} keeps {kept} under that name; give {flag} "
-                    f"another (the job scripts write their weights to {Path(directory) / JOB_WEIGHTS})")
+                    f"another{hint}")
 
 
 def set_aside(directory):
@@ -367,22 +371,30 @@ def as_typed(value):
     return flag_value(value)
 
 
+class NewestFlags(NamedTuple):
+    normalization: dict  # {"mean": (C,), "std": (C,)} the run trained with; {} when none is recorded
+    epochs: int          # the run's --epochs, when this run gives none (flags["epochs"] None)
+
+
 def check_newest_flags(directory, flags, defaults, recipe_flags):
     """--resume, before any data is read or decoded: check_resume_flags of the newest
     checkpoint in ``directory`` that reads (``defaults``: every flag's, for a checkpoint older
-    than a flag); nothing to check when none reads. Returns the normalization, {"mean": (C,),
-    "std": (C,)}, that the run trained with ({} when none is recorded): the resumed run keeps it,
-    whatever its loader would measure. Call on global rank 0."""
+    than a flag); nothing to check when none reads. Returns NewestFlags: the normalization the
+    resumed run keeps, whatever its loader would measure, and its --epochs: those of the
+    checkpoint's run when --epochs is not given (flags.parse_args made it None), so that a resume
+    continues the run rather than extending it to the default's 100. Call on global rank 0."""
     saved = newest_checkpoint(directory)
     if saved is None:
-        return {}
-    trained_on = {**defaults, **saved["args"]}["dataset"]
+        return NewestFlags({}, flags["epochs"] or defaults["epochs"])
+    trained = {**defaults, **saved["args"]}
+    flags = {**flags, "epochs": flags["epochs"] or trained["epochs"]}
+    trained_on = trained["dataset"]
     built_in = {*DATASETS, FOLDER}  # a FILE.py:NAME may be named two ways; check_resumable compares it
     if trained_on != flags["dataset"] and {trained_on, flags["dataset"]} <= built_in:  # before a download
         raise other_data_set(trained_on, flags["dataset"], trained_on)
-    check_resume_flags({**defaults, **saved["args"]}, flags, recipe_flags)
+    check_resume_flags(trained, flags, recipe_flags)
     task = saved.get("task") or {}
-    return {key: tuple(task[key]) for key in ("mean", "std") if key in task}
+    return NewestFlags({key: tuple(task[key]) for key in ("mean", "std") if key in task}, flags["epochs"])
 
 
 def newest_checkpoint(directory):

@@ -48,9 +48,22 @@ def atomic_save(obj, path, what="file", new=False):
         tmp.unlink(missing_ok=True)
     except BaseException as err:  # disk full, Ctrl-C: leave no partial file behind
         tmp.unlink(missing_ok=True)
+        interrupt = interrupt_behind(err)
+        if interrupt is not None and interrupt is not err:
+            raise interrupt from None
         if isinstance(err, OSError):
             raise space_problem(what, path, err, needed) from None
         raise
+
+
+def interrupt_behind(err):
+    """The KeyboardInterrupt (a second Ctrl-C: engine/stopping.py) ``err`` is, or was raised
+    while handling; else None. torch.save's zip writer, interrupted within a record, fails
+    again as it closes ("RuntimeError: ... unexpected pos"), which would hide the interrupt:
+    a traceback and exit status 1 instead of its line and 130."""
+    while err is not None and not isinstance(err, KeyboardInterrupt):
+        err = err.__context__
+    return err
 
 
 class NameTaken(Exception):

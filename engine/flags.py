@@ -186,7 +186,8 @@ def build_parser(description, add_recipe_arguments):
     parser = OneLineParser(description=description, formatter_class=_Formatter)
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
-                      help="maximum number of passes over the training set")
+                      help="maximum number of passes over the training set (default 100; with --resume, the "
+                           "run's own)")
     stop.add_argument("--target-accuracy", metavar="FRACTION", type=target_accuracy, default=None,
                       help="stop early once validation accuracy (fraction 0-1; with --model-ema the better of the "
                            "model's and the average's) has been at or above this for --patience consecutive epochs; "
@@ -370,6 +371,8 @@ def parse_args(parser, check_recipe_arguments, argv=None):
                      "model whole: give one of them")
     if args.freeze_backbone and not args.finetune:
         parser.error("--freeze-backbone needs --finetune PATH: it freezes the layers loaded from there")
+    if args.resume and not args.eval_only and "epochs" not in given_flags(parser, argv, args):
+        args.epochs = None  # the run's own, from its checkpoint (checkpoints.check_newest_flags), not 100
     return args
 
 

@@ -4,6 +4,7 @@ damaged caches, file names that are not UTF-8, repeated stop signals. Each ends 
 and the documented exit status, keeps every finished epoch and the model, and the next run
 succeeds once the cause is gone."""
 
+import io
 import json
 import os
 import shutil
@@ -115,6 +116,48 @@ def test_a_final_checkpoint_that_does_not_fit_costs_not_the_trained_model(small_
         assert state._metadata[""]["task"]["epoch"] == 2  # the model trained to the end, not epoch 1's
         assert not torch.equal(state["layers.6.weight"], torch.load(first, weights_only=True)["model"]["layers.6.weight"])
         assert list(ck.glob("checkpoint_*.pt")) == [first]
+
+
+class _InterruptedFile(io.RawIOBase):
+    """A file whose third write is interrupted by a Ctrl-C, as a second one during a stop checkpoint."""
+
+    def __init__(self):
+        self.writes = 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            raise KeyboardInterrupt("a second Ctrl-C")
+        return len(data)
+
+
+def test_a_ctrl_c_within_torch_save_is_not_hidden_by_its_writers_error():
+    """torch's zip writer, interrupted within a record, fails again as it closes: the Ctrl-C
+    behind that error is what atomic_save raises (its line, exit 130), not a traceback (1)."""
+    with pytest.raises(RuntimeError, match="unexpected pos") as raised:
+        torch.save({"a": torch.zeros(100_000), "b": torch.zeros(10)}, _InterruptedFile())
+    assert files.interrupt_behind(raised.value).args == ("a second Ctrl-C",)
+    assert files.interrupt_behind(RuntimeError("a bug of ours")) is None
+
+
+class _FailsAsInterrupted:
+    """Pickled, fails as torch's writer does once interrupted: a RuntimeError raised while a
+    KeyboardInterrupt was handled."""
+
+    def __reduce__(self):
+        try:
+            raise KeyboardInterrupt("a second Ctrl-C")
+        except KeyboardInterrupt:
+            raise RuntimeError("unexpected pos 107470528 vs 107470416") from None
+
+
+def test_atomic_save_ends_in_the_interrupt_and_leaves_no_file(tmp_path):
+    with pytest.raises(KeyboardInterrupt, match="a second Ctrl-C"):
+        files.atomic_save({"x": _FailsAsInterrupted()}, tmp_path / "checkpoint_000000004.pt", "checkpoint")
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_killed_saves_partial_files_are_removed_and_nothing_else(tmp_path):

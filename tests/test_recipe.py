@@ -349,7 +349,8 @@ def test_model_ema_validates_both_and_keeps_the_better(project, tmp_path):
     again = run(single(*BASE, *PHOTOS, "--checkpoint-dir", "ck"), cwd=folder)
     assert again.returncode == 2 and error_lines(again.stderr) == [
         "error: --checkpoint-dir ck holds model_best.pt (an earlier run's best weights, or a file of your own), which "
-        "this run would replace: move it elsewhere, or give this run another --checkpoint-dir"]
+        "this run would replace: move it elsewhere, or give this run another --checkpoint-dir (a run of these flags "
+        "that was killed before its first checkpoint: --resume=auto starts it again and keeps the better weights)"]
 
 
 def test_a_v2_transform_added_to_recipe_py_applies_or_is_refused_by_name(project, tmp_path):

@@ -525,6 +525,16 @@ def test_resume_auto_starts_no_new_run_over_checkpoints_set_aside(tmp_path):
     assert checkpoints.continues_run(tmp_path, "auto") is True
 
 
+@pytest.mark.parametrize("flag", ["--save-weights", "--metrics-file"])
+def test_an_output_under_a_name_the_checkpoint_folder_keeps_is_refused(tmp_path, flag):
+    with pytest.raises(UserError) as refused:
+        checkpoints.check_not_the_folders_own(tmp_path / "model_best.pt", tmp_path, flag)
+    hint = f" (the job scripts write their weights to {tmp_path / 'weights.pt'})" if flag == "--save-weights" else ""
+    assert str(refused.value) == (f"{flag} {tmp_path / 'model_best.pt'}: --checkpoint-dir {tmp_path} keeps the best "
+                                  f"epoch's weights under that name; give {flag} another{hint}")
+    checkpoints.check_not_the_folders_own(tmp_path / "weights.pt", tmp_path, flag)  # a name of its own: fine
+
+
 def test_a_new_run_never_starts_over_checkpoints(tmp_path):
     (tmp_path / "checkpoint_000000004.pt").touch()
     with pytest.raises(UserError, match="already holds checkpoints of an earlier run"):
@@ -1000,6 +1010,13 @@ def test_a_finished_run_is_extended_by_a_larger_epochs_and_never_shortened(tmp_p
     assert "--epochs 5 (now 4: a run can be extended with a larger --epochs, not shortened)" in line
     again = run(python_cmd("train.py", *args, "--resume", "--epochs", "5"), cwd=tmp_path)
     assert "is complete (epoch 5): nothing to train" in again.stdout
+    # No --epochs: the run's own 5, not the default's 100 (a new user's walk: 95 epochs more, and
+    # the finished run's checkpoints pruned).
+    given = [arg for i, arg in enumerate(args) if "--epochs" not in (arg, args[i - 1])]
+    assert run_main("train.py", *given, "--resume") == 0
+    out = capsys.readouterr().out
+    assert "is complete (epoch 5): nothing to train" in out and "Extending" not in out
+    assert "Length: 5 epochs" in out
 
 
 @pytest.mark.oldest_torch
