@@ -863,7 +863,7 @@ def folder_data(args, ctx):
     training size (recipe.stored_size); --augment auto looks at the images' own size."""
     from engine.image_cache import read_folder_cache
     target = from_rank0(lambda: str(prepare_folder_cache(args)), ctx.control_group, patient=True)
-    folder = read_folder_cache(Path(target))
+    folder = read_folder_cache(Path(target), args.data_dir)
     prep, notes = folder_preprocessing(args, folder.stats, folder.train[0].shape[3], folder.mean, folder.std,
                                        tuple(folder.train[0].shape[1:3]))
     train = InMemoryImages(*folder.train, prep)
@@ -1037,7 +1037,7 @@ def prepare_image_folder(args):
     allocation waits for it), and say what it holds, the unreadable images first."""
     from engine.image_cache import read_folder_cache
     target = prepare_folder_cache(args)
-    data = read_folder_cache(target)
+    data = read_folder_cache(target, args.data_dir)
     for note in data.notes[:-1]:  # the last names the cache, which the summary does
         print(note)
     train = f"{count(len(data.train[1]), 'training image', 'training images')}"

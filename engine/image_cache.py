@@ -179,12 +179,15 @@ def build_cache(target, root, scanned, request, log, workers):
             np.save(tmp / f"{split}_labels.npy", labels)
             names[split] = names_sha256(path.relative_to(root) for path in files)
         mean, std = channel_stats(np.load(tmp / "train_images.npy", mmap_mode="r"))
-        notes = [*image_notes(headers, size, mode, request.why(stats), scanned.ignored, splits),
-                 *unreadable_notes(skipped, target / "unreadable.txt")]
+        shown = {split: [Unreadable(within_data_dir(err.path, root), ValueError(err.reason)) for err in errs]
+                 for split, errs in skipped.items()}
+        notes = [*image_notes(headers, size, mode, request.why(stats),
+                              [within_data_dir(path, root) for path in scanned.ignored], splits),
+                 *unreadable_notes(shown, target / "unreadable.txt")]
         write_unreadable(skipped, tmp)
         seconds = time.perf_counter() - start  # headers, decoding, statistics
         meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
-                "notes": notes, "image_size": list(size), "mode": mode, "build_s": seconds, "images": total,
+                "notes": notes, "data_dir": str(root), "image_size": list(size), "mode": mode, "build_s": seconds, "images": total,
                 "stats": stats._asdict(), "layout": scanned.layout,
                 "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
                             for split, errs in skipped.items()},
@@ -351,10 +354,22 @@ def built_alike(target, request):
     return None
 
 
-def read_folder_cache(target):
+# The notes name a file within --data-dir as each run spells it (photos/cat/x.jpg from the
+# project folder, /scratch/me/photos/cat/x.jpg from elsewhere), as image_list's do: meta.json
+# keeps them under this mark, which read_folder_cache replaces with the run's --data-dir.
+DATA_DIR_MARK = "<DATA_DIR>"
+
+
+def within_data_dir(path, root):
+    """``path``, a file of image folder ``root``, as the cache's notes keep it (DATA_DIR_MARK)."""
+    return Path(DATA_DIR_MARK) / Path(path).relative_to(root)
+
+
+def read_folder_cache(target, data_dir=None):
     """FolderData from a cache folder that ``prepare_folder`` made: memory-mapped arrays
     (copy-on-write, so torch can wrap them without a copy or a read-only warning); its test
-    split is None when the folder has no test/."""
+    split is None when the folder has no test/. Its notes name files within ``data_dir``, as
+    this run gives it (None: as the run that built it gave it)."""
     meta_path = Path(target) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -364,7 +379,9 @@ def read_folder_cache(target):
     except (OSError, ValueError) as err:
         raise DatasetError(f"cannot read the image cache {target} ({type(err).__name__}: {err}); every node must "
                            "see the same --cache-dir, on a shared file system", same_on_every_rank=False) from None
-    notes = (*meta["notes"], f"Cache: {target} (decoded once; rebuilt when the images change)")
+    given = str(Path(data_dir).expanduser()) if data_dir else meta.get("data_dir", DATA_DIR_MARK)
+    notes = (*(note.replace(DATA_DIR_MARK, given) for note in meta["notes"]),
+             f"Cache: {target} (decoded once; rebuilt when the images change)")
     skipped = {split: tuple(path for path, _ in errors) for split, errors in meta["skipped"].items()}
     return FolderData(splits["train"], splits.get("test"), tuple(meta["classes"]), tuple(meta["mean"]),
                       tuple(meta["std"]), Path(target), notes, recorded_stats(meta), meta["layout"], skipped,

@@ -341,6 +341,21 @@ def test_a_disk_that_fills_during_the_decode_is_one_line_not_a_bus_error(small_d
     assert not list(disk.glob("*/.*tmp*"))  # the failed build's folder is gone
 
 
+def test_the_caches_notes_name_files_within_the_data_dir_as_this_run_gives_it(tmp_path, monkeypatch):
+    """A cache built from the project folder (--data-dir images) and read by a run elsewhere
+    (--data-dir /abs/images): the unreadable and ignored files are named where that run can find them."""
+    monkeypatch.chdir(tmp_path)
+    write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2)
+    (tmp_path / "images" / "train" / "class_1" / "cut.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a whole jpeg")
+    target = image_cache.prepare_folder("images", tmp_path / "cache", log=lambda _: None)
+    for given in ("images", str(tmp_path / "images")):
+        notes = "\n".join(image_cache.read_folder_cache(target, given).notes)
+        assert f"\n  {given}/train/class_1/cut.jpg: " in notes, notes
+        assert f"Ignored 2 files that are not images, e.g. {given}/train/class_0/notes.txt" in notes, notes
+        assert image_cache.DATA_DIR_MARK not in notes
+    assert "\n  images/train/class_1/cut.jpg: " in "\n".join(image_cache.read_folder_cache(target).notes)
+
+
 def test_a_dead_builds_temporary_folder_is_removed_by_the_next_build(tmp_path):
     images = write_image_folder(tmp_path / "images", classes=2, n_train=4, n_test=2, stray=False)
     root = image_cache.cache_root(images, tmp_path / "cache")
