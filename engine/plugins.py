@@ -11,6 +11,7 @@ import importlib.util
 import os
 import sys
 import traceback
+from inspect import ismodule
 from pathlib import Path
 
 from engine.errors import UserError
@@ -51,7 +52,8 @@ def load_plugin(ref, flag):
     try:
         return getattr(module, name)
     except AttributeError:
-        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        # What NAME can be: torchvision.models' submodules (resnet, vgg) are no model.
+        public = sorted(n for n, value in vars(module).items() if not n.startswith("_") and not ismodule(value))
         close = difflib.get_close_matches(name, public, n=3)
         shown = ", ".join(public[:12]) + (", ..." if len(public) > 12 else "")
         hint = (f"did you mean {' or '.join(close)}?" if close else f"it defines: {shown or 'nothing'}")

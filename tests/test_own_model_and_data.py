@@ -18,7 +18,7 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
-from engine import data_formats, image_cache, image_folder, models, task
+from engine import data_formats, image_cache, image_folder, models, plugins, task
 from engine.errors import EXIT_STOPPED, UserError
 from engine.flags import among_images
 from engine import weights as weights_file
@@ -631,6 +631,15 @@ def test_a_model_name_mistyped_is_one_line_before_any_image_is_decoded(tmp_path,
     assert error_lines(capsys.readouterr().err) == [
         f"error: --model my_net.py:Nett: {tmp_path / 'my_net.py'} has no Nett (did you mean Net?)"]
     assert not (tmp_path / "cache").exists()  # nothing decoded first
+
+
+def test_a_mistyped_torchvision_model_is_offered_models_not_modules():
+    """torchvision.models holds the module resnet beside the functions resnet18, resnet152...:
+    only what NAME can be is offered."""
+    with pytest.raises(UserError) as refused:
+        plugins.load_plugin("torchvision.models:resnet18x", "--model")
+    offered = str(refused.value).partition("did you mean ")[2].rstrip("?)").split(" or ")
+    assert offered and "resnet18" in offered and "resnet" not in offered, offered
 
 
 def test_a_model_without_gradients_is_refused_for_training_only():
