@@ -943,7 +943,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
         log.info("WARNING: --synthetic: the data are random, so loss and accuracy are meaningless.")
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=precision.name == "fp16")
     checkpointer = None
-    if args.checkpoint_dir:
+    if args.checkpoint_dir and not args.eval_only:  # an evaluation writes no checkpoint, and holds no folder
         from engine.checkpoints import Checkpointer
         checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info,
                                     new_run=None if continuing else {"model": task.model_key, "dataset": task.data.key})
@@ -953,7 +953,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
         state, rng_state, scheduler = resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, steps,
                                              factor, own)
     else:
-        if args.resume == "auto":
+        if args.resume == "auto" and not args.eval_only:
             log.info(f"No checkpoint in {args.checkpoint_dir}: starting a new run there")
         cycles = [list(first_cycle(args.epochs, args.warmup_epochs, steps))]
         state = TrainState(run_id=from_rank0(new_run_id, ctx.control_group), lr_cycles=cycles)  # one ID: traces

@@ -12,9 +12,11 @@ without losing or overwriting anything already written.
 - A resume with another model, data set, recipe or optimizer is refused in one line.
 """
 
+import errno
 import itertools
 import os
 import time
+import zipfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -136,10 +138,19 @@ def set_aside(directory):
     return sorted(Path(directory).glob(f"{CHECKPOINT_PREFIX}*.pt{UNREADABLE_SUFFIX}*"), reverse=True)
 
 
-def read_checkpoint(path, mmap=False):
-    """The checkpoint at ``path``, on the CPU: restore copies each tensor to its parameter's
-    device, so a resume never holds the model twice in GPU memory."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+# A read that failed for the node's sake, not the file's: the file system (an I/O error, a stale
+# NFS handle, a time-out, a permission), or memory. Others (EINVAL from torch's zip reader on a
+# file cut short, say) are the file's.
+NODE_ERRNOS = {errno.EIO, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT, errno.ENOMEM, errno.ENOENT,
+               errno.EAGAIN}
+
+
+def read_checkpoint(path):
+    """The checkpoint at ``path``, on the CPU and memory-mapped: restore copies each tensor to
+    its parameter's device, so a resume never holds the model twice in GPU memory, and the
+    ranks of a node share the file's pages instead of each reading it whole into its own."""
+    # A file that is not a zip (torch.save's format) cannot be mapped: read, it says what it is.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ValueError("not a checkpoint of these scripts")
     return checkpoint
@@ -173,8 +184,9 @@ def choose_checkpoint(directory, log):
         try:
             return path, read_checkpoint(path)
         except Exception as err:  # truncated, corrupted, or foreign; or the node's
-            if isinstance(err, OSError) or is_out_of_memory(err):
-                raise UserError(f"--resume: cannot read {path} ({_why(err)}); it is left in place and no older "
+            if (isinstance(err, OSError) and err.errno in NODE_ERRNOS) or is_out_of_memory(err):
+                why = "out of memory" if is_out_of_memory(err) else _why(err)
+                raise UserError(f"--resume: cannot read {path} ({why}); it is left in place and no older "
                                 "checkpoint is tried: run again once it can be read (the same command "
                                 "continues)") from None
             aside = _aside(path)
@@ -403,7 +415,7 @@ def newest_checkpoint(directory):
     unreadable ones and says so."""
     for path in checkpoint_paths(directory):
         try:
-            return read_checkpoint(path, mmap=True)
+            return read_checkpoint(path)
         except Exception:  # unreadable, or not a checkpoint: choose_checkpoint's to report
             continue
     return None
@@ -443,8 +455,11 @@ def remove_partial_writes(directory):
     partial = sorted({*directory.glob(f".{CHECKPOINT_PREFIX}*.pt.tmp*"), *directory.glob(f".{BEST_WEIGHTS}.tmp*")})
     size = 0
     for path in partial:
-        size += path.stat().st_size
-        path.unlink(missing_ok=True)
+        try:
+            size += path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:  # removed meanwhile
+            continue
     if not partial:
         return []
     return [f"Removed {count(len(partial), 'partial file', 'partial files')} ({size_text(size)}) that a killed save "

@@ -511,6 +511,29 @@ def test_resume_without_checkpoints_says_what_is_there(tmp_path):
                                   "(newest: checkpoint_000000008.pt.unreadable); see docs/checkpoints.md")
 
 
+@pytest.mark.parametrize("cut", [1000, 10_000])
+def test_a_checkpoint_cut_short_is_the_files_fault_not_the_nodes(tmp_path, cut):
+    """torch's zip reader says OSError(EINVAL) of a file cut to about 5-70 kB, RuntimeError
+    otherwise: either is a damaged file, set aside for the previous checkpoint, not an error of
+    the node that would stop every resume."""
+    good = {"format": checkpoints.CHECKPOINT_FORMAT, "weights": torch.arange(100_000.0)}
+    torch.save(good, tmp_path / "checkpoint_000000004.pt")
+    torch.save(good, tmp_path / "checkpoint_000000008.pt")
+    newest = tmp_path / "checkpoint_000000008.pt"
+    newest.write_bytes(newest.read_bytes()[:cut])
+    said = []
+    path, checkpoint = checkpoints.choose_checkpoint(tmp_path, _Said(said))
+    assert path.name == "checkpoint_000000004.pt" and torch.equal(checkpoint["weights"], good["weights"])
+    assert (tmp_path / "checkpoint_000000008.pt.unreadable").exists() and len(said) == 1
+
+
+class _Said:
+    """A log whose lines go to a list."""
+
+    def __init__(self, lines):
+        self.info = lines.append
+
+
 def test_resume_auto_starts_no_new_run_over_checkpoints_set_aside(tmp_path):
     """Checkpoints all set aside as unreadable are a run's folder, not an empty one: a new run
     there would take the run's model_best.pt for its own and replace it."""
