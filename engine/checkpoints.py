@@ -453,17 +453,18 @@ def remove_partial_writes(directory):
     checkpoint, and only the run that holds the folder (claimed_folder) writes those names.
     Returns the line that says so (none when there were none). Call on global rank 0."""
     partial = sorted({*directory.glob(f".{CHECKPOINT_PREFIX}*.pt.tmp*"), *directory.glob(f".{BEST_WEIGHTS}.tmp*")})
-    size = 0
+    removed, size = [], 0
     for path in partial:
         try:
             size += path.stat().st_size
             path.unlink()
         except FileNotFoundError:  # removed meanwhile
             continue
-    if not partial:
+        removed.append(path.name)
+    if not removed:
         return []
-    return [f"Removed {count(len(partial), 'partial file', 'partial files')} ({size_text(size)}) that a killed save "
-            f"left in {directory}: {', '.join(path.name for path in partial)}"]
+    return [f"Removed {count(len(removed), 'partial file', 'partial files')} ({size_text(size)}) that a killed save "
+            f"left in {directory}: {', '.join(removed)}"]
 
 
 # After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait

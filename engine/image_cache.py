@@ -187,8 +187,8 @@ def build_cache(target, root, scanned, request, log, workers):
         write_unreadable(skipped, tmp)
         seconds = time.perf_counter() - start  # headers, decoding, statistics
         meta = {"format": CACHE_FORMAT, "splits": list(splits), "classes": list(classes), "mean": mean, "std": std,
-                "notes": notes, "data_dir": str(root), "image_size": list(size), "mode": mode, "build_s": seconds, "images": total,
-                "stats": stats._asdict(), "layout": scanned.layout,
+                "notes": notes, "data_dir": str(root), "image_size": list(size), "mode": mode, "build_s": seconds,
+                "images": total, "stats": stats._asdict(), "layout": scanned.layout,
                 "skipped": {split: [[str(Path(err.path).relative_to(root)), err.reason] for err in errs]
                             for split, errs in skipped.items()},
                 "checks": {split: split_checks(tmp, split) for split in splits}, "names_sha256": names}
