@@ -22,7 +22,8 @@ from engine.cli import env_int, launcher_pid
 from engine.errors import RunAborted, UserError, first_line
 from engine.log import count
 from engine.processes import cleanup_distributed  # noqa: F401 (the guide's name for it)
-from engine.processes import DEFAULT_COLLECTIVE_TIMEOUT_MIN, NCCL_TIMEOUT_MARGIN_MIN, DistContext, group_active
+from engine.processes import (DEFAULT_COLLECTIVE_TIMEOUT_MIN, FLIGHT_RECORDER_PREFIX, NCCL_TIMEOUT_MARGIN_MIN,
+                              DistContext, group_active)
 
 
 def get_device(local_rank=0, wanted="auto") -> torch.device:
@@ -158,7 +159,7 @@ def flight_recorder_settings(directory, version=None) -> dict:
     version (2.14's libraries hold no TORCH_FR_DUMP_ON_TIMEOUT: tests/test_resilience.py
     checks each name against the installed torch)."""
     version = torch.torch_version.TorchVersion(version or torch.__version__)
-    prefix = str(Path(directory) / "nccl_trace_rank_")
+    prefix = str(Path(directory) / FLIGHT_RECORDER_PREFIX)
     file_variable = "TORCH_FR_DUMP_TEMP_FILE" if version >= "2.11" else "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
     return {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", file_variable: prefix}
 

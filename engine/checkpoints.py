@@ -29,7 +29,7 @@ from engine.files import atomic_save
 from engine.flags import FOLDER, KEEP_CHECKPOINTS
 from engine.log import count, flag_value
 from engine.memory import is_out_of_memory
-from engine.processes import any_rank, from_rank0, gather_objects
+from engine.processes import FLIGHT_RECORDER_PREFIX, any_rank, from_rank0, gather_objects
 from engine.weights import (BEST_WEIGHTS, JOB_WEIGHTS, MODEL_EMA, check_weights_target, read_weights, save_weights,
                             with_model_file)
 from engine.task import DATASETS, fingerprints_differ
@@ -467,6 +467,31 @@ def remove_partial_writes(directory):
             f"left in {directory}: {', '.join(removed)}"]
 
 
+def keep_earlier_traces(directory):
+    """Move the NCCL flight-recorder dumps (FLIGHT_RECORDER_PREFIX + rank) that a hang of an
+    earlier run of the folder left into a folder of their own, DIR/nccl_traces-DATE-TIME (the
+    newest dump's time; -2, -3 when taken): a hang of this run dumps under the same names,
+    which would overwrite them. Returns the line that says so (none when there were none).
+    Call on global rank 0, as the run starts: a dump of its own comes only after a collective
+    timed out (--collective-timeout minutes)."""
+    dumps = [path for path in sorted(directory.glob(f"{FLIGHT_RECORDER_PREFIX}*")) if path.is_file()]
+    if not dumps:
+        return []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(path.stat().st_mtime for path in dumps)))
+    for n in itertools.count(1):
+        folder = directory / f"nccl_traces-{stamp}{f'-{n}' if n > 1 else ''}"
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            continue
+    for path in dumps:
+        path.rename(folder / path.name)
+    return [f"Moved the NCCL flight-recorder dumps of an earlier hang ({', '.join(path.name for path in dumps)}) to "
+            f"{folder}, where this run's cannot overwrite them; read them with torchfrtrace "
+            f"{folder}/{FLIGHT_RECORDER_PREFIX}"]
+
+
 # After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait
 # (30 s by default) give the ranks 30 s before SIGKILL. A checkpoint that takes most of that
 # may be cut short after a signal (the previous one stays: the writes are atomic): a warning
@@ -496,7 +521,8 @@ class Checkpointer:
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
         self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, new_run), ctx.control_group)
-        for line in from_rank0(lambda: remove_partial_writes(self.directory), ctx.control_group):
+        for line in from_rank0(lambda: remove_partial_writes(self.directory) + keep_earlier_traces(self.directory),
+                               ctx.control_group):
             warn(line)
 
     def loaded(self, step, state):

@@ -7,11 +7,13 @@ Only global rank 0 prints and writes (``enabled``).
 No torch import: tools/report.py reads metrics files with these functions on any machine.
 """
 
+import fcntl
 import json
 import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,7 +78,7 @@ class RunLogger:
         self.pending.append(json.dumps(record) + "\n")
         try:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)  # created on first use
-            with open(self.metrics_path, "a+b") as f:
+            with locked_metrics(self.metrics_path) as f:
                 torn = f.tell() > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
                 f.write(("\n" if torn else "").encode() + "".join(self.pending).encode())  # a line of its own
         except OSError as err:
@@ -85,6 +87,30 @@ class RunLogger:
                       + (", and in the checkpoints" if self.checkpointed else ""))
             return
         self.pending = []
+
+
+@contextmanager
+def locked_metrics(path):
+    """``path`` opened for appending (a+b) at its end, under an exclusive flock: several runs
+    may share one metrics file (the job scripts' example), and a resume's rewrite
+    (reconcile_metrics) must not replace the file between another run's reading of its end and
+    its append. An appender that waited while the file was replaced opens the new one. On a
+    file system without flock (Lustre mounted noflock) unlocked, as an append alone is safe."""
+    while True:
+        f = open(path, "a+b")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released as f closes
+        except OSError:  # no locks here
+            break
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:  # removed meanwhile: created again
+            pass
+        f.close()  # replaced meanwhile: append to the new file
+    with f:
+        f.seek(0, os.SEEK_END)
+        yield f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +245,19 @@ def reconcile_metrics(path, run_id, records):
     which is dropped: its epoch is written again from the checkpoint. A write that fails is a
     ResourceProblem (nothing trained yet: exit 1, with the space needed when the disk is full)."""
     path = Path(path)
-    text = path.read_text(errors="surrogateescape") if path.exists() else ""
+    if not path.exists() and not records:
+        return []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with locked_metrics(path) as f:  # another run's append waits, then goes to the rewritten file
+            f.seek(0)
+            return _reconciled(path, f.read().decode(errors="surrogateescape"), run_id, records)
+    except OSError as err:  # the folder or the file (the rewrite's own failure is _reconciled's line)
+        raise space_problem("--metrics-file", path, err) from None
+
+
+def _reconciled(path, text, run_id, records):
+    """reconcile_metrics of the file ``path`` that holds ``text``, locked."""
     lines, warnings = text.splitlines(), []
     if text and not text.endswith("\n") and not _parses(lines[-1]):
         warnings.append(f"WARNING: --metrics-file {path} ends in a half-written line ({lines[-1][:40]!r}...): "
@@ -238,7 +276,6 @@ def reconcile_metrics(path, run_id, records):
     if new != text:
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(new, errors="surrogateescape")
             os.replace(tmp, path)
         except OSError as err:

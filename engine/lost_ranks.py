@@ -23,7 +23,7 @@ from engine.errors import RunAborted, first_line
 from engine.interfaces import NetworkSetupError
 from engine.nccl_log import refused_network
 from engine.private_torch import nccl_trace_dumper
-from engine.processes import DistContext, cleanup_distributed, group_active
+from engine.processes import FLIGHT_RECORDER_PREFIX, DistContext, cleanup_distributed, group_active
 from engine.stopping import ignore_stop_signals, newest_checkpoint
 
 # After a failed collective: how long the ranks that are alive wait for each other. Under
@@ -193,7 +193,7 @@ def dump_flight_recorder(directory, rank):
     if dump is None or directory is None:
         return None
     try:
-        path = Path(directory) / f"nccl_trace_rank_{rank}"
+        path = Path(directory) / f"{FLIGHT_RECORDER_PREFIX}{rank}"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(dump())
         return path
@@ -204,7 +204,7 @@ def dump_flight_recorder(directory, rank):
 def training_stopped(lost, trace, checkpoint_dir=None):
     """train_ddp.py's RanksLost for the LostRanks ``lost``, with the flight recorder ``trace``
     and what the run's ``checkpoint_dir`` keeps."""
-    traces = f"; NCCL flight recorder in {trace.parent}/nccl_trace_rank_*" if trace else ""
+    traces = f"; NCCL flight recorder in {trace.parent}/{FLIGHT_RECORDER_PREFIX}*" if trace else ""
     return RanksLost(f"{lost.message}: stopping every rank; {kept_checkpoints(checkpoint_dir)}{traces}",
                      same_on_every_rank=not lost.printed_here, silent=lost.spoke)
 

@@ -17,6 +17,9 @@ from engine.errors import UserError
 DEFAULT_COLLECTIVE_TIMEOUT_MIN = 10.0  # NCCL's own default; gloo's is 30 minutes
 
 
+# NCCL's flight recorder of each rank (its last collectives), dumped on a hang as PREFIX + the rank.
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
+
 NCCL_TIMEOUT_MARGIN_MIN = 1.0  # NCCL waits this much longer than the gloo group, which names the rank
 
 

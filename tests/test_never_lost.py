@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from engine import weights as weights_file
 from engine.errors import EXIT_STOPPED, ResourceProblem, TrainingStopped, UserError
 from engine.folder_lock import FolderLock, lease_is_free
 from engine.processes import DistContext
-from engine.log import reconcile_metrics
+from engine.log import RunLogger, locked_metrics, reconcile_metrics
 from tools import gpu_report, report
 
 RUN = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "4", "--checkpoint-interval", "0",
@@ -180,6 +182,29 @@ def test_a_killed_saves_partial_files_are_removed_and_nothing_else(tmp_path):
     assert sorted(ck.iterdir()) == sorted(kept)
     checkpoints.Checkpointer(ck, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
     assert len(warnings) == 1  # none left: no line
+
+
+def test_an_earlier_hangs_flight_recorder_dumps_are_moved_where_the_next_hang_cannot_overwrite_them(tmp_path):
+    """A requeued job that hangs again dumps NCCL's flight recorder under the same names: the
+    run that holds the folder next moves the earlier dumps into a folder of their own (named
+    after the newest dump's time, a new one each time), with their contents, and says where."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "checkpoint_000000008.pt").write_bytes(b"c")
+    for attempt in (b"first hang", b"second hang"):
+        for rank in (0, 1):
+            dump = ck / f"nccl_trace_rank_{rank}"
+            dump.write_bytes(attempt + bytes([rank]))
+            os.utime(dump, (1_800_000_000, 1_800_000_000))  # both hangs' dumps in the same second
+        warnings = []
+        checkpoints.Checkpointer(ck, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
+        assert len(warnings) == 1 and "nccl_trace_rank_0, nccl_trace_rank_1" in warnings[0]
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_800_000_000))
+    first, second = ck / f"nccl_traces-{stamp}", ck / f"nccl_traces-{stamp}-2"
+    assert warnings[0].endswith(f"read them with torchfrtrace {second}/nccl_trace_rank_")
+    assert sorted(path.name for path in ck.iterdir()) == ["checkpoint_000000008.pt", first.name, second.name]
+    assert [(first / f"nccl_trace_rank_{r}").read_bytes() for r in (0, 1)] == [b"first hang\0", b"first hang\1"]
+    assert (second / "nccl_trace_rank_1").read_bytes() == b"second hang\1"
 
 
 def test_an_evaluation_in_a_training_runs_folder_touches_nothing_there(tmp_path, capsys):
@@ -508,6 +533,50 @@ def test_a_half_written_metrics_line_is_dropped_and_its_epoch_written_again(tmp_
     assert warning.startswith(f"WARNING: --metrics-file {path} ends in a half-written line")
     assert [json.loads(line) for line in path.read_text().splitlines()] == records
     assert reconcile_metrics(path, "r", records) == []
+
+
+def _opened(path, times, timeout_s=20.0):
+    """Wait until this process holds ``path`` open ``times`` times (Linux's /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+            except OSError:
+                continue
+        if held >= times:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{path} was not opened {times} times")
+
+
+def test_a_shared_metrics_file_loses_no_line_to_a_resumes_rewrite(tmp_path):
+    """Two jobs may share --metrics-file (the job scripts' example). A resume rewrites it
+    (reconcile_metrics): an append waiting meanwhile goes to the rewritten file, not the one
+    it replaced, and the rewrite waits for an append under way."""
+    path = tmp_path / "m.jsonl"
+    mine = [{"run_id": "r", "epoch": 1}, {"run_id": "r", "epoch": 2}]
+    path.write_text(json.dumps(mine[0]) + "\n" + json.dumps({"run_id": "r", "epoch": 3}) + "\n")
+    other = RunLogger(True, path)
+    with locked_metrics(path):  # the resume holds the file, and replaces it as reconcile_metrics does
+        appender = threading.Thread(target=other.record, args=({"run_id": "other", "epoch": 1},))
+        appender.start()
+        _opened(path, 2)  # the appender has the file open too, and waits for the lock
+        tmp = tmp_path / ".m.jsonl.tmp"
+        tmp.write_text(json.dumps(mine[0]) + "\n")
+        os.replace(tmp, path)
+    appender.join(20)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [mine[0], {"run_id": "other", "epoch": 1}]
+    with locked_metrics(path) as f:  # the other run appends; the resume waits for it
+        resume = threading.Thread(target=reconcile_metrics, args=(path, "r", mine))
+        resume.start()
+        resume.join(0.5)
+        assert resume.is_alive()
+        f.write((json.dumps({"run_id": "other", "epoch": 2}) + "\n").encode())
+    resume.join(20)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        mine[0], {"run_id": "other", "epoch": 1}, {"run_id": "other", "epoch": 2}, mine[1]]
 
 
 def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_path, capsys):
