@@ -85,7 +85,12 @@ class ReaderGone(UserError):
 
 
 def build_parser():
-    parser = OneLineParser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # train.py's flags that a user may give here too: one line on why none is needed.
+    as_trained = "not needed, each image is prepared as the --weights' training prepared its own (size, crop, colours)"
+    parser = OneLineParser(prog="predict.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           settled={"--image-size": as_trained, "--augment": as_trained,
+                                    "--data-dir": "not needed, give the images or folders to classify (or --held-out "
+                                                  "DIR)", "--dataset": "not needed, the --weights record the classes"})
     parser.add_argument("paths", nargs="*", metavar="IMAGE_OR_FOLDER",
                         help="image files, and folders searched recursively for image files")
     parser.add_argument("--held-out", metavar="DIR", type=Path,
@@ -315,8 +320,14 @@ def shown(path):
 
 
 def output_path(value):
-    """--output's value: ``-`` is stdout (None, as without --output), anything else a path."""
-    return None if value == "-" else Path(value)
+    """--output's value: ``-`` is stdout (None, as without --output), anything else a file's
+    path; a folder's (new/, which Path would read as the file new) is refused."""
+    if value == "-":
+        return None
+    if value.endswith(("/", os.sep)) or os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value} names a folder: name the CSV file in it, e.g. "
+                                         f"{os.path.join(value, 'predictions.csv')}")
+    return Path(value)
 
 
 def is_stream(path):

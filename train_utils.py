@@ -893,8 +893,9 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
         kept, held = len(task.train_loader.dataset), len(task.test_loader.dataset)
         split = (f" (--val-fraction {args.val_fraction:g} held out {held} of {kept + held})" if task.data.held_out
                  else "")
+        shards = f" ({kept // ctx.world_size} for each of {ctx.world_size} processes)" if ctx.world_size > 1 else ""
         raise UserError(f"the {kept} training images{split} give no full batch of {task.train_loader.batch_size} per "
-                        "process; lower --batch-size" + (" or --val-fraction" if split else ""))
+                        f"process{shards}; lower --batch-size" + (" or --val-fraction" if split else ""))
     ema_schedule = None if args.eval_only else recipe.ema_schedule(args, args.epochs * steps)  # --model-ema's
     module = unwrap(task.model)
     if not args.eval_only and not any(p.requires_grad for p in module.parameters()):  # else the optimizer's error

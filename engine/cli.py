@@ -33,9 +33,10 @@ class OneLineParser(argparse.ArgumentParser):
     (every rank parses the same flags, so the others would only repeat it). Abbreviated flags
     are refused: --out taken for --output, or --epoch for --epochs, is a typo acted on."""
 
-    def __init__(self, *positional, **kwargs):
+    def __init__(self, *positional, settled=None, **kwargs):
         super().__init__(*positional, **{"allow_abbrev": False, **kwargs})
         self.words = []  # the command line being parsed
+        self.settled = settled or {}  # {flag of train.py's: where this script takes it from instead}
 
     def parse_known_args(self, argv=None, namespace=None):  # argparse passes both by position
         self.words = list(sys.argv[1:] if argv is None else argv)
@@ -66,7 +67,8 @@ class OneLineParser(argparse.ArgumentParser):
         guesses = {flag: difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
                    or [name for name in [OTHER_NAMES.get(flag)] if name in known] for flag in typed}
         named = [f"{guess[0]} (for {flag})" if len(typed) > 1 else guess[0] for flag, guess in guesses.items() if guess]
-        return f"; did you mean {' and '.join(named)}?" if named else ""
+        settled = "".join(f"; {flag}: {self.settled[flag]}" for flag in typed if flag in self.settled)
+        return (f"; did you mean {' and '.join(named)}?" if named else "") + settled
 
 
 def env_int(name, default):

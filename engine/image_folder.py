@@ -362,7 +362,8 @@ def image_notes(headers, size, mode, why, ignored, splits):
     resized = sum(h.size != size for h in decoded)
     converted = sum(h.mode != mode for h in decoded)
     notes = [f"Images: {size[0]}x{size[1]} ({why}; {resized} resized: scaled to cover, centre-cropped), "
-             + ("gray (every image is gray)" if mode == "L" else f"RGB ({converted} converted from other modes)")]
+             + ("gray (every image is gray)" if mode == "L" else
+                f"RGB ({converted} converted from other modes)" if converted else "RGB (every image is RGB)")]
     enlarged = enlargement_note([h.size for h in decoded], size)
     if enlarged:
         notes.append(enlarged)

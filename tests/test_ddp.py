@@ -83,6 +83,10 @@ def test_indivisible_global_batch_is_an_error(tmp_path, cifar_dir):
     assert result.returncode != 0
     lines = error_lines(result.stdout + result.stderr)
     assert lines == ["error: --batch-size 7 does not split evenly over 2 processes; use a multiple of 2 (e.g. 6 or 8)"]
+    result = run(torchrun_cmd(2, "train_ddp.py", "--data-dir", cifar_dir, "--batch-size", "128", *FAST), cwd=tmp_path)
+    assert error_lines(result.stdout + result.stderr) == [
+        "error: the 64 training images give no full batch of 64 per process (32 for each of 2 processes); lower "
+        "--batch-size"] and result.returncode != 0
 
 
 def test_missing_data_is_reported_once_and_nothing_is_downloaded(tmp_path):

@@ -729,6 +729,15 @@ def test_images_enlarged_far_beyond_their_size_are_noted():
         assert not any("enlarged" in note for note in image_notes({"train": headers}, size, "RGB", "", [], {}))
 
 
+def test_the_images_line_counts_the_conversions_in_words():
+    mixed = [Header("RGB", (32, 32)), Header("P", (32, 32)), Header("L", (40, 32))]
+    first = image_notes({"train": mixed}, (32, 32), "RGB", "most common", [], {})[0]
+    assert first == ("Images: 32x32 (most common; 1 resized: scaled to cover, centre-cropped), RGB (2 converted from "
+                     "other modes)")
+    first = image_notes({"train": mixed[:1]}, (32, 32), "RGB", "most common", [], {})[0]
+    assert first.endswith("0 resized: scaled to cover, centre-cropped), RGB (every image is RGB)")
+
+
 def test_photos_finetune_a_resnet18_on_two_processes(photos):
     args = photo_args("--model", RESNET18, "--finetune", "resnet18.pt", "--image-size", "72", "--epochs", "1",
                       "--limit-batches", "2", "--base-lr", "0.05")

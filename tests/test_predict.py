@@ -217,6 +217,15 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     assert (code, line) == (2, f"predict.py: error: unrecognized arguments: --out {tmp_path / 'p.csv'}; did you "
                                "mean --output? (see --help)")  # an abbreviation is a typo, not taken as --output
     assert not (tmp_path / "p.csv").exists()
+    for folder in (f"{tmp_path / 'new'}/", str(tmp_path)):  # not the file new, nor a CSV beside a folder
+        code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "--output", folder)
+        assert (code, line) == (2, f"predict.py: error: argument --output: {folder} names a folder: name the CSV file "
+                                   f"in it, e.g. {os.path.join(folder, 'predictions.csv')} (see --help)")
+    assert not (tmp_path / "new").exists()
+    code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", "imgs/test", "--image-size", "64")  # train.py's
+    assert (code, line) == (2, "predict.py: error: unrecognized arguments: --image-size 64; --image-size: not needed, "
+                               "each image is prepared as the --weights' training prepared its own (size, crop, "
+                               "colours) (see --help)")
     code, line = one_line_error(capsys, *MODEL, "--weight", "w.pt", "imgs/test")  # the typo, not the missing flag
     assert (code, line) == (2, "predict.py: error: unrecognized arguments: --weight; did you mean --weights? (see "
                                "--help)")
