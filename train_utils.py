@@ -813,18 +813,25 @@ def describe_evaluation(args, ctx, name, precision, channels_last, task):
             *size_warning(task.data),
             # The job scripts pass --save-weights to every run: said, not refused.
             *[f"Note: {flag} {path} is not written: --eval-only trains nothing"
-              for flag, path in (("--save-weights", args.save_weights), ("--tensorboard", args.tensorboard),
-                                 ("--profile-dir", args.profile_dir)) if path],
+              for flag, path in (("--save-weights", args.save_weights), ("--checkpoint-dir", args.checkpoint_dir),
+                                 ("--tensorboard", args.tensorboard), ("--profile-dir", args.profile_dir)) if path],
             # A training command line with --eval-only added: the recipe it keeps is said unused, not refused.
             *([f"Note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: --eval-only trains "
                "nothing"] if (unused := unused_recipe_flags(args)) else [])]
 
 
+TRAINING_LENGTH_FLAGS = ("epochs", "target_accuracy", "patience", "checkpoint_interval")  # --eval-only ignores them
+
+
 def unused_recipe_flags(args):
-    """The recipe's flags that --eval-only does not use (all but --batch-size and --augment), as
-    ``args`` sets them other than their defaults (--optimizer's own defaults for its choice)."""
+    """The recipe's flags that --eval-only does not use (all but --batch-size and --augment), and
+    those of the training's length, as ``args`` sets them other than their defaults
+    (--optimizer's own defaults for its choice)."""
+    default = parse_args("", [])
     return [typed_flag(name, getattr(args, name)) for name in recipe_flags_set(args)
-            if name not in ("batch_size", "augment")]
+            if name not in ("batch_size", "augment")] + [
+        typed_flag(name, getattr(args, name)) for name in TRAINING_LENGTH_FLAGS
+        if getattr(args, name) not in (None, getattr(default, name))]
 
 
 def recipe_flags_set(args):
@@ -947,7 +954,8 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
     if args.checkpoint_dir and not args.eval_only:  # an evaluation writes no checkpoint, and holds no folder
         from engine.checkpoints import Checkpointer
         checkpointer = Checkpointer(args.checkpoint_dir, args.checkpoint_interval, ctx, vars(args), log.info,
-                                    new_run=None if continuing else {"model": task.model_key, "dataset": task.data.key})
+                                    new_run=None if continuing else {"model": task.model_key, "dataset": task.data.key},
+                                    defining=resume_rules()[1])
     factor = partial(recipe.lr_factor, schedule=args.lr_schedule)
     ema = recipe.make_model_ema(module, ema_schedule)
     if continuing:

@@ -37,6 +37,8 @@ from engine.task import DATASETS, fingerprints_differ
 CHECKPOINT_PREFIX, CHECKPOINT_FORMAT = "checkpoint_", 1
 
 
+RUN_FLAGS = "run_flags"  # BEST_WEIGHTS' record of the flags that define its run (Checkpointer's ``defining``)
+
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint is renamed aside, never deleted
 
 
@@ -67,7 +69,8 @@ def continues_run(directory, resume):
         if aside:  # a run was here: a new one would take its model_best.pt for its own, and replace it
             raise UserError(f"--resume=auto: no readable checkpoint in {directory}: {count(len(aside), 'was', 'were')} "
                             f"set aside as unreadable (newest: {aside[0].name}), so no new run starts there: move "
-                            "them away first, or give this run another --checkpoint-dir; see docs/checkpoints.md")
+                            f"{'it' if len(aside) == 1 else 'them'} away first, or give this run another "
+                            "--checkpoint-dir; see docs/checkpoints.md")
         return bool(existing)
     if existing:
         raise UserError(f"--checkpoint-dir {directory} already holds checkpoints of an earlier run (newest: "
@@ -348,12 +351,20 @@ def recorded_accuracy(path, run=None):
     if not isinstance(accuracy, (int, float)):
         raise UserError(f"--checkpoint-dir {path.parent}: its {BEST_WEIGHTS} records no validation accuracy, so no "
                         f"run of these scripts wrote it (your own weights?){keep}")
-    theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None}
+    theirs = {key: metadata[key] for key in (run or {}) if metadata.get(key) is not None and key != RUN_FLAGS}
     if any(theirs[key] != run[key] for key in theirs):
         raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of another run (--model "
                         f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model "
                         f"{run['model']} on --dataset {run['dataset']}): move it elsewhere, or give this run another "
                         "--checkpoint-dir")
+    recorded, mine = metadata.get(RUN_FLAGS), (run or {}).get(RUN_FLAGS) or {}
+    changed = [f"--{name.replace('_', '-')} {as_typed(recorded[name])} (this run: {as_typed(value)})"
+               for name, value in mine.items() if isinstance(recorded, dict) and name in recorded
+               and recorded[name] != value]  # a flag newer than the file: not compared
+    if changed:  # a run of these flags killed before its first checkpoint is this one again
+        raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of a run of other flags ("
+                        f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}), which this run would replace "
+                        "or take for its own: move it elsewhere, or give this run another --checkpoint-dir")
     return float(accuracy)
 
 
@@ -505,12 +516,15 @@ class Checkpointer:
     for the file (so none exits while it is written). Records how often and how long, and
     warns once through ``warn`` when one takes so long that a stop signal could cut it.
     ``flags``: the run's command line, by name, recorded in each checkpoint (what a resume checks);
-    ``new_run``: {"model": key, "dataset": key} of a run that starts in the folder (None: it
-    continues the run there, whose checkpoint says what it is): another's BEST_WEIGHTS is refused."""
+    ``defining``: the names of those that make the run what it is (train_utils.resume_rules),
+    recorded in BEST_WEIGHTS too; ``new_run``: {"model": key, "dataset": key} of a run that
+    starts in the folder (None: it continues the run there, whose checkpoint says what it is):
+    another run's BEST_WEIGHTS, of another model, data set or ``defining`` flag, is refused."""
 
-    def __init__(self, directory, interval_minutes, ctx, flags, warn=print, new_run=None):
+    def __init__(self, directory, interval_minutes, ctx, flags, warn=print, new_run=None, defining=()):
         self.directory = Path(directory)
         self.flags = flags
+        self.run_flags = {name: flags[name] for name in defining}
         self.interval_s = interval_minutes * 60
         self.ctx = ctx
         self.warn = warn
@@ -520,6 +534,7 @@ class Checkpointer:
         self.count, self.seconds = 0, 0.0
         # The validation accuracy of the weights in BEST_WEIGHTS: a file left by this run before a
         # kill (or a requeued job's first attempt) is replaced only by better weights.
+        new_run = new_run and {**new_run, RUN_FLAGS: self.run_flags}
         self.best = from_rank0(lambda: recorded_accuracy(self.directory / BEST_WEIGHTS, new_run), ctx.control_group)
         for line in from_rank0(lambda: remove_partial_writes(self.directory) + keep_earlier_traces(self.directory),
                                ctx.control_group):
@@ -595,7 +610,8 @@ class Checkpointer:
 
         def write():
             try:
-                save_weights(model, self.directory / BEST_WEIGHTS, metadata, BEST_WEIGHTS)
+                save_weights(model, self.directory / BEST_WEIGHTS, {**metadata, RUN_FLAGS: self.run_flags},
+                             BEST_WEIGHTS)
                 return accuracy
             except ResourceProblem as err:
                 kept = (f"{BEST_WEIGHTS} keeps the earlier weights that validated at {self.best:.4f}"

@@ -542,7 +542,7 @@ def test_resume_auto_starts_no_new_run_over_checkpoints_set_aside(tmp_path):
         checkpoints.continues_run(tmp_path, "auto")
     assert str(refused.value) == (f"--resume=auto: no readable checkpoint in {tmp_path}: 1 was set aside as "
                                   "unreadable (newest: checkpoint_000000008.pt.unreadable), so no new run starts "
-                                  "there: move them away first, or give this run another --checkpoint-dir; see "
+                                  "there: move it away first, or give this run another --checkpoint-dir; see "
                                   "docs/checkpoints.md")
     (tmp_path / "checkpoint_000000004.pt").touch()  # a readable one beside it: the run continues
     assert checkpoints.continues_run(tmp_path, "auto") is True
@@ -625,6 +625,34 @@ def test_model_best_of_another_model_or_data_set_is_refused_and_kept(tmp_path):
                                             f"{model} on --dataset {dataset}\\): move it elsewhere"):
             checkpoints.Checkpointer(tmp_path, 0, ctx, {}, new_run={"model": model, "dataset": dataset})
         assert checkpoints.Checkpointer(tmp_path, 0, ctx, {}).best == 0.5  # continuing: its checkpoint is checked
+    assert (tmp_path / "model_best.pt").read_bytes() == before
+
+
+def test_model_best_of_a_run_of_other_flags_is_refused_and_kept(tmp_path):
+    """The same model and data set, other flags (a folder reused after its checkpoints were
+    deleted, another run's model_best.pt copied in): --resume=auto would have replaced that
+    run's best weights with a better epoch of its own, or called them its own. A run of the
+    same defining flags (the requeued job) takes the file's accuracy to beat; a flag the file
+    does not record (older than the flag) is not compared."""
+    ctx, run = DistContext(device=torch.device("cpu")), {"model": "slow_net:Net", "dataset": "mnist"}
+    flags = {"optimizer": "adamw", "seed": 5, "base_lr": 0.001, "batch_size": 32, "epochs": 1}
+    defining = ("optimizer", "seed", "base_lr", "batch_size")
+    checkpoints.Checkpointer(tmp_path, 0, ctx, flags, defining=defining).keep_best(
+        0.5, torch.nn.Linear(2, 2), {"val_accuracy": 0.5, "epoch": 1, **run})
+    before = (tmp_path / "model_best.pt").read_bytes()
+    assert weights_file.read_weights(tmp_path / "model_best.pt").metadata["run_flags"] == {
+        "optimizer": "adamw", "seed": 5, "base_lr": 0.001, "batch_size": 32}
+    requeued = {**flags, "epochs": 3}  # --epochs does not define the run: a larger one extends it
+    assert checkpoints.Checkpointer(tmp_path, 0, ctx, requeued, new_run=run, defining=defining).best == 0.5
+    newer_flag = {**flags, "model_ema": True}
+    assert checkpoints.Checkpointer(tmp_path, 0, ctx, newer_flag, new_run=run, defining=(*defining, "model_ema")).best \
+        == 0.5
+    other = {**flags, "optimizer": "sgd", "seed": 0, "base_lr": 0.1, "batch_size": 64}
+    with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path} holds model_best.pt of a run of other flags "
+                                        r"\(--optimizer adamw \(this run: sgd\), --seed 5 \(this run: 0\), "
+                                        r"--base-lr 0.001 \(this run: 0.1\), ...\), which this run would replace or "
+                                        "take for its own: move it elsewhere"):
+        checkpoints.Checkpointer(tmp_path, 0, ctx, other, new_run=run, defining=defining)
     assert (tmp_path / "model_best.pt").read_bytes() == before
 
 
@@ -788,7 +816,9 @@ def test_an_evaluation_given_the_job_scripts_resume_auto_reads_no_checkpoint(tmp
     out = capsys.readouterr().out
     assert "Evaluation: Loss=" in out and not (tmp_path / "prof").exists()
     assert f"\nNote: --profile-dir {tmp_path / 'prof'} is not written: --eval-only trains nothing\n" in out
-    assert "have no effect" not in out and "has no effect" not in out  # --batch-size applies to evaluation
+    # --batch-size applies to evaluation; RUN's length of training does not
+    assert "\nNote: --epochs 3, --checkpoint-interval 0 have no effect: --eval-only trains nothing\n" in out
+    assert f"\nNote: --checkpoint-dir {tmp_path / 'ck'} is not written: --eval-only trains nothing\n" in out
 
 
 def test_an_evaluation_says_which_training_flags_it_does_not_use(tmp_path, capsys):
@@ -800,9 +830,14 @@ def test_an_evaluation_says_which_training_flags_it_does_not_use(tmp_path, capsy
     assert run_main("train.py", *RUN, "--eval-only", "--weights", weights, "--optimizer", "adamw", "--base-lr", "0.5",
                     "--model-ema", "--augment", "flip-crop") == 0
     out = capsys.readouterr().out
-    assert "\nNote: --optimizer adamw, --base-lr 0.5, --model-ema have no effect: --eval-only trains nothing\n" in out
-    assert run_main("train.py", *RUN, "--eval-only", "--weights", weights, "--no-nesterov") == 0
-    assert "\nNote: --no-nesterov has no effect: --eval-only trains nothing\n" in capsys.readouterr().out
+    assert ("\nNote: --optimizer adamw, --base-lr 0.5, --model-ema, --epochs 3, --checkpoint-interval 0 have no "
+            "effect: --eval-only trains nothing\n") in out  # RUN's length flags too
+    assert run_main("train.py", "--synthetic", "--limit-batches", "4", "--batch-size", "4", *FAST, *TINY_MODEL,
+                    "--eval-only", "--weights", weights, "--no-nesterov", "--checkpoint-dir", tmp_path / "ck") == 0
+    out = capsys.readouterr().out
+    assert "\nNote: --no-nesterov has no effect: --eval-only trains nothing\n" in out
+    assert f"\nNote: --checkpoint-dir {tmp_path / 'ck'} is not written: --eval-only trains nothing\n" in out
+    assert not (tmp_path / "ck").exists()
 
 
 def test_eval_only_needs_weights(capsys):
