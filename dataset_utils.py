@@ -105,13 +105,13 @@ class Preprocessing:
     def describe(self):
         """What happens to a training image, in words (the start-up block)."""
         per_image = getattr(self.per_image, "transforms", [self.per_image] if self.per_image else [])  # a v2.Compose
-        names = [op.__name__ for op in self.ops] + [f"per image {type(t).__name__}" for t in per_image]
+        names = [op.__name__ + (f" with {self.padding}-pixel padding" if op.__name__.startswith("pad") else "")
+                 for op in self.ops] + [f"per image {type(t).__name__}" for t in per_image]
         ops = ", ".join(names) or "nothing"
-        padding = f", {self.padding}-pixel padding" if any(op.__name__.startswith("pad") for op in self.ops) else ""
         height, width, _ = self.image_shape
         sizes = (f"; stored {'x'.join(map(str, self.stored))}, trained on {height}x{width} crops, tested on the "
                  "centre crop" if self.stored != (height, width) else "")
-        return f"{self.augment} ({ops}{padding}{sizes}), normalized with mean {self.mean} and std {self.std}"
+        return f"{self.augment} ({ops}{sizes}), normalized with mean {self.mean} and std {self.std}"
 
 
 def augmentation_randoms(size, ops, seed, epoch, per_op):
@@ -766,6 +766,10 @@ def build_data(args, ctx, listed=False, normalization=None):
     for images, split in ((train, "training"), (test, "test")):  # a damaged file or cache, a data set's mistake
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
+    present = np.unique(np.asarray(train.labels))
+    if len(present) < 2:  # of more classes by name: it would learn one answer, to 100% (a FILE.py:NAME's labels)
+        raise UserError(f"every training image of {info.title} has the label {present[0]} ({info.classes[present[0]]}) "
+                        f"of its {len(info.classes)} classes: a classifier needs images of at least two")
     if test is not None and not args.val_fraction:  # a class folder missing or empty in test/, say
         unseen = [info.classes[c] for c in np.setdiff1d(np.arange(len(info.classes)), np.asarray(test.labels))]
         if unseen:
@@ -889,6 +893,8 @@ def folder_preprocessing(args, stats, channels, mean, std, stored=None):
 
 def folder_info(args, folder, prep, train_labels, test_size, notes, how=""):
     """The DataInfo of image folder --data-dir (FolderData or FolderList ``folder``)."""
+    from engine.image_folder import validation_note
+    notes = (*notes, *([] if args.val_fraction else validation_note(args.data_dir)))
     shown = ", ".join(folder.classes[:8]) + (", ..." if len(folder.classes) > 8 else "")
     source = f"the image folder {args.data_dir} ({count(len(folder.classes), 'class', 'classes')}: {shown}){how}"
     names = folder.names_sha256.get("train")  # None for a cache built before they were recorded

@@ -180,7 +180,8 @@ def main(argv=None):
                         truths.append(int(labels[index]))
                         guesses.append(int(row.argmax()))
         if not counts:  # no CSV of a header alone
-            raise UserError(f"none of the {len(images)} image file(s) could be read (listed above)")
+            raise UserError("the image file could not be read (listed above)" if len(images) == 1 else
+                            f"none of the {len(images)} image files could be read (listed above)")
     summary = summary_stream(args.output)
     report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
     if meta.get("synthetic"):
@@ -265,7 +266,9 @@ def labelled_images(root, classes):
         index = {name: i for i, name in enumerate(classes)}
         unknown = [p.name for p in folders if p.name not in index]
         if unknown:
-            splits = [n for n in ("test", "val", "train") if n in unknown]  # a data set's splits: its test images
+            # A data set's splits: its test images, when their class folders are the weights' classes.
+            splits = [n for n in ("test", "val", "train") if n in unknown and {
+                p.name for p in (root / n).iterdir() if p.is_dir() and not p.name.startswith(".")} <= index.keys()]
             hint = (f"; did you mean --labelled {shown(root / splits[0])}?" if splits else
                     f" ({', '.join(map(shown, classes[:10]))}{', ...' if len(classes) > 10 else ''})")
             raise UserError(f"--labelled {shown(root)}: {', '.join(map(shown, unknown[:5]))}"
@@ -420,7 +423,8 @@ def find_images(paths):
         ignored += len(others)
     if not images:
         raise UserError(f"no image files in {', '.join(map(shown, paths))} (image files end in "
-                        f"{', '.join(sorted(extensions)[:6])}, ...; {ignored} other file(s) ignored)")
+                        f"{', '.join(sorted(extensions)[:6])}, ...; "
+                        f"{count(ignored, 'other file', 'other files')} ignored)")
     unique = {}  # a file named twice (a folder and a file in it, ./a.png and a.png) is classified once
     for image in images:
         unique.setdefault(os.path.realpath(image), image)

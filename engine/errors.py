@@ -126,6 +126,12 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
+def type_named(value):
+    """The type of ``value`` with its article, for error lines: "an int", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def first_line(err):
     """The first line of an exception's message (libraries go on with advice and stacks), or
     its type's name when it has none."""

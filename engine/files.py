@@ -120,6 +120,8 @@ def check_writable(path, flag):
     that fails leaves no empty folder. The folder must take new files even when the file
     exists: it is replaced through a temporary file beside it (atomic_save, reconcile_metrics).
     (os.path, not pathlib: a folder that cannot be entered is "not there", not a traceback.)"""
+    if str(path).endswith(("/", os.sep)):  # Path() would make new/ the file new
+        raise UserError(f"{flag} {path}: not a writable file path (it ends in {os.sep}, as a folder's name does)")
     path = Path(path)
     if os.path.isdir(path):
         raise UserError(f"{flag} {path}: not a writable file path (it is a folder)")

@@ -186,8 +186,8 @@ def build_parser(description, add_recipe_arguments):
     parser = OneLineParser(description=description, formatter_class=_Formatter)
     stop = parser.add_argument_group("run length and early stopping")
     stop.add_argument("--epochs", metavar="EPOCHS", type=positive_int, default=100,
-                      help="maximum number of passes over the training set (default 100; with --resume, the "
-                           "run's own)")
+                      help="maximum number of passes over the training set (with --resume: the run's own unless "
+                           "given)")
     stop.add_argument("--target-accuracy", metavar="FRACTION", type=target_accuracy, default=None,
                       help="stop early once validation accuracy (fraction 0-1; with --model-ema the better of the "
                            "model's and the average's) has been at or above this for --patience consecutive epochs; "

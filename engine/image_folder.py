@@ -31,7 +31,9 @@ from PIL import Image
 from engine.errors import DatasetError
 from engine.log import count
 
-SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}
+# The folders of each split, the first found taken: with train/, val/ and test/ training validates on
+# val/ and leaves test/ for a final evaluation, as such a layout means (the "test" split is validation's).
+SPLIT_FOLDERS = {"train": ("train",), "test": ("val", "test")}
 FLAT, SPLIT = "DIR/CLASS/IMAGE", "DIR/train/CLASS/IMAGE"  # the two layouts, as the start-up block names them
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
@@ -109,15 +111,24 @@ def first_image(folder):
     return None
 
 
+def validation_note(root):
+    """[the start-up block's line on which folder validates] when ``root`` has both val/ and test/."""
+    root = Path(root).expanduser()
+    if not all((root / name).is_dir() for name in SPLIT_FOLDERS["test"]):
+        return []
+    return [f"Validation: on {root / 'val'}/, which chooses model_best.pt and the early stop; {root / 'test'}/ is "
+            f"left for a final evaluation (python predict.py --weights WEIGHTS --labelled {root / 'test'})"]
+
+
 def split_folder(root, split, needed=True, flag="--data-dir"):
-    """The folder of ``split``: DIR/train, or DIR/test else DIR/val; None when it is missing and
+    """The folder of ``split``: DIR/train, or DIR/val else DIR/test; None when it is missing and
     not ``needed``."""
     for name in SPLIT_FOLDERS[split]:
         if (root / name).is_dir():
             return root / name
     if not needed:
         return None
-    wanted = " or ".join(f"{root / name}/" for name in SPLIT_FOLDERS[split])
+    wanted = " or ".join(f"{root / name}/" for name in reversed(SPLIT_FOLDERS[split]))  # test/ first: the docs' name
     hint = ("" if split == "train" else
             f"; to validate on part of {root}/train/ instead, add --val-fraction 0.2 (20% of each class held out)")
     raise DatasetError(f"{flag} {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "
@@ -409,8 +420,10 @@ def enlargement_note(sizes, size, most=ENLARGE_NOTE_FACTOR):
     if median <= most:
         return None
     enlarged = sum(factor > 1 for factor in factors)
+    areas = sorted(size[0] * size[1] / (height * width) for height, width in sizes)  # pixels stored / pixels read
+    growth = areas[(len(areas) - 1) // 2]
     return (f"Note: {enlarged} of {len(factors)} images are enlarged to {size[0]}x{size[1]}, the median one "
-            f"{median:.1f}x: no detail is added, while memory and time per image grow {median ** 2:.0f}x; "
+            f"{median:.1f}x: no detail is added, while memory and time per image grow {growth:.{growth < 10:d}f}x; "
             "keep it if the model needs this size (a pretrained one may), else lower --image-size")
 
 

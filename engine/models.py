@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from engine.errors import UserError, first_line
+from engine.errors import UserError, first_line, type_named
 from engine.memory import is_out_of_memory, no_trace
 from engine.plugins import call_user_code, load_plugin, own_file, raised_at
 
@@ -102,7 +102,7 @@ def make_model(factory, ref, num_classes, in_channels, image_size):
                             f"{label}(num_classes=N, in_channels=C[, image_size=(H, W)])")
     model = call_user_code(lambda: factory(**kwargs), f"--model {ref}", ref)
     if not isinstance(model, nn.Module):
-        raise UserError(f"--model {ref}: {label}(...) returned a {type(model).__name__}, not an nn.Module")
+        raise UserError(f"--model {ref}: {label}(...) returned {type_named(model)}, not an nn.Module")
     shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
     return model, f"{label}({shown})" + ("" if ref == DEFAULT_MODEL else f" from {ref.rpartition(':')[0]}")
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine.errors import UserError
+from engine.errors import UserError, type_named
 from engine.plugins import call_user_code, load_plugin
 from engine.task import check_labels
 
@@ -18,14 +18,14 @@ def materialize(dataset, split, ref):
     try:
         count = len(dataset)
     except TypeError:
-        raise UserError(f"{what} is a {type(dataset).__name__}, not a map-style data set (with len and [i])") from None
+        raise UserError(f"{what} is {type_named(dataset)}, not a map-style data set (with len and [i])") from None
     if count == 0:
         raise UserError(f"{what} is empty")
     images, labels = None, np.empty(count, dtype=np.int64)
     for i in range(count):
         item = call_user_code(lambda: dataset[i], f"{what}[{i}]", ref)
         if not (isinstance(item, (tuple, list)) and len(item) >= 2):
-            raise UserError(f"{what}[{i}] is a {type(item).__name__}, not (image, label)")
+            raise UserError(f"{what}[{i}] is {type_named(item)}, not (image, label)")
         image = as_hwc(item[0], f"{what}[{i}]")
         if images is None:
             images = np.empty((count, *image.shape), dtype=image.dtype)
@@ -48,7 +48,7 @@ def as_hwc(image, what):
         return array[:, :, None] if array.ndim == 2 else array
     if not torch.is_tensor(image) or image.ndim not in (2, 3):
         shape = f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else ""
-        raise UserError(f"{what}: the image is a {type(image).__name__}{shape}, not a tensor (C, H, W) or a PIL "
+        raise UserError(f"{what}: the image is {type_named(image)}{shape}, not a tensor (C, H, W) or a PIL "
                         "image (for a numpy (H, W, C) array: torch.from_numpy(a).permute(2, 0, 1))")
     image = image.detach().cpu()
     image = image[None] if image.ndim == 2 else image
@@ -73,7 +73,7 @@ def read_user_data(ref, data_dir):
     factory = load_plugin(ref, "--dataset")
     result = call_user_code(lambda: factory(data_dir), f"--dataset {ref}", ref)
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise UserError(f"--dataset {ref}: {ref.rpartition(':')[2]}(data_dir) returned a {type(result).__name__}, "
+        raise UserError(f"--dataset {ref}: {ref.rpartition(':')[2]}(data_dir) returned {type_named(result)}, "
                         "not (train, test)")
     train_images, train_labels = materialize(result[0], "training", ref)
     if result[1] is None:  # no test split: --val-fraction holds out part of the training set

@@ -81,7 +81,7 @@ def test_an_image_folder_learns_under_train_py_and_torchrun(project):
     assert ("Images: 32x32 (the training images' most common of 2 sizes; 40 resized: scaled to cover, "
             "centre-cropped), RGB (56 converted from other modes)") in out
     assert "Ignored 2 files that are not images, e.g. images/" in out  # notes.txt twice; .DS_Store is hidden
-    assert "Augmentation: flip-crop (flip, pad_crop, 4-pixel padding)" in out
+    assert "Augmentation: flip-crop (flip, pad_crop with 4-pixel padding)" in out
     assert "Traceback" not in result.stderr
     assert_learned(read_metrics(project / "one.jsonl"))
 
@@ -129,6 +129,32 @@ def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
     assert f"Accuracy={records[-1]['val_accuracy']:.4f} on all 32 test images" in result.stdout
     assert "Evaluating Net(num_classes=4, in_channels=3, image_size=(32, 32)) from my_net.py weights w.pt" in \
         result.stdout
+
+
+def test_with_val_and_test_folders_training_validates_on_val_and_leaves_test(tmp_path, capsys):
+    """DIR/train, DIR/val and DIR/test: val/ chooses model_best.pt and the early stop, test/ is
+    left for the end, as the layout means; the start-up block says so, and predict.py
+    --held-out takes the same val/."""
+    root = write_image_folder(tmp_path / "imgs", n_train=8, n_test=4)
+    shutil.copytree(root / "test", root / "val")
+    for label in range(4):  # val/: 2 images per class, test/: 4
+        for i in (2, 3):
+            next((root / "val" / f"class_{label}").glob(f"image_{i}.*")).unlink()
+    metrics = tmp_path / "m.jsonl"
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, *TINY_MODEL, *FAST, "--epochs", "1",
+                    "--batch-size", "8", "--metrics-file", metrics, "--save-weights", tmp_path / "w.pt") == 0
+    out = capsys.readouterr().out
+    assert "32 training / 8 test images" in out and read_metrics(metrics)[0]["val_samples"] == 8
+    assert (f"Validation: on {root / 'val'}/, which chooses model_best.pt and the early stop; {root / 'test'}/ is "
+            f"left for a final evaluation (python predict.py --weights WEIGHTS --labelled {root / 'test'})") in out
+    assert run_main("predict.py", "--weights", tmp_path / "w.pt", "--held-out", root, "--output",
+                    tmp_path / "held.csv") == 0
+    assert len((tmp_path / "held.csv").read_text().splitlines()) == 1 + 8  # the header, val/'s images
+    shutil.rmtree(root / "val")  # test/ alone: validated on, no line about it
+    assert run_main("train.py", "--dataset", "folder", "--data-dir", root, *TINY_MODEL, *FAST, "--epochs", "1",
+                    "--batch-size", "8") == 0
+    out = capsys.readouterr().out
+    assert "32 training / 16 test images" in out and "Validation: on" not in out
 
 
 def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
@@ -706,6 +732,8 @@ def test_the_first_forward_pass_blames_the_image_size_only_for_a_size_error(err,
 BAD_DATA = {
     "one set": ("def make(data_dir):\n    return [1, 2, 3]\n",
                 "error: --dataset my_data.py:make: make(data_dir) returned a list, not (train, test)"),
+    "an int": ("def make(data_dir):\n    return 3\n",
+               "error: --dataset my_data.py:make: make(data_dir) returned an int, not (train, test)"),
     "not images": ("def make(data_dir):\n    return [('a', 0)], [('b', 1)]\n",
                    "error: --dataset my_data.py:make: the training set[0]: the image is a str, not a tensor (C, H, W)"),
     "two sizes": ("import torch\ndef make(data_dir):\n"
@@ -715,6 +743,10 @@ BAD_DATA = {
     "labels": ("import torch\nclass S(list):\n    classes = ['a', 'b']\ndef make(data_dir):\n"
                "    return S([(torch.zeros(1, 8, 8), 0), (torch.zeros(1, 8, 8), 2)]), S([(torch.zeros(1, 8, 8), 0)])\n",
                "error: --dataset my_data.py:make: training image 1 has the label 2, outside 0..1 of its 2 classes"),
+    "one label": ("import torch\ndef make(data_dir):\n"
+                  "    return [(torch.zeros(1, 8, 8), 7)] * 10, [(torch.zeros(1, 8, 8), 3)]\n",
+                  "error: every training image of my_data.py:make has the label 7 (7) of its 8 classes: a classifier "
+                  "needs images of at least two"),  # it would learn one answer, to 100%
     "raises": ("def make(data_dir):\n    return open(data_dir + '/nothing.csv')\n",
                "error: --dataset my_data.py:make raised FileNotFoundError: [Errno 2] No such file or directory"),
 }

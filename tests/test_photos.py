@@ -723,7 +723,9 @@ def test_images_enlarged_far_beyond_their_size_are_noted():
     thumbnails = [Header("RGB", (180, 240))] * 3 + [Header("RGB", (480, 640))]
     notes = image_notes({"train": thumbnails}, (2000, 2000), "RGB", "--image-size 2000", [], {})
     assert ("Note: 4 of 4 images are enlarged to 2000x2000, the median one 11.1x: no detail is added, while "
-            "memory and time per image grow 123x") in "\n".join(notes)
+            "memory and time per image grow 93x") in "\n".join(notes)  # 2000 x 2000 pixels for 180 x 240
+    wide = image_notes({"train": [Header("RGB", (32, 32))] * 3}, (2000, 10), "RGB", "--image-size 2000x10", [], {})
+    assert "the median one 62.5x: no detail is added, while memory and time per image grow 20x" in "\n".join(wide)
     photos = [Header("RGB", (480, 640))] * 3 + [Header("RGB", (180, 240))]
     for headers, size in ((thumbnails, (256, 256)), (photos, (480, 480))):  # 1.4x; one of four at 2.7x: quiet
         assert not any("enlarged" in note for note in image_notes({"train": headers}, size, "RGB", "", [], {}))

@@ -253,17 +253,18 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("no images here\n")
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "empty")
-    assert code == 2 and line.startswith(f"error: no image files in {tmp_path / 'empty'} (") and "1 other" in line
+    assert code == 2 and line.startswith(f"error: no image files in {tmp_path / 'empty'} (")
+    assert line.endswith("; 1 other file ignored)")
 
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "x.png").write_bytes(b"\x89PNG garbage")
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "broken",
                                 "--output", tmp_path / "none.csv")
-    assert code == 2 and "none of the 1 image file(s) could be read" in line
+    assert code == 2 and "the image file could not be read (listed above)" in line
     assert not (tmp_path / "none.csv").exists() and sorted(os.listdir(tmp_path)) == ["broken", "empty", "mine.csv",
                                                                                    "old.pt", "plain.pt"]
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "broken", trained / "m.jsonl")
-    assert code == 2 and "none of the 2 image file(s) could be read" in line
+    assert code == 2 and "none of the 2 image files could be read (listed above)" in line
     assert capsys.readouterr().out == ""  # to stdout: no CSV header alone either
 
 
@@ -529,6 +530,11 @@ def test_labelled_mistakes_are_one_line(here, tmp_path, capsys):
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "split") == (
         2, f"error: --labelled {tmp_path / 'split'}: test, train are not among the 3 classes the weights were "
            f"trained on; did you mean --labelled {tmp_path / 'split' / 'test'}?")
+    for split in ("test", "train"):  # not the weights' data set: no split to suggest
+        (tmp_path / "split" / split / "zebra").mkdir()
+    assert one_line_error(capsys, *weights, "--labelled", tmp_path / "split") == (
+        2, f"error: --labelled {tmp_path / 'split'}: test, train are not among the 3 classes the weights were "
+           "trained on (class_0, class_1, class_2)")
     assert one_line_error(capsys, *weights, "--labelled", tmp_path / "other") == (
         2, f"error: --labelled {tmp_path / 'other'}: zebra is not among the 3 classes the weights were trained on "
            "(class_0, class_1, class_2)")

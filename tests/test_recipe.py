@@ -595,7 +595,7 @@ def test_an_edited_recipe_trains_with_the_new_augmentation(project):
     result = run(single(*RUN, "--augment", "flip-crop-cutout", "--epochs", "1", "--metrics-file", "aug.jsonl"),
                  cwd=project)
     assert result.returncode == 0, result.stderr
-    assert "Augmentation: flip-crop-cutout (flip, pad_crop, cutout, 4-pixel padding)" in result.stdout
+    assert "Augmentation: flip-crop-cutout (flip, pad_crop with 4-pixel padding, cutout)" in result.stdout
     assert read_metrics(project / "aug.jsonl")[-1]["augment"] == ["flip", "pad_crop", "cutout"]
 
 

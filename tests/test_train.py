@@ -159,6 +159,11 @@ def test_metrics_file_is_appended_and_a_bad_path_fails_before_training(tmp_path,
     captured = capsys.readouterr()
     assert_one_line_error(code, captured.err, "not a writable file path")
     assert "Epoch 1/" not in captured.out
+    code = run_main("train.py", "--data-dir", cifar_dir, *FAST, "--save-weights", f"{tmp_path / 'new'}/")
+    captured = capsys.readouterr()  # Path() would make the folder's name the file new
+    assert_one_line_error(code, captured.err, f"error: --save-weights {tmp_path / 'new'}/: not a writable file path "
+                                              "(it ends in /, as a folder's name does)")
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_failed_command_leaves_no_empty_folders(tmp_path, cifar_dir, capsys):
