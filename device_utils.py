@@ -153,7 +153,7 @@ def single_process_context(device="auto") -> DistContext:
 def flight_recorder_settings(directory, version=None) -> dict:
     """The environment that makes NCCL's flight recorder (on by default since PyTorch 2.6: each
     rank's last 2000 collectives) dump on a collective timeout into ``directory`` as
-    nccl_trace_rank_N, read with ``torchfrtrace DIR/nccl_trace_rank_``. PyTorch 2.11 renamed
+    nccl_trace_rank_N, read with ``torchfrtrace DIR -p nccl_trace_rank_``. PyTorch 2.11 renamed
     the dump file's variable (TORCH_NCCL_DEBUG_INFO_TEMP_FILE -> TORCH_FR_DUMP_TEMP_FILE) and
     warns about the old name, which 2.7 needs; the switch keeps its TORCH_NCCL_ name in every
     version (2.14's libraries hold no TORCH_FR_DUMP_ON_TIMEOUT: tests/test_resilience.py

@@ -36,10 +36,12 @@ with recipe_imported():  # recipe.py, the file you edit: a mistake in it is one 
 def main():
     clock = RunClock()  # the run's wall time, joining the group, reading the data and building the model included
     args = parse_args(__doc__)
-    # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang.
-    ctx = setup_distributed(args.collective_timeout, args.checkpoint_dir, device=args.device)
+    # Reads torchrun's variables, picks the GPU, joins the group; NCCL dumps into the checkpoint folder on a hang
+    # (not an evaluation's: it writes nothing into the training's folder).
+    traces = None if args.eval_only else args.checkpoint_dir
+    ctx = setup_distributed(args.collective_timeout, traces, device=args.device)
     # A rank that stops answering ends the run with one line naming it (exit 3), not a hang.
-    with process_group_scope(ctx, args.collective_timeout, args.checkpoint_dir):
+    with process_group_scope(ctx, args.collective_timeout, traces):
         check_outputs(args, ctx)  # before the data is read: an unwritable output fails now, not at the end
         task = build_task(args, ctx)  # this rank's shard of the data, the model on this rank's GPU
         # DDP broadcasts rank 0's weights here, so every rank starts from the same model.

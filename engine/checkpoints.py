@@ -478,29 +478,44 @@ def remove_partial_writes(directory):
             f"left in {directory}: {', '.join(removed)}"]
 
 
+ARCHIVED_TRACE_PREFIX = "rank_"  # an earlier hang's dump, moved: torchfrtrace DIR -p nccl_trace_rank_ skips it
+
+
 def keep_earlier_traces(directory):
     """Move the NCCL flight-recorder dumps (FLIGHT_RECORDER_PREFIX + rank) that a hang of an
     earlier run of the folder left into a folder of their own, DIR/nccl_traces-DATE-TIME (the
-    newest dump's time; -2, -3 when taken): a hang of this run dumps under the same names,
-    which would overwrite them. Returns the line that says so (none when there were none).
-    Call on global rank 0, as the run starts: a dump of its own comes only after a collective
-    timed out (--collective-timeout minutes)."""
-    dumps = [path for path in sorted(directory.glob(f"{FLIGHT_RECORDER_PREFIX}*")) if path.is_file()]
-    if not dumps:
-        return []
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(path.stat().st_mtime for path in dumps)))
-    for n in itertools.count(1):
-        folder = directory / f"nccl_traces-{stamp}{f'-{n}' if n > 1 else ''}"
-        try:
-            folder.mkdir()
-            break
-        except FileExistsError:
-            continue
+    newest dump's time; -2, -3 when taken), as rank_N: a hang of this run dumps under the
+    same names, which would overwrite them, and torchfrtrace finds a prefix anywhere in a name
+    below the folder it reads. Returns the lines that say so (none when there were none); a
+    file system that refuses is a warning, never the end of the run. Call on global rank 0,
+    as the run starts: a dump of its own comes only after a collective timed out."""
+    try:
+        dumps = {path: path.stat().st_mtime for path in sorted(directory.glob(f"{FLIGHT_RECORDER_PREFIX}*"))
+                 if path.is_file()}
+        if not dumps:
+            return []
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(dumps.values())))
+        for n in itertools.count(1):
+            folder = directory / f"nccl_traces-{stamp}{f'-{n}' if n > 1 else ''}"
+            try:
+                folder.mkdir()
+                break
+            except FileExistsError:
+                continue
+    except OSError as err:  # a dump removed meanwhile, a folder this user may not write in
+        return [f"WARNING: the NCCL flight-recorder dumps of an earlier hang stay in {directory} "
+                f"({err.strerror or err}): a hang of this run would overwrite them"]
+    moved, stayed = [], []
     for path in dumps:
-        path.rename(folder / path.name)
-    return [f"Moved the NCCL flight-recorder dumps of an earlier hang ({', '.join(path.name for path in dumps)}) to "
-            f"{folder}, where this run's cannot overwrite them; read them with torchfrtrace "
-            f"{folder}/{FLIGHT_RECORDER_PREFIX}"]
+        try:
+            path.rename(folder / f"{ARCHIVED_TRACE_PREFIX}{path.name.removeprefix(FLIGHT_RECORDER_PREFIX)}")
+            moved.append(path.name)
+        except OSError:
+            stayed.append(path.name)
+    return ([f"Moved the NCCL flight-recorder dumps of an earlier hang ({', '.join(moved)}) to {folder}, where this "
+             f"run's cannot overwrite them; read them with torchfrtrace {folder}"] if moved else []) + (
+        [f"WARNING: could not move {', '.join(stayed)} out of {directory}: a hang of this run would overwrite them"]
+        if stayed else [])
 
 
 # After a signal, torchrun (fixed in 2.7; 2.14 has --shutdown-timeout) and Slurm's KillWait

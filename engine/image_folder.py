@@ -31,9 +31,7 @@ from PIL import Image
 from engine.errors import DatasetError
 from engine.log import count
 
-# The folders of each split, the first found taken: with train/, val/ and test/ training validates on
-# val/ and leaves test/ for a final evaluation, as such a layout means (the "test" split is validation's).
-SPLIT_FOLDERS = {"train": ("train",), "test": ("val", "test")}
+SPLIT_FOLDERS = {"train": ("train",), "test": ("test", "val")}  # the first found of each is taken
 FLAT, SPLIT = "DIR/CLASS/IMAGE", "DIR/train/CLASS/IMAGE"  # the two layouts, as the start-up block names them
 GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"}
 WIDE_GRAY_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N", "F"}  # more than 8 bits per pixel
@@ -112,23 +110,26 @@ def first_image(folder):
 
 
 def validation_note(root):
-    """[the start-up block's line on which folder validates] when ``root`` has both val/ and test/."""
+    """[the start-up block's line on which folder validates] when ``root`` has both test/ and
+    val/: test/, as it always has (runs and weights of such a folder record no folder name, so
+    the choice cannot change under them), and val/ is not read."""
     root = Path(root).expanduser()
     if not all((root / name).is_dir() for name in SPLIT_FOLDERS["test"]):
         return []
-    return [f"Validation: on {root / 'val'}/, which chooses model_best.pt and the early stop; {root / 'test'}/ is "
-            f"left for a final evaluation (python predict.py --weights WEIGHTS --labelled {root / 'test'})"]
+    return [f"Validation: on {root / 'test'}/, which chooses model_best.pt and the early stop; {root / 'val'}/ is "
+            f"not read (to validate on it, move {root / 'test'}/ out of {root}, or classify it at the end: "
+            f"python predict.py --weights WEIGHTS --labelled {root / 'val'})"]
 
 
 def split_folder(root, split, needed=True, flag="--data-dir"):
-    """The folder of ``split``: DIR/train, or DIR/val else DIR/test; None when it is missing and
+    """The folder of ``split``: DIR/train, or DIR/test else DIR/val; None when it is missing and
     not ``needed``."""
     for name in SPLIT_FOLDERS[split]:
         if (root / name).is_dir():
             return root / name
     if not needed:
         return None
-    wanted = " or ".join(f"{root / name}/" for name in reversed(SPLIT_FOLDERS[split]))  # test/ first: the docs' name
+    wanted = " or ".join(f"{root / name}/" for name in SPLIT_FOLDERS[split])
     hint = ("" if split == "train" else
             f"; to validate on part of {root}/train/ instead, add --val-fraction 0.2 (20% of each class held out)")
     raise DatasetError(f"{flag} {root}: no {wanted} (expected {root}/train/CLASS/IMAGE and "

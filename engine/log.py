@@ -7,7 +7,6 @@ Only global rank 0 prints and writes (``enabled``).
 No torch import: tools/report.py reads metrics files with these functions on any machine.
 """
 
-import fcntl
 import json
 import math
 import os
@@ -89,28 +88,52 @@ class RunLogger:
         self.pending = []
 
 
+# Another run's append or rewrite holds a metrics file for milliseconds; past this (a run stopped
+# while holding it, a hung NFS lock daemon) the append goes on unlocked rather than stall training.
+METRICS_LOCK_WAIT_S = 30.0
+METRICS_REOPENS = 100  # a file replaced this often while waiting, or names that disagree with handles: go on
+
+
 @contextmanager
-def locked_metrics(path):
+def locked_metrics(path, wait_s=METRICS_LOCK_WAIT_S):
     """``path`` opened for appending (a+b) at its end, under an exclusive flock: several runs
     may share one metrics file (the job scripts' example), and a resume's rewrite
     (reconcile_metrics) must not replace the file between another run's reading of its end and
     its append. An appender that waited while the file was replaced opens the new one. On a
-    file system without flock (Lustre mounted noflock) unlocked, as an append alone is safe."""
-    while True:
+    file system without flock (Lustre mounted noflock), or after ``wait_s`` seconds, unlocked:
+    an append alone is safe."""
+    import fcntl  # POSIX; imported here, as tools/report.py reads metrics files with this module anywhere
+    deadline = time.monotonic() + wait_s
+    for _ in range(METRICS_REOPENS):
         f = open(path, "a+b")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released as f closes
-        except OSError:  # no locks here
-            break
-        try:
+            if not _flocked(f, fcntl, deadline):
+                break
             if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
                 break
         except FileNotFoundError:  # removed meanwhile: created again
             pass
+        except BaseException:
+            f.close()
+            raise
         f.close()  # replaced meanwhile: append to the new file
     with f:
         f.seek(0, os.SEEK_END)
         yield f
+
+
+def _flocked(f, fcntl, deadline):
+    """Whether an exclusive flock of ``f`` (released as it closes) was had before ``deadline``."""
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:  # held by another run, for milliseconds
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        except OSError:  # no locks on this file system
+            return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,10 +201,12 @@ def test_an_earlier_hangs_flight_recorder_dumps_are_moved_where_the_next_hang_ca
         assert len(warnings) == 1 and "nccl_trace_rank_0, nccl_trace_rank_1" in warnings[0]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_800_000_000))
     first, second = ck / f"nccl_traces-{stamp}", ck / f"nccl_traces-{stamp}-2"
-    assert warnings[0].endswith(f"read them with torchfrtrace {second}/nccl_trace_rank_")
+    assert warnings[0].endswith(f"read them with torchfrtrace {second}")
     assert sorted(path.name for path in ck.iterdir()) == ["checkpoint_000000008.pt", first.name, second.name]
-    assert [(first / f"nccl_trace_rank_{r}").read_bytes() for r in (0, 1)] == [b"first hang\0", b"first hang\1"]
-    assert (second / "nccl_trace_rank_1").read_bytes() == b"second hang\1"
+    # Named so that torchfrtrace CK -p nccl_trace_rank_, which looks below CK too, reads a new hang's alone.
+    assert [(first / f"rank_{r}").read_bytes() for r in (0, 1)] == [b"first hang\0", b"first hang\1"]
+    assert (second / "rank_1").read_bytes() == b"second hang\1"
+    assert not [path for path in ck.rglob("*") if "nccl_trace_rank_" in path.name]
 
 
 def test_an_evaluation_in_a_training_runs_folder_touches_nothing_there(tmp_path, capsys):
@@ -577,6 +579,10 @@ def test_a_shared_metrics_file_loses_no_line_to_a_resumes_rewrite(tmp_path):
     resume.join(20)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         mine[0], {"run_id": "other", "epoch": 1}, {"run_id": "other", "epoch": 2}, mine[1]]
+    with locked_metrics(path):  # a holder that never lets go (a stopped run): the append goes on unlocked
+        with locked_metrics(path, wait_s=0.2) as f:
+            f.write(b'{"run_id": "third"}\n')
+    assert json.loads(path.read_text().splitlines()[-1]) == {"run_id": "third"}
 
 
 def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_path, capsys):

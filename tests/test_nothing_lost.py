@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import data_formats, errors, files, task
+from engine import checkpoints, data_formats, errors, files, task
+from engine.processes import DistContext
 from engine import weights as weights_file
 from conftest import (FAST, REPO, TINY_MODEL, error_lines, python_cmd, run, run_main, start, torchrun_cmd, clean_env,
                       unavailable, write_cifar100)
@@ -35,6 +36,25 @@ def read_only_dir(tmp_path):
         (folder / "old.jsonl").write_text('{"epoch": 1}\n')
         subprocess.run(["mount", "-o", "remount,ro", folder], check=True)
         yield folder
+    finally:
+        subprocess.run(["umount", folder], check=True)
+
+
+def test_an_earlier_hangs_dumps_that_cannot_be_moved_are_a_warning(tmp_path):
+    """A folder whose file system refuses the move (read-only here; a teammate's dumps in a
+    sticky folder): the run starts, says the dumps stay, and leaves them as they are."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", folder], capture_output=True).returncode != 0:
+        unavailable("MOUNT_TESTS", "needs mount (root) to make a read-only file system")
+    try:
+        (folder / "nccl_trace_rank_0").write_bytes(b"hang")
+        subprocess.run(["mount", "-o", "remount,ro", folder], check=True)
+        warnings = []
+        checkpoints.Checkpointer(folder, 0, DistContext(device=torch.device("cpu")), {}, warn=warnings.append)
+        assert warnings == [f"WARNING: the NCCL flight-recorder dumps of an earlier hang stay in {folder} (Read-only "
+                            "file system): a hang of this run would overwrite them"]
+        assert sorted(path.name for path in folder.iterdir()) == ["nccl_trace_rank_0"]
     finally:
         subprocess.run(["umount", folder], check=True)
 

@@ -131,10 +131,10 @@ def test_your_model_is_stopped_by_a_signal_resumed_and_evaluated(project):
         result.stdout
 
 
-def test_with_val_and_test_folders_training_validates_on_val_and_leaves_test(tmp_path, capsys):
-    """DIR/train, DIR/val and DIR/test: val/ chooses model_best.pt and the early stop, test/ is
-    left for the end, as the layout means; the start-up block says so, and predict.py
-    --held-out takes the same val/."""
+def test_with_test_and_val_folders_the_start_up_block_says_which_validates(tmp_path, capsys):
+    """DIR/train, DIR/test and DIR/val: test/ validates, as it always has (a run or weights of
+    such a folder record no folder name), and the start-up block says that val/ is not read,
+    where it was silently ignored; predict.py --held-out takes the same test/."""
     root = write_image_folder(tmp_path / "imgs", n_train=8, n_test=4)
     shutil.copytree(root / "test", root / "val")
     for label in range(4):  # val/: 2 images per class, test/: 4
@@ -144,17 +144,18 @@ def test_with_val_and_test_folders_training_validates_on_val_and_leaves_test(tmp
     assert run_main("train.py", "--dataset", "folder", "--data-dir", root, *TINY_MODEL, *FAST, "--epochs", "1",
                     "--batch-size", "8", "--metrics-file", metrics, "--save-weights", tmp_path / "w.pt") == 0
     out = capsys.readouterr().out
-    assert "32 training / 8 test images" in out and read_metrics(metrics)[0]["val_samples"] == 8
-    assert (f"Validation: on {root / 'val'}/, which chooses model_best.pt and the early stop; {root / 'test'}/ is "
-            f"left for a final evaluation (python predict.py --weights WEIGHTS --labelled {root / 'test'})") in out
+    assert "32 training / 16 test images" in out and read_metrics(metrics)[0]["val_samples"] == 16
+    assert (f"Validation: on {root / 'test'}/, which chooses model_best.pt and the early stop; {root / 'val'}/ is "
+            f"not read (to validate on it, move {root / 'test'}/ out of {root}, or classify it at the end: "
+            f"python predict.py --weights WEIGHTS --labelled {root / 'val'})") in out
     assert run_main("predict.py", "--weights", tmp_path / "w.pt", "--held-out", root, "--output",
                     tmp_path / "held.csv") == 0
-    assert len((tmp_path / "held.csv").read_text().splitlines()) == 1 + 8  # the header, val/'s images
-    shutil.rmtree(root / "val")  # test/ alone: validated on, no line about it
+    assert len((tmp_path / "held.csv").read_text().splitlines()) == 1 + 16  # the header, test/'s images
+    shutil.rmtree(root / "test")  # val/ alone: validated on, no line about it
     assert run_main("train.py", "--dataset", "folder", "--data-dir", root, *TINY_MODEL, *FAST, "--epochs", "1",
                     "--batch-size", "8") == 0
     out = capsys.readouterr().out
-    assert "32 training / 16 test images" in out and "Validation: on" not in out
+    assert "32 training / 8 test images" in out and "Validation: on" not in out
 
 
 def test_weights_of_other_classes_are_refused_for_evaluation(project, capsys):
