@@ -767,7 +767,7 @@ def build_data(args, ctx, listed=False, normalization=None):
         if images is not None:
             check_labels(images.labels, len(info.classes), f"{info.title} {split}")
     present = np.unique(np.asarray(train.labels))
-    if len(present) < 2:  # of more classes by name: it would learn one answer, to 100% (a FILE.py:NAME's labels)
+    if len(present) == 1:  # of more classes by name: it would learn one answer, to 100% (a FILE.py:NAME's labels)
         raise UserError(f"every training image of {info.title} has the label {present[0]} ({info.classes[present[0]]}) "
                         f"of its {len(info.classes)} classes: a classifier needs images of at least two")
     if test is not None and not args.val_fraction:  # a class folder missing or empty in test/, say

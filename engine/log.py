@@ -117,6 +117,8 @@ def locked_metrics(path, wait_s=METRICS_LOCK_WAIT_S):
             f.close()
             raise
         f.close()  # replaced meanwhile: append to the new file
+    else:  # replaced that often meanwhile: unlocked
+        f = open(path, "a+b")
     with f:
         f.seek(0, os.SEEK_END)
         yield f
