@@ -357,10 +357,9 @@ def recorded_accuracy(path, run=None):
                         f"{metadata.get('model')} on --dataset {metadata.get('dataset')}; this run: --model "
                         f"{run['model']} on --dataset {run['dataset']}): move it elsewhere, or give this run another "
                         "--checkpoint-dir")
-    recorded, mine = metadata.get(RUN_FLAGS), (run or {}).get(RUN_FLAGS) or {}
-    changed = [f"--{name.replace('_', '-')} {as_typed(recorded[name])} (this run: {as_typed(value)})"
-               for name, value in mine.items() if isinstance(recorded, dict) and name in recorded
-               and recorded[name] != value]  # a flag newer than the file: not compared
+    recorded = metadata.get(RUN_FLAGS) if isinstance(metadata.get(RUN_FLAGS), dict) else {}
+    changed = [flag_change(name, recorded[name], value) for name, value in ((run or {}).get(RUN_FLAGS) or {}).items()
+               if name in recorded and recorded[name] != value]  # a flag newer than the file: not compared
     if changed:  # a run of these flags killed before its first checkpoint is this one again
         raise UserError(f"--checkpoint-dir {path.parent} holds {BEST_WEIGHTS} of a run of other flags ("
                         f"{', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}), which this run would replace "
@@ -373,7 +372,7 @@ def check_resume_flags(saved, flags, recipe_flags):
     filled in), against this run's ``flags`` (by name): the recipe's and the other
     run-defining ``recipe_flags``, and --epochs, which may grow but not shrink. Cheap enough
     to run before any data is read (newest_checkpoint)."""
-    changed = [f"--{name.replace('_', '-')} {as_typed(saved.get(name))} (now {as_typed(flags[name])})"
+    changed = [flag_change(name, saved.get(name), flags[name])
                for name in recipe_flags if saved.get(name) != flags[name]
                and not (flags[name] is None and FILLED_IN_BEFORE.get(name) == saved.get(name))]
     if flags["epochs"] < saved["epochs"]:
@@ -383,6 +382,11 @@ def check_resume_flags(saved, flags, recipe_flags):
         raise UserError("--resume continues the checkpoint's run, which had " + ", ".join(changed)
                         + "; rerun with its values or start a new --checkpoint-dir"
                         + smaller_steps_hint(saved.get("batch_size"), flags["batch_size"], flags["accumulate"]))
+
+
+def flag_change(name, then, now):
+    """A run-defining flag that differs, in words: --base-lr 0.1 (now 0.2)."""
+    return f"--{name.replace('_', '-')} {as_typed(then)} (now {as_typed(now)})"
 
 
 def as_typed(value):

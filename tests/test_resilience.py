@@ -649,8 +649,8 @@ def test_model_best_of_a_run_of_other_flags_is_refused_and_kept(tmp_path):
         == 0.5
     other = {**flags, "optimizer": "sgd", "seed": 0, "base_lr": 0.1, "batch_size": 64}
     with pytest.raises(UserError, match=f"^--checkpoint-dir {tmp_path} holds model_best.pt of a run of other flags "
-                                        r"\(--optimizer adamw \(this run: sgd\), --seed 5 \(this run: 0\), "
-                                        r"--base-lr 0.001 \(this run: 0.1\), ...\), which this run would replace or "
+                                        r"\(--optimizer adamw \(now sgd\), --seed 5 \(now 0\), "
+                                        r"--base-lr 0.001 \(now 0.1\), ...\), which this run would replace or "
                                         "take for its own: move it elsewhere"):
         checkpoints.Checkpointer(tmp_path, 0, ctx, other, new_run=run, defining=defining)
     assert (tmp_path / "model_best.pt").read_bytes() == before
