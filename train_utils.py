@@ -1021,7 +1021,7 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
     continued from ``resumed`` (resumable_checkpoint's path and checkpoint) on every rank; a
     larger --epochs extends lr_factor's schedule by a warm restart (``own``:
     recipe.make_scheduler's scheduler, which keeps the run's --epochs)."""
-    from engine.checkpoints import restore
+    from engine.checkpoints import forked_run_id, restore
     module = unwrap(task.model)
     path, checkpoint = resumed
     saved = checkpoint["args"]
@@ -1039,6 +1039,12 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
     fit_optimizer_to_params(optimizer, kernels)
     checkpointer.loaded(scheduler.last_epoch, state)  # that checkpoint need not be written again
     log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))
+    fork = from_rank0(lambda: forked_run_id(checkpoint.get("folder"), args.checkpoint_dir, state.run_id),
+                      ctx.control_group)
+    if fork:  # a copy of the folder: its lines in --metrics-file (TensorBoard, traces) are its own
+        log.info(f"Note: {args.checkpoint_dir} is a copy of {checkpoint['folder']['path']}: it goes on as run {fork}, "
+                 f"apart from run {state.run_id} there (--metrics-file keeps the lines of both)")
+        state = replace(state, run_id=fork, records=[{**record, "run_id": fork} for record in state.records])
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
     if args.metrics_file:  # rewritten by rank 0; a failure stops every rank

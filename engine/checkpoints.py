@@ -13,6 +13,7 @@ without losing or overwriting anything already written.
 """
 
 import errno
+import hashlib
 import itertools
 import os
 import time
@@ -445,6 +446,30 @@ def smaller_steps_hint(saved_batch, batch, accumulate):
             f"{accumulate * saved_batch // batch}")
 
 
+def folder_identity(directory):
+    """{"path", "inode"} of the checkpoint folder ``directory``, recorded in each checkpoint, so that
+    a resume can tell the folder moved (the same inode) from a copy of it (forked_run_id); None
+    when it cannot be read (the checkpoint's own write then says why)."""
+    try:
+        folder = Path(directory).resolve()
+        return {"path": str(folder), "inode": folder.stat().st_ino}
+    except OSError:
+        return None
+
+
+def forked_run_id(written_in, directory, run_id):
+    """The run ID that a run resumed in ``directory`` from a checkpoint ``written_in``
+    (folder_identity; None for checkpoints before it was recorded) of run ``run_id`` goes on
+    as: None for the same run (the same path, or the same inode: the folder moved, or is seen
+    through another mount), else a copy of the folder, which goes on as a run of its own so
+    that it drops no line of the original's from a shared --metrics-file. Its ID is derived from
+    the original's and the copy's, so every attempt of the copy's resume agrees."""
+    here = folder_identity(directory)
+    if not written_in or not here or here["path"] == written_in["path"] or here["inode"] == written_in["inode"]:
+        return None
+    return hashlib.sha256(f"{run_id} {here['path']} {here['inode']}".encode()).hexdigest()[:12]
+
+
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):
     """Load model, optimizer, schedule, scaler and the model's moving average ``ema`` (an
     AveragedModel, or None) from ``checkpoint``; returns this rank's RNG states (None when it
@@ -594,7 +619,7 @@ class Checkpointer:
                              "scaler": run.scaler.state_dict(), "rng": rng_states, "args": self.flags,
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": with_model_file(run.weights_metadata(last), path), "trained": trained,
-                             "world_size": run.ctx.world_size,
+                             "world_size": run.ctx.world_size, "folder": folder_identity(self.directory),
                              **({MODEL_EMA: run.ema.module.state_dict(), "model_ema_updates": int(run.ema.n_averaged)}
                                 if run.ema else {})}, path, "checkpoint")
             except ResourceProblem as err:

@@ -585,6 +585,35 @@ def test_a_shared_metrics_file_loses_no_line_to_a_resumes_rewrite(tmp_path):
     assert json.loads(path.read_text().splitlines()[-1]) == {"run_id": "third"}
 
 
+def test_a_copied_checkpoint_folder_goes_on_as_a_run_of_its_own(tmp_path, capsys):
+    """A checkpoint folder copied to try something else, both resumed into one --metrics-file:
+    the copy's resume drops no line of the original's (it used to share its run ID, and dropped
+    the original's later epochs as if they were to run again). A folder moved is the same run."""
+    metrics, original, copy = tmp_path / "m.jsonl", tmp_path / "a", tmp_path / "b"
+    assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", original, "--metrics-file", metrics) == 0
+    shutil.copytree(original, copy)
+    assert run_main("train.py", *RUN, "--epochs", "3", "--checkpoint-dir", original, "--metrics-file", metrics,
+                    "--resume") == 0
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--epochs", "2", "--checkpoint-dir", copy, "--metrics-file", metrics,
+                    "--resume") == 0
+    [note] = [line for line in capsys.readouterr().out.splitlines() if "is a copy of" in line]
+    runs = {}
+    for record in read_metrics(metrics):
+        runs.setdefault(record["run_id"], []).append(record["epoch"])
+    [ours] = [run_id for run_id in runs if f"apart from run {run_id} there" in note]
+    [theirs] = [run_id for run_id in runs if run_id != ours]
+    assert runs == {ours: [1, 2, 3], theirs: [1, 2]}
+    assert note.startswith(f"Note: {copy} is a copy of {original.resolve()}: it goes on as run {theirs}")
+    moved = tmp_path / "moved"
+    original.rename(moved)
+    assert run_main("train.py", *RUN, "--epochs", "4", "--checkpoint-dir", moved, "--metrics-file", metrics,
+                    "--resume") == 0
+    assert "is a copy of" not in capsys.readouterr().out
+    assert [r["epoch"] for r in read_metrics(metrics) if r["run_id"] == ours] == [1, 2, 3, 4]
+    assert checkpoints.forked_run_id(None, copy, ours) is None  # a checkpoint from before the folder was recorded
+
+
 def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
     path.write_text('{"epoch": 1, "run_id": "old"}\n{"epoch": 2, "ru')
