@@ -1039,6 +1039,9 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
     fit_optimizer_to_params(optimizer, kernels)
     checkpointer.loaded(scheduler.last_epoch, state)  # that checkpoint need not be written again
     log.info(describe_resume(path, state, checkpoint["world_size"], ctx.world_size, args.weights))
+    if checkpoint.get("loader", task.loader) != task.loader:  # --loader auto's choice on another GPU, say
+        log.info(f"Note: the run trained on --loader {checkpoint['loader']} before, now {task.loader}: the same "
+                 "images in the same order, with other random augmentation draws (each loader draws its own)")
     fork = from_rank0(lambda: forked_run_id(checkpoint.get("folder"), args.checkpoint_dir, state.run_id),
                       ctx.control_group)
     if fork:  # a copy of the folder: its lines in --metrics-file (TensorBoard, traces) are its own

@@ -620,6 +620,7 @@ class Checkpointer:
                              "data": run.task.data.fingerprint, "model_key": run.task.model_key,
                              "task": with_model_file(run.weights_metadata(last), path), "trained": trained,
                              "world_size": run.ctx.world_size, "folder": folder_identity(self.directory),
+                             "loader": run.task.loader,
                              **({MODEL_EMA: run.ema.module.state_dict(), "model_ema_updates": int(run.ema.n_averaged)}
                                 if run.ema else {})}, path, "checkpoint")
             except ResourceProblem as err:

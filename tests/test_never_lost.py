@@ -614,6 +614,20 @@ def test_a_copied_checkpoint_folder_goes_on_as_a_run_of_its_own(tmp_path, capsys
     assert checkpoints.forked_run_id(None, copy, ours) is None  # a checkpoint from before the folder was recorded
 
 
+def test_a_resume_on_another_loader_says_so(tmp_path, capsys):
+    """--loader auto may choose another loader when a requeued job lands on another GPU: the run
+    goes on, and the start-up block says why it does not repeat the uninterrupted run exactly."""
+    ck = tmp_path / "ck"
+    assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", ck, "--loader", "device") == 0
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--resume", "--loader", "torchvision") == 0
+    assert ("Note: the run trained on --loader device before, now torchvision: the same images in the same order, "
+            "with other random augmentation draws") in capsys.readouterr().out
+    assert run_main("train.py", *RUN, "--epochs", "3", "--checkpoint-dir", ck, "--resume",
+                    "--loader", "torchvision") == 0
+    assert "Note: the run trained on --loader" not in capsys.readouterr().out
+
+
 def test_a_new_run_appending_to_a_cut_metrics_file_starts_a_line_of_its_own(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
     path.write_text('{"epoch": 1, "run_id": "old"}\n{"epoch": 2, "ru')
