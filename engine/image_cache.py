@@ -57,7 +57,8 @@ from engine.log import count
 from engine.processes import available_cores
 from engine.task import names_sha256
 
-CACHE_FORMAT = 3  # 2: meta.json has the checks (split_checks); 3: torchvision's resize, skipped files, stats
+CACHE_FORMAT = 4  # 2: meta.json has the checks (split_checks); 3: torchvision's resize, skipped files, stats;
+#                  4: images turned upright by their EXIF orientation (image_folder.upright)
 SAMPLED_IMAGES = 64  # images hashed per split, evenly spaced, the first and the last among them
 NO_PREALLOCATION = (errno.EINVAL, errno.EOPNOTSUPP)  # file systems without fallocate
 SHOWN_UNREADABLE = 10  # unreadable images named in the start-up block; unreadable.txt has them all

@@ -23,7 +23,7 @@ from PIL import Image
 from engine.errors import NO_SPACE, DatasetError, space_problem
 from engine.image_cache import SizeRequest, cache_root, folder_version, unreadable_notes
 from engine.image_folder import (GRAY_MODES, PROGRESS_S, FolderStats, Unreadable, check_left, folder_stats, header,
-                                 ignored_kinds, ignored_note, map_threads, scan)
+                                 ignored_kinds, ignored_note, map_threads, scan, upright)
 from engine.log import count
 from engine.processes import available_cores
 from engine.task import names_sha256
@@ -60,7 +60,8 @@ def checked(path):
         return Unreadable(path, ValueError(f"a {Path(path).suffix} file, which DALI does not decode: convert it to "
                                            "JPEG or PNG, or use --loader torchvision"))
     try:
-        with Image.open(path) as image:
+        with Image.open(path) as opened:
+            image = upright(opened)  # as DALI decodes it
             mode, size = image.mode, (image.height, image.width)
             pixels = np.asarray(image.convert("RGB"))  # decodes: a truncated file fails here
     except MemoryError:

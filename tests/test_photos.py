@@ -16,7 +16,7 @@ import torchvision
 import torchvision.transforms.functional as TF
 from torchvision.ops import roi_align
 from torchvision.transforms import v2
-from PIL import Image
+from PIL import Image, ImageOps
 
 import dataset_utils as du
 import recipe
@@ -27,7 +27,8 @@ from engine.errors import UserError
 from engine.folder_lock import FolderLock
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
-from engine.image_folder import Header, cover_size, decode, image_notes, scan
+from engine.image_folder import Header, cover_size, decode, header, image_notes, scan
+from engine.image_list import checked
 from engine.models import make_model
 from engine.plugins import load_plugin
 from engine.task import describe_split, held_out_again, held_out_record, names_sha256, stratified_split
@@ -715,6 +716,25 @@ def test_decoding_is_torchvisions_resize_and_centre_crop(tmp_path):
             assert covering[0] == size[0] or covering[1] == size[1]  # and no more than needed
             assert abs(covering[1] / covering[0] - width / height) < 2 / min(covering)  # the aspect ratio kept
             assert decode(path, size, "RGB").shape == (*size, 3)
+
+
+def test_a_phone_photo_is_decoded_upright_as_dali_decodes_it(tmp_path):
+    """A portrait photo a phone stores sideways with an EXIF orientation: every decode (the
+    cache's, --loader dali's check pass, predict.py's) and the header pass that picks the
+    stored size see it upright, as DALI's decoder and image viewers do (a new user's walk: it
+    was trained sideways on the device and torchvision loaders, upright on DALI)."""
+    stored = np.zeros((60, 80, 3), dtype=np.uint8)  # (H, W, C) as the file holds it: landscape
+    stored[:, :40] = 255  # the left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: portrait, the white half on top
+    path = tmp_path / "portrait.jpg"
+    Image.fromarray(stored).save(path, exif=exif, quality=100)
+    shown = np.asarray(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+    assert shown.shape == (80, 60, 3) and shown[:30].mean() > 200 > 50 > shown[50:].mean()
+    assert header(path).size == (80, 60)
+    assert np.array_equal(decode(path, (80, 60), "RGB"), shown)
+    mode, size, counts = checked(path)
+    assert size == (80, 60) and counts.sum() == 3 * 80 * 60
 
 
 def test_images_enlarged_far_beyond_their_size_are_noted():
