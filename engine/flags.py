@@ -345,11 +345,12 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
-    if args.dataset == FOLDER and args.checkpoint_dir and args.data_dir and among_images(args.checkpoint_dir,
-                                                                                         args.data_dir):
-        parser.error(f"--checkpoint-dir {args.checkpoint_dir} is inside --data-dir {args.data_dir}: the next run, "
-                     "its --resume too, would scan it with the images (a class folder without any); put it beside "
-                     "the images, not among them")
+    for flag in ("checkpoint_dir", "tensorboard", "profile_dir"):  # the folders a run writes into
+        folder = getattr(args, flag)
+        if args.dataset == FOLDER and folder and args.data_dir and among_images(folder, args.data_dir):
+            parser.error(f"--{flag.replace('_', '-')} {folder} is inside --data-dir {args.data_dir}: the next run, "
+                         "its --resume too, would scan it with the images (a class folder without any); put it beside "
+                         "the images, not among them")
     if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
         args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy

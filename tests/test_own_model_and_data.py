@@ -216,6 +216,12 @@ def test_a_checkpoint_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
             f"train.py: error: --checkpoint-dir {inside} is inside --data-dir {root}: the next run, its --resume too, "
             "would scan it with the images (a class folder without any); put it beside the images, not among them "
             "(see --help)"]
+    for flag in ("--tensorboard", "--profile-dir"):  # their run folders too (a new user's walk: --tensorboard)
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", root, flag, root / "logs") == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"train.py: error: {flag} {root / 'logs'} is inside --data-dir {root}: the next run, its --resume too, "
+            "would scan it with the images (a class folder without any); put it beside the images, not among them "
+            "(see --help)"]
     (root / "link").unlink()
     assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
     assert not among_images(root / ".ckpt", root) and not among_images(root / ".." / "ckpt", root)  # the scan skips
