@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.cli import OneLineParser
-from engine.errors import DatasetError, UserError, first_line, size_text, stop_request_held
+from engine.errors import DatasetError, UserError, first_line, size_text, stop_request_held, type_named
 from engine.flags import FOLDER, MAX_AUTO_WORKERS, add_data_arguments, check_data_arguments
 from engine.log import count, flag_value, sizes_warning
 from engine.memory import DEVICE_DATA_FRACTION, HEADROOM
@@ -384,7 +384,13 @@ def check_augmentation(train_set):
     if not prep.ops:
         return
     images = torch.from_numpy(np.array(train_set.source[:2]))  # (2, H, W, C), as stored
-    out = augment(images, prep.randoms(len(images), 0, 0), prep.ops, prep)  # then centre-cropped to the input
+    rand, out = prep.randoms(len(images), 0, 0), images
+    for i, op in enumerate(prep.ops):  # as augment() runs them, then centre-cropped to the input
+        out = op(out, rand[:, i], prep)
+        if not torch.is_tensor(out):
+            raise UserError(f"--augment {prep.augment}: recipe.py's {op.__name__} returned {type_named(out)}, not "
+                            "images: each operation returns the images (B, H, W, C) it is given, changed (is its "
+                            "return missing?)")
     height, width, channels = prep.image_shape
     if not (out.dtype == images.dtype and out.ndim == 4 and out.shape[0] == len(images) and out.shape[3] == channels
             and out.shape[1] >= height and out.shape[2] >= width):
@@ -394,6 +400,22 @@ def check_augmentation(train_set):
                         f"{tuple(images.shape)} images (B, H, W, C): each operation of recipe.py must return images "
                         f"of the dtype it is given (they are normalized as stored) and of at least the model's input "
                         f"size {height}x{width}")
+
+
+def as_compose(transforms):
+    """recipe.image_transforms' result as one v2.Compose, or None for none: a list of v2
+    transforms, or one transform, is taken as their Compose; anything else is one line."""
+    if transforms is None or isinstance(transforms, (list, tuple)) and not transforms:
+        return None
+    from torchvision.transforms import v2  # recipe.py imported it already to make them
+    if isinstance(transforms, (list, tuple)) and all(callable(t) for t in transforms):
+        transforms = v2.Compose(list(transforms))
+    elif callable(transforms) and not isinstance(transforms, v2.Compose):
+        transforms = v2.Compose([transforms])
+    if not isinstance(transforms, v2.Compose):
+        raise UserError(f"recipe.image_transforms returned {type_named(transforms)}: return a v2.Compose of the "
+                        "per-image transforms, a list of them, or None for none")
+    return transforms
 
 
 def transform_names(transforms):

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recipe
-from dataset_utils import (batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
+from dataset_utils import (as_compose, batch_temporaries, build_data, build_loaders, choose_loader, dali_choice,
                            default_num_workers, set_loader_epoch, skip_batches, with_image_transforms)
 from device_utils import (Precision, broadcast_buffers, check_every_parameter_learns, check_replicas_in_sync,
                           configure_precision, device_name, memory_format, peak_memory_gib,
@@ -50,9 +50,9 @@ from engine.log import (UNWATCHED, RunClock, RunLogger, count, describe_data, de
                         size_warning, throughput, validated, validated_ema)
 from engine.memory import device_memory, is_out_of_memory, measured_training
 from engine.models import build_model
-from engine.optimization import (Cycle, check_loss, check_schedule_length, describe_extension, describe_loss,
-                                 describe_optimizer, extend, first_cycle, fit_optimizer_to_params, kernel_choices,
-                                 make_scheduler, prefill_momentum)
+from engine.optimization import (Cycle, check_batch_transform, check_loss, check_optimizer, check_schedule_length,
+                                 describe_extension, describe_loss, describe_optimizer, extend, first_cycle,
+                                 fit_optimizer_to_params, kernel_choices, make_scheduler, prefill_momentum)
 from engine.plugins import load_plugin, own_file, plugin_key
 from engine.processes import all_reduce, from_rank0, gather_objects, synchronize
 from engine.seeds import epoch_seed, restore_rng, resumed_steps, rng_snapshot
@@ -648,7 +648,7 @@ def build_task(args, ctx):
         normalization, args.epochs = from_rank0(lambda: check_newest_flags(args.checkpoint_dir, vars(args),
                                                                            *resume_rules()), ctx.control_group)
     load_plugin(args.model, "--model")  # a typo in its name is one line before minutes of decoding, not after
-    per_image = recipe.image_transforms(args)  # a v2.Compose for the DataLoader's workers, or None
+    per_image = as_compose(recipe.image_transforms(args))  # a v2.Compose for the DataLoader's workers, or None
     loader, reason = dali_choice(args, ctx.device, ctx.control_group, per_image)  # (None, None) but for DALI
     train_set, test_set, data = build_data(args, ctx, listed=loader == "dali", normalization=normalization)
     layout = memory_format(args.channels_last, ctx.device)
@@ -908,6 +908,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
     if not args.eval_only and not any(p.requires_grad for p in module.parameters()):  # else the optimizer's error
         raise UserError(f"--model {args.model} has no trainable parameters: nothing to train")
     optimizer, loss_fn = recipe.make_optimizer(module, args, ctx.device), recipe.make_loss(args)
+    check_optimizer(optimizer)
     described = describe_optimizer(optimizer)  # as recipe.py set it: a scheduler may rewrite lr, momentum (OneCycleLR)
     prefill_momentum(optimizer)
     # recipe.py's own LR scheduler, or None: lr_factor's, built with the schedule's cycles below.
@@ -919,8 +920,10 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
         from engine.own_scheduler import check_scheduler, schedule_length_notes
         check_scheduler(own, args.epochs * steps)
         schedule_notes = schedule_length_notes(own, args.epochs * steps, steps)
+    mix = recipe.make_batch_transform(args, len(task.data.classes))
     if not args.eval_only:  # what the first step would otherwise find, in a traceback
         check_loss(loss_fn, len(task.data.classes), bool(args.mixup_alpha or args.cutmix_alpha), ctx.device)
+        check_batch_transform(mix, task.data.prep.image_shape, len(task.data.classes), ctx.device)
     compiled = None
     if args.compile and not args.eval_only:
         from engine.compiling import prepare_compile  # --compile only
@@ -976,7 +979,7 @@ def prepare_run(task, args, ctx, continuing=False, clock=None, stop=None):
               stop=stop or StopRequests(ctx, args.stop_file, args.checkpoint_dir),
               monitor=monitors(ctx, log, state, continuing, (args.epochs - state.epoch + 1) * steps - state.step, steps,
                                args.tensorboard, args.profile_dir, args.profile_skip, args.profile_steps),
-              mix=recipe.make_batch_transform(args, len(task.data.classes)), ema=ema,
+              mix=mix, ema=ema,
               ema_every=ema_schedule.every if ema_schedule else 0,
               ema_warmup=warmup if ema_schedule else 0,
               regularization=recipe.batch_settings(args, ema_schedule), compiled=compiled,

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.errors import UserError, first_line
+from engine.errors import UserError, first_line, type_named
 from engine.log import count
 
 KERNEL_OPTIONS = ("fused", "foreach")  # param_group keys that choose an implementation, not a recipe
@@ -117,6 +117,44 @@ def check_loss(loss_fn, num_classes, soft_labels, device):
                if torch.is_tensor(loss) else type(loss).__name__)
         raise UserError(f"recipe.make_loss's {name} returns {got} for {given}: the loop needs a scalar that "
                         "backpropagates to the logits (reduction='mean' or 'sum')")
+
+
+def check_optimizer(optimizer):
+    """recipe.make_optimizer's result: a torch optimizer, else one line (the loop and the
+    checkpoints read its param_groups and state_dict)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"recipe.make_optimizer returned {type_named(optimizer)}, not a torch.optim.Optimizer "
+                        "(SGD, AdamW, ...) of the model's parameters")
+
+
+def check_batch_transform(transform, image_shape, num_classes, device):
+    """recipe.make_batch_transform's ``transform`` (None: none) tried at start on a batch of two
+    images (2, C, H, W) of ``image_shape`` (H, W, C) and labels (2,) on ``device``, with torch's
+    random state put back after: it must return (images of that shape, labels (2,) or soft
+    labels (2, num_classes)). Else one line, where the first step would end in a traceback."""
+    if transform is None:
+        return
+    height, width, channels = image_shape
+    images = torch.zeros(2, channels, height, width, device=device)
+    labels = torch.zeros(2, dtype=torch.int64, device=device)
+    given = f"images {tuple(images.shape)} and labels (2,)"
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            out = transform(images, labels)
+        except Exception as err:
+            raise UserError(f"recipe.make_batch_transform's transform fails on {given}: {type(err).__name__}: "
+                            f"{first_line(err)}") from None
+    pair = isinstance(out, (tuple, list)) and len(out) == 2 and all(torch.is_tensor(part) for part in out)
+    if not (pair and out[0].shape == images.shape and tuple(out[1].shape) in ((2,), (2, num_classes))):
+        got = (f"({', '.join(shape_of(part) for part in out)})" if isinstance(out, (tuple, list)) else shape_of(out))
+        raise UserError(f"recipe.make_batch_transform's transform returns {got} for {given}: the loop needs "
+                        f"(images {tuple(images.shape)}, labels (2,) or soft labels (2, {num_classes}))")
+
+
+def shape_of(value):
+    """"float32 (2, 3)" for a tensor, "a list" for anything else: what a check says it got."""
+    return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}" if torch.is_tensor(value) else (
+        type_named(value))
 
 
 # ---------------------------------------------------------------------------------------------

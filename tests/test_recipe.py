@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from torchvision.transforms import v2
 
 import dataset_utils as du
 import recipe
@@ -181,7 +182,12 @@ def test_a_torch_scheduler_from_make_scheduler_trains_stops_and_resumes_exactly(
     ("def make_loss(args):\n    return nn.CrossEntropyLoss(reduction='none')\n",
      "recipe.make_loss's CrossEntropyLoss returns a tensor of shape (2,) for logits (2, 100) and labels (2,): the "
      "loop needs a scalar that backpropagates to the logits (reduction='mean' or 'sum')"),
-], ids=["plateau", "loss-per-image"])
+    ("def make_optimizer(model, args, device):\n    return list(model.parameters())\n",
+     "recipe.make_optimizer returned a list, not a torch.optim.Optimizer (SGD, AdamW, ...) of the model's parameters"),
+    ("def image_transforms(args):\n    return 'ColorJitter'\n",
+     "recipe.image_transforms returned a str: return a v2.Compose of the per-image transforms, a list of them, or None "
+     "for none"),
+], ids=["plateau", "loss-per-image", "not-an-optimizer", "not-transforms"])
 def test_a_scheduler_or_loss_the_step_cannot_use_is_one_line_at_start(project, tmp_path, code, expected):
     """Each was a traceback at the first step: ReduceLROnPlateau.step() wants a metric, a loss per
     image cannot start backward() (docs/recipe.md's own scheduler and loss, gone wrong)."""
@@ -579,6 +585,60 @@ def test_an_augmentation_that_changes_the_dtype_or_the_size_is_one_line_at_start
                 du.build_loaders(data, data, 8, loader=kind)
     kept = du.InMemoryImages(images, np.arange(16), replace(plain, augment="mine", ops=(recipe.flip, brighter)))
     assert len(list(du.build_loaders(kept, kept, 8, loader="device")[0])) == 2
+
+
+def test_an_augmentation_that_returns_nothing_is_one_line_naming_it():
+    """An operation whose return was forgotten: a traceback from the check of its output."""
+    def forgets(images, rand, prep):
+        images = images.clone()
+        images[:, :4] = 0
+
+    plain = du.preprocessing((32, 32, 3), (0.5,) * 3, (0.25,) * 3, "flip")
+    images = np.random.default_rng(0).integers(0, 256, (16, 32, 32, 3), dtype=np.uint8)
+    data = du.InMemoryImages(images, np.arange(16), replace(plain, augment="mine", ops=(forgets, recipe.flip)))
+    for kind in ("device", "torchvision"):
+        with pytest.raises(UserError, match=re.escape(
+                "--augment mine: recipe.py's forgets returned a NoneType, not images: each operation returns the "
+                "images (B, H, W, C) it is given, changed (is its return missing?)")):
+            du.build_loaders(data, data, 8, loader=kind)
+
+
+def test_per_image_transforms_as_a_list_or_one_are_a_compose():
+    """recipe.image_transforms "lists" the transforms (docs/recipe.md): a list returned, or a
+    single transform, was a traceback; now it is the Compose of them, and an empty list none."""
+    jitter = v2.ColorJitter(0.4)
+    for given in ([jitter], (jitter,), jitter, v2.Compose([jitter])):
+        assert [type(t) for t in du.as_compose(given).transforms] == [v2.ColorJitter]
+    assert du.as_compose(None) is None and du.as_compose([]) is None
+    with pytest.raises(UserError, match=r"^recipe.image_transforms returned an int: return a v2.Compose "):
+        du.as_compose(3)
+
+
+def test_a_batch_transform_the_step_cannot_use_is_one_line_at_start():
+    """recipe.make_batch_transform's transform tried on two images at start: one that returns
+    the images alone, or one value, was a traceback at the first step ("too many values to
+    unpack"). The try leaves torch's random numbers as they were (a resume repeats the run)."""
+    from engine.optimization import check_batch_transform
+    cpu, shape = torch.device("cpu"), (32, 32, 3)
+    args = parse_args("x", ["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.25"])
+    mix = recipe.make_batch_transform(args, 10)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    check_batch_transform(mix, shape, 10, cpu)
+    assert torch.equal(torch.rand(4), expected)
+    check_batch_transform(None, shape, 10, cpu)
+    check_batch_transform(lambda x, labels: (x * 2, labels), shape, 10, cpu)  # hard labels stay (2,)
+    for transform, got in ((lambda x, labels: mix(x, labels)[0], "float32 (2, 3, 32, 32)"),
+                           (lambda x, labels: [x], "(float32 (2, 3, 32, 32))"),
+                           (lambda x, labels: (x[:, :1], labels), "(float32 (2, 1, 32, 32), int64 (2,))")):
+        with pytest.raises(UserError, match=re.escape(
+                f"recipe.make_batch_transform's transform returns {got} for images (2, 3, 32, 32) and labels (2,): "
+                "the loop needs (images (2, 3, 32, 32), labels (2,) or soft labels (2, 10))")):
+            check_batch_transform(transform, shape, 10, cpu)
+    with pytest.raises(UserError, match=r"^recipe.make_batch_transform's transform fails on images \(2, 3, 32, 32\) "
+                                        r"and labels \(2,\): ZeroDivisionError: division by zero"):
+        check_batch_transform(lambda x, labels: 1 / 0, shape, 10, cpu)
 
 
 def test_an_augmentations_entry_that_is_not_a_tuple_is_one_line(project, tmp_path):
