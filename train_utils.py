@@ -775,7 +775,8 @@ def describe_run(args, ctx, name, precision, channels_last, task, parameters, st
            else f"{args.warmup_epochs:g} warm-up epochs, then {args.lr_schedule}"),
         *([f"Regularization: {regularization}"] if regularization else []),
         describe_length(args.epochs, args.target_accuracy, args.patience),
-        *([] if own_schedule else warmup_notes(args.warmup_epochs, args.epochs, args.lr_schedule)),
+        # Of the run's first schedule: said when it starts (an extension's own line says what the LR does next).
+        *([] if own_schedule or continuing else warmup_notes(args.warmup_epochs, args.epochs, args.lr_schedule)),
         *([f"Note: {' and '.join(ignored)} {'shape' if len(ignored) > 1 else 'shapes'} lr_factor's schedule, which "
            f"recipe.make_scheduler's {own_schedule} replaces: "
            f"{'they have' if len(ignored) > 1 else 'it has'} no effect"]

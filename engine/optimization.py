@@ -236,8 +236,8 @@ def describe_extension(planned, epochs, base_lr, schedule, cycle, steps_per_epoc
     if cycle.start_factor > 0.999:  # the run ended at its peak (a run no longer than its warm-up): no restart
         return f"{extending}: the learning rate is at its peak {base_lr:g} already, {then}"
     if not cycle.warmup:  # --warmup-epochs 0, or an extension too short for a warm-up step
-        return (f"{extending}: the learning rate goes back from {cycle.start_factor * base_lr:.3g} to {base_lr:g} at "
-                f"once (no warm-up steps), {then}")
+        return (f"{extending}: the learning rate goes from {cycle.start_factor * base_lr:.3g} (the next step's on the "
+                f"{planned}-epoch schedule) to {base_lr:g} at once (no warm-up steps), {then}")
     steps = count(cycle.warmup, 'step', 'steps')
     return (f"{extending}: warm restart of the learning rate from {cycle.start_factor * base_lr:.3g} back up to "
             f"{base_lr:g} over {steps} ({cycle.warmup / steps_per_epoch:g} epochs), {then}")

@@ -621,8 +621,11 @@ def test_a_resume_on_another_loader_says_so(tmp_path, capsys):
     assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", ck, "--loader", "device") == 0
     capsys.readouterr()
     assert run_main("train.py", *RUN, "--checkpoint-dir", ck, "--resume", "--loader", "torchvision") == 0
+    out = capsys.readouterr().out
     assert ("Note: the run trained on --loader device before, now torchvision: the same images in the same order, "
-            "with other random augmentation draws") in capsys.readouterr().out
+            "with other random augmentation draws") in out
+    # Extended from 1 to 2 epochs: the first schedule's warm-up Note (the whole of this 2-epoch run) is not true of it.
+    assert "Extending the run from 1 to 2 epochs" in out and "warm-up epochs are" not in out
     assert run_main("train.py", *RUN, "--epochs", "3", "--checkpoint-dir", ck, "--resume",
                     "--loader", "torchvision") == 0
     assert "Note: the run trained on --loader" not in capsys.readouterr().out

@@ -627,8 +627,8 @@ def test_an_extension_says_what_the_learning_rate_does():
     assert said("constant", optimization.Cycle(12, 2, 20, 1.0)) == (
         "Extending the run from 3 to 5 epochs at the constant learning rate 0.01")  # not "from 0.01 back up to 0.01"
     assert said("cosine", optimization.Cycle(12, 0, 20, 0.75)) == (  # not "back up ... over 0 steps (0 epochs)"
-        "Extending the run from 3 to 5 epochs: the learning rate goes back from 0.0075 to 0.01 at once (no warm-up "
-        "steps), then cosine to 0 at epoch 5")
+        "Extending the run from 3 to 5 epochs: the learning rate goes from 0.0075 (the next step's on the 3-epoch "
+        "schedule) to 0.01 at once (no warm-up steps), then cosine to 0 at epoch 5")  # not "back": it may never have been
     assert said("cosine", optimization.Cycle(12, 8, 20, 1.0)) == (  # a run that ended in its warm-up's last step
         "Extending the run from 3 to 5 epochs: the learning rate is at its peak 0.01 already, then cosine to 0 at "
         "epoch 5")  # not "warm restart ... from 0.01 back up to 0.01 over 8 steps"
