@@ -161,6 +161,8 @@ def main(argv=None):
             good = [(first + i, path, pixels) for i, (path, (pixels, _)) in enumerate(zip(batch, decoded))
                     if pixels is not None]
             for path, (_, why) in zip(batch, decoded):
+                if why and len(images) == 1:  # the one image asked for: its reason is the error line
+                    raise UserError(f"{shown(path)}: not a readable image ({why})")
                 if why:
                     unreadable += 1
                     print(f"unreadable, skipped: {shown(path)}: {why}", file=sys.stderr)
@@ -183,8 +185,7 @@ def main(argv=None):
                         truths.append(int(labels[index]))
                         guesses.append(int(row.argmax()))
         if not counts:  # no CSV of a header alone
-            raise UserError("the image file could not be read (listed above)" if len(images) == 1 else
-                            f"none of the {len(images)} image files could be read (listed above)")
+            raise UserError(f"none of the {len(images)} image files could be read (listed above)")
     summary = summary_stream(args.output)
     report(summary, counts, unreadable, ignored, where_of(device), time.perf_counter() - start, name, args.output)
     if meta.get("synthetic"):

@@ -189,7 +189,11 @@ def describe_regularization(args, steps_per_epoch, ema=None):
              for name, value in batch_settings(args).items()]
     if ema:
         run = ema.half_life / (steps_per_epoch * args.epochs)  # EMA_HALF_LIFE, or more in a very short run
-        chosen = "" if args.model_ema_decay is not None else f", {run:.0%} of the run (the default)"
+        chosen = ""
+        if args.model_ema_decay is None:  # ema_schedule's: at least one update's worth in a very short run
+            raised = ("" if run < EMA_HALF_LIFE * 1.01 else
+                      f" {EMA_HALF_LIFE:.0%}, raised to one update in a run this short")
+            chosen = f", {run:.0%} of the run (the default{raised})"
         parts.append(f"model EMA (decay {ema.decay:.6g} every {count_steps(ema.every)}: half-life "
                      f"{count_steps(round(ema.half_life))}{chosen}, {ema.half_life / steps_per_epoch:.1f} epochs; "
                      "each epoch validates the model and the average, --save-weights keeps the better)")

@@ -260,7 +260,7 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys, monkeypatch):
     (tmp_path / "broken" / "x.png").write_bytes(b"\x89PNG garbage")
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "broken",
                                 "--output", tmp_path / "none.csv")
-    assert code == 2 and "the image file could not be read (listed above)" in line
+    assert code == 2 and line.startswith(f"error: {tmp_path / 'broken' / 'x.png'}: not a readable image (")
     assert not (tmp_path / "none.csv").exists() and sorted(os.listdir(tmp_path)) == ["broken", "empty", "mine.csv",
                                                                                    "old.pt", "plain.pt"]
     code, line = one_line_error(capsys, *MODEL, "--weights", "w.pt", tmp_path / "broken", trained / "m.jsonl")

@@ -94,8 +94,8 @@ def test_each_optimizer_stops_and_resumes_to_the_uninterrupted_weights(project, 
     assert whole.returncode == 0, whole.stderr
     assert re.search(rf"^Recipe: {names[optimizer]} \(lr ", whole.stdout, re.M)
     said = ("Regularization: --auto-augment ta_wide, --random-erase 0.25, --mixup-alpha 0.2, --cutmix-alpha 1, "
-            "--clip-grad-norm 1, model EMA (decay 0.5 every 3 steps: half-life 3 steps, 25% of the run (the default), "
-            "0.8 epochs; each epoch validates the model and the average, --save-weights keeps the better)")
+            "--clip-grad-norm 1, model EMA (decay 0.5 every 3 steps: half-life 3 steps, 25% of the run (the default 5%, "
+            "raised to one update in a run this short), 0.8 epochs; each epoch validates the model and the average, --save-weights keeps the better)")
     assert (said in whole.stdout.splitlines()) == bool(extra), whole.stdout
     augmentation = re.search(r"^Augmentation: .*$", whole.stdout, re.M).group()
     assert ("per image TrivialAugmentWide" in augmentation) == bool(extra), augmentation
