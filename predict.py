@@ -313,7 +313,7 @@ def trained_here(root, meta):
     if os.path.realpath(Path(root).expanduser()) not in (folder, os.path.join(folder, "train")):
         return None
     return (f"WARNING: the weights were trained on images of {shown(root)}, so this is no validation accuracy "
-            f"(--held-out {shown(folder)} classifies the images its validation held out)")
+            f"(--held-out {shown(folder)} classifies the images its training validated on)")
 
 
 def where_of(device):

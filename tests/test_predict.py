@@ -489,7 +489,7 @@ def test_labelled_classifies_a_whole_folder_of_class_folders_as_held_out_does(tr
     at = next(i for i, line in enumerate(out) if line.startswith("Accuracy: "))
     assert out[at].endswith("on the 48 labelled images of imgs/train (3 of the 3 classes)")
     assert out[at + 1] == (f"WARNING: the weights were trained on images of imgs/train, so this is no validation "
-                           f"accuracy (--held-out {trained / 'imgs'} classifies the images its validation held out)")
+                           f"accuracy (--held-out {trained / 'imgs'} classifies the images its training validated on)")
     assert not any(line.startswith("WARNING") for line in labelled.stdout.splitlines())  # imgs/test: not trained on
 
     some = tmp_path / "some"
