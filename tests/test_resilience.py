@@ -572,7 +572,7 @@ class _TinyRun:
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear")
+        self.task = SimpleNamespace(data=SimpleNamespace(fingerprint={}), model_key="test:linear", loader="torchvision")
         self.ctx = DistContext(device=torch.device("cpu"))
         self.ema = None
 
