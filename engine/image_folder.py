@@ -398,8 +398,8 @@ def image_notes(headers, size, mode, why, ignored, splits):
     notes += ignored_note(len(not_images), not_images[:1], len(outside), outside[:1])
     undecodable = [path for files, _ in splits.values() for path in files if not _utf8(path)]
     if undecodable:
-        notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {str(undecodable[0])!r}: "
-                     "read all the same")
+        shown = os.fsencode(undecodable[0]).decode("utf-8", "backslashreplace")  # caf\xe9.png: the bytes on disk
+        notes.append(f"WARNING: {len(undecodable)} file name(s) are not UTF-8, e.g. {shown}: read all the same")
     return notes
 
 
