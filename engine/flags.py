@@ -170,9 +170,9 @@ def check_data_arguments(args, error):
 
 
 def among_images(path, data_dir):
-    """Whether the folder ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
+    """Whether the folder or file ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
     the image folder would meet it: as written (a link inside it that points elsewhere is still
-    met) or with links resolved. A hidden folder (.ckpt) is not among them: the scan skips it."""
+    met) or with links resolved. A hidden folder or file (.ckpt) is not among them: the scan skips it."""
     path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
     for inside, root in ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))),
                          (path.resolve(), data_dir.resolve())):
@@ -345,12 +345,15 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
-    for flag in ("checkpoint_dir", "tensorboard", "profile_dir"):  # the folders a run writes into
-        folder = getattr(args, flag)
-        if args.dataset == FOLDER and folder and args.data_dir and among_images(folder, args.data_dir):
-            parser.error(f"--{flag.replace('_', '-')} {folder} is inside --data-dir {args.data_dir}: the next run, "
-                         "its --resume too, would scan it with the images (a class folder without any); put it beside "
-                         "the images, not among them")
+    # What a run writes: three folders, and two files (in a folder of their own where the path names one).
+    as_folder, as_file = "a class folder without any", "a stray file, or in a new folder a class without any"
+    for flag, scanned_as in (("checkpoint_dir", as_folder), ("tensorboard", as_folder), ("profile_dir", as_folder),
+                             ("save_weights", as_file), ("metrics_file", as_file)):
+        path = getattr(args, flag)
+        if args.dataset == FOLDER and path and args.data_dir and among_images(path, args.data_dir):
+            parser.error(f"--{flag.replace('_', '-')} {path} is inside --data-dir {args.data_dir}: the next run, "
+                         f"its --resume too, would scan it with the images ({scanned_as}); put it beside the images, "
+                         "not among them")
     if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
         args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy

@@ -222,9 +222,19 @@ def test_a_checkpoint_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
             f"train.py: error: {flag} {root / 'logs'} is inside --data-dir {root}: the next run, its --resume too, "
             "would scan it with the images (a class folder without any); put it beside the images, not among them "
             "(see --help)"]
+    # The files a run writes: a stray file beside the classes, or in a folder of its own a class without images
+    for flag, inside in (("--save-weights", root / "w.pt"), ("--save-weights", root / "train" / "extra" / "w.pt"),
+                         ("--metrics-file", root / "test" / "logs" / "m.jsonl")):
+        assert run_main("train.py", "--dataset", "folder", "--data-dir", root, flag, inside) == 2
+        assert error_lines(capsys.readouterr().err) == [
+            f"train.py: error: {flag} {inside} is inside --data-dir {root}: the next run, its --resume too, "
+            "would scan it with the images (a stray file, or in a new folder a class without any); put it beside "
+            "the images, not among them (see --help)"]
     (root / "link").unlink()
     assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
+    assert sorted(path.name for path in (root / "train").iterdir()) == ["class_0", "class_1"]
     assert not among_images(root / ".ckpt", root) and not among_images(root / ".." / "ckpt", root)  # the scan skips
+    assert not among_images(root / ".metrics.jsonl", root)  # a hidden file too
     assert among_images(tmp_path / "alias" / "ckpt", root) is False
     (tmp_path / "alias").symlink_to(root)  # the images under another name: found with links resolved
     assert among_images(tmp_path / "alias" / "ckpt", root)
