@@ -145,6 +145,9 @@ def describe_length(epochs, target, patience):
     """The start-up block's line on when the run ends: at --epochs, or at the guide's early stop."""
     if target is None:
         return f"Length: {count(epochs, 'epoch', 'epochs')} (no early stop: --target-accuracy off)"
+    if epochs <= patience:  # a stop after --patience epochs in a row is at --epochs at the soonest
+        return (f"Length: {count(epochs, 'epoch', 'epochs')} (no early stop: it takes validation accuracy at least "
+                f"{target:g} for {count(patience, 'epoch', 'epochs')} in a row, --patience)")
     return (f"Length: {count(epochs, 'epoch', 'epochs')}, or fewer: early stop once validation accuracy is at least "
             f"{target:g} for {count(patience, 'epoch', 'epochs')} in a row (--target-accuracy, --patience; "
             "--target-accuracy off trains them all)")

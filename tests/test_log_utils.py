@@ -100,6 +100,16 @@ def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epo
     assert run_log.RunClock(now=lambda: 5.0).epoch_walls == []
 
 
+def test_the_length_line_promises_an_early_stop_only_where_one_can_come_before_the_last_epoch():
+    """A new user's walk: 'Length: 1 epoch, or fewer' with --patience 2 promised what cannot be."""
+    assert run_log.describe_length(3, 0.95, 2).startswith("Length: 3 epochs, or fewer: early stop once validation ")
+    for epochs in (1, 2):
+        assert run_log.describe_length(epochs, 0.95, 2) == (
+            f"Length: {epochs} epoch{'s' if epochs > 1 else ''} (no early stop: it takes validation accuracy at "
+            "least 0.95 for 2 epochs in a row, --patience)")
+    assert run_log.describe_length(1, None, 2) == "Length: 1 epoch (no early stop: --target-accuracy off)"
+
+
 def test_epoch_line_starts_with_a_timestamp_and_ends_with_elapsed_and_eta():
     record = {"epoch": 3, "epoch_time_s": 9.8191, "train_loss": 3.12341, "val_loss": 2.6997, "val_accuracy": 0.3386,
               "images_per_sec": 5084.21, "lr": 0.0099, "eval_time_s": 1.04}
