@@ -521,14 +521,19 @@ def summarize(records, ctx, test_size=None, wall_s=None, resumed=False, held_out
              f"{of_best})", *more_scores(last),
              f"Time: training {train_s:.1f}s + evaluation {eval_s:.1f}s over the run's "
              f"{count(len(records), 'epoch', 'epochs')}" + (" (those before the resume too)" if resumed else "")
-             + (f"; wall time {wall_s:.1f}s (reading the data, start-up and checkpoints included; "
-                "Python's imports not)" if wall_s is not None else ""),
+             + (f"; wall time{' of this start' if resumed else ''} {wall_s:.1f}s (reading the data, start-up and "
+                "checkpoints included; Python's imports not)" if wall_s is not None else ""),
              f"Throughput: {throughput(records):.1f} img/s (training images / training time)"]
     if len(records) > 1:
         lines.append(f"Throughput excluding epoch 1 (warm-up): {throughput(records[1:]):.1f} img/s; "
                      f"epoch 1: {throughput(records[:1]):.1f} img/s")
+    # The epochs a resumed run trained before on other processes, as their records say.
+    this_start = {(ctx.world_size, ctx.num_nodes)}
+    earlier = ", ".join(f"{count(size, 'process', 'processes')} on {count(nodes, 'node', 'nodes')}"
+                        for size, nodes in sorted({(r["world_size"], r["nodes"]) for r in records if "nodes" in r}
+                                                  - this_start))
     lines.append(f"Number of nodes: {ctx.num_nodes}, {accel} per node: {ctx.local_world_size}, "
-                 f"total {accel}: {ctx.world_size}")
+                 f"total {accel}: {ctx.world_size}" + (f" (epochs before the resume: {earlier})" if earlier else ""))
     if "device" in last:  # (records of runs saved before it was recorded lack it)
         peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
         lines.append(f"Device (rank 0): {last['device']}" + (f", peak memory {max(peaks):.2f} GiB" if peaks else ""))

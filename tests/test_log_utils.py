@@ -153,7 +153,11 @@ def test_summary_separates_warm_up_training_evaluation_and_wall_time():
     assert ("Time: training 6.0s + evaluation 1.5s over the run's 3 epochs; wall time 9.5s (reading the data, start-up "
             "and checkpoints included; Python's imports not)") in text
     resumed = "\n".join(tu.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
-    assert "over the run's 3 epochs (those before the resume too); wall time" in resumed
+    assert "over the run's 3 epochs (those before the resume too); wall time of this start 9.5s" in resumed
+    records[0].update(world_size=2, nodes=1)  # epoch 1 trained on 2 processes before the resume
+    resumed = "\n".join(tu.summarize(records, ctx, test_size=10_000, wall_s=9.5, resumed=True))
+    assert ("Number of nodes: 2, CPU processes per node: 4, total CPU processes: 8 (epochs before the resume: "
+            "2 processes on 1 node)") in resumed
     assert "Throughput: 50.0 img/s" in text and "excluding epoch 1 (warm-up): 100.0 img/s" in text
     assert "Number of nodes: 2" in text and "total CPU processes: 8" in text
     assert "on all 320 test images" in "\n".join(tu.summarize(records, ctx, test_size=320))
