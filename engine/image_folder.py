@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from engine.errors import DatasetError
 from engine.log import count
@@ -263,6 +263,25 @@ class Header(NamedTuple):
 
 EXIF_ORIENTATION = 0x0112  # how the camera was held: 5 to 8 store the picture a quarter turn off
 TURNED = (5, 6, 7, 8)
+# Each EXIF orientation's turn to upright, Pillow's ImageOps.exif_transpose's own; not that function,
+# which also rewrites the EXIF block and raises on tags cameras and editors write wrong (a signed
+# XResolution), so that a photo it decodes fine would be left out as unreadable.
+UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
+
+
+def orientation(image):
+    """The EXIF orientation (1-8) of ``image`` (Pillow's, opened), read from the header alone: 1
+    where there is none or the block cannot be read. A PNG's only when its eXIf chunk comes
+    before the pixels, where the PNG specification puts it: Pillow's getexif decodes the whole
+    image to look for one after."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    try:
+        return image.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # a damaged EXIF block: the pixels as stored, as before orientations were read
+        return 1
 
 
 def upright(image):
@@ -270,7 +289,8 @@ def upright(image):
     EXIF orientation says (a phone's portrait photo is stored sideways), as DALI's decoder and
     image viewers do; itself when it has none. Every decode of an image file goes through it,
     so training on any loader, --eval-only and predict.py see the same pixels."""
-    return ImageOps.exif_transpose(image) if image.getexif().get(EXIF_ORIENTATION, 1) != 1 else image
+    turn = UPRIGHT.get(orientation(image))
+    return image.transpose(turn) if turn is not None else image
 
 
 def header(path):
@@ -278,7 +298,7 @@ def header(path):
     as upright turns it."""
     try:
         with Image.open(path) as image:
-            turned = image.getexif().get(EXIF_ORIENTATION) in TURNED
+            turned = orientation(image) in TURNED
             return Header(image.mode, (image.width, image.height) if turned else (image.height, image.width))
     except Exception as err:  # Pillow raises many types for damaged files; OSError for a broken link
         raise Unreadable(path, err) from None

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import struct
 import sys
 
 import numpy as np
@@ -27,7 +28,7 @@ from engine.errors import UserError
 from engine.folder_lock import FolderLock
 from engine.finetune import finetune, load_fitting
 from engine.image_cache import read_folder_cache
-from engine.image_folder import Header, cover_size, decode, header, image_notes, scan
+from engine.image_folder import Header, Unreadable, cover_size, decode, header, image_notes, scan
 from engine.image_list import checked
 from engine.models import make_model
 from engine.plugins import load_plugin
@@ -735,6 +736,37 @@ def test_a_phone_photo_is_decoded_upright_as_dali_decodes_it(tmp_path):
     assert np.array_equal(decode(path, (80, 60), "RGB"), shown)
     mode, size, counts = checked(path)
     assert size == (80, 60) and counts.sum() == 3 * 80 * 60
+    png = tmp_path / "portrait.png"  # a PNG's eXIf chunk, before its pixels
+    Image.fromarray(stored).save(png, exif=exif)
+    assert header(png).size == (80, 60) and np.array_equal(decode(png, (80, 60), "RGB"), np.asarray(
+        Image.open(png).transpose(Image.Transpose.ROTATE_270)))
+
+
+def test_a_photo_with_a_wrong_exif_tag_is_decoded_upright_and_a_header_decodes_no_pixels(tmp_path):
+    """Pillow's ImageOps.exif_transpose raises on a tag some cameras write wrong (a signed
+    XResolution): such a photo, which Pillow reads fine, is still turned upright, not left out
+    as unreadable. And the header pass reads no pixels, a PNG's neither (Pillow's getexif
+    decodes a PNG without an eXIf chunk whole): a truncated one is found by its decode."""
+    stored = np.zeros((60, 80, 3), dtype=np.uint8)
+    stored[:, :40] = 255
+    # EXIF: a little-endian TIFF block whose IFD0 holds Orientation 6 (SHORT) and XResolution as a
+    # negative SRATIONAL (type 10), -1/1, stored after the IFD (at offset 8 + 2 + 2 * 12 + 4 = 38).
+    entry = struct.Struct("<HHI4s")
+    bad = (b"Exif\0\0" + b"II*\0" + struct.pack("<IH", 8, 2) + entry.pack(0x0112, 3, 1, struct.pack("<HH", 6, 0))
+           + entry.pack(0x011A, 10, 1, struct.pack("<I", 38)) + struct.pack("<I", 0) + struct.pack("<ii", -1, 1))
+    path = tmp_path / "portrait.jpg"
+    Image.fromarray(stored).save(path, exif=bad, quality=100)
+    with pytest.raises(Exception):  # Pillow's own function fails on it
+        ImageOps.exif_transpose(Image.open(path))
+    upright = np.asarray(Image.fromarray(stored).transpose(Image.Transpose.ROTATE_270))
+    assert header(path).size == (80, 60)
+    assert np.abs(decode(path, (80, 60), "RGB").astype(int) - upright).max() < 8  # JPEG's rounding
+    png = tmp_path / "truncated.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(png)
+    png.write_bytes(png.read_bytes()[:2000])  # the header and part of the pixels
+    assert header(png).size == (64, 64)
+    with pytest.raises(Unreadable):
+        decode(png, (64, 64), "RGB")
 
 
 def test_images_enlarged_far_beyond_their_size_are_noted():
