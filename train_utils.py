@@ -1053,14 +1053,22 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
                  "images in the same order, with other random augmentation draws (each loader draws its own)")
     fork = from_rank0(lambda: forked_run_id(checkpoint.get("folder"), args.checkpoint_dir, state.run_id),
                       ctx.control_group)
+    replaces = None  # the run whose lines in --metrics-file this one's records replace
     if fork:  # a copy of the folder: its lines in --metrics-file (TensorBoard, traces) are its own
+        # A metrics file inside the copied folder was copied with it: the original's lines there are
+        # the copy's own epochs, which it writes again under its new ID.
+        inside = bool(args.metrics_file) and Path(args.metrics_file).resolve().is_relative_to(
+            Path(args.checkpoint_dir).resolve())
+        replaces = state.run_id if inside else None
+        lines = (" (its own --metrics-file, copied with it, goes on under the new ID)" if inside else
+                 " (--metrics-file keeps the lines of both)" if args.metrics_file else "")
         log.info(f"Note: {args.checkpoint_dir} is a copy of {checkpoint['folder']['path']}: it goes on as run {fork}, "
-                 f"apart from run {state.run_id} there (--metrics-file keeps the lines of both)")
+                 f"apart from run {state.run_id} there{lines}")
         state = replace(state, run_id=fork, records=[{**record, "run_id": fork} for record in state.records])
     if state.epoch > args.epochs or target_reached(state.history, args.target_accuracy, args.patience):
         log.info(f"The run in {args.checkpoint_dir} is complete (epoch {state.epoch - 1}): nothing to train")
     if args.metrics_file:  # rewritten by rank 0; a failure stops every rank
-        for warning in from_rank0(lambda: reconcile_metrics(log.metrics_path, state.run_id, state.records),
+        for warning in from_rank0(lambda: reconcile_metrics(log.metrics_path, state.run_id, state.records, replaces),
                                   ctx.control_group):
             log.info(warning)
     return state, rng_state, scheduler

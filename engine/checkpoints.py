@@ -447,12 +447,14 @@ def smaller_steps_hint(saved_batch, batch, accumulate):
 
 
 def folder_identity(directory):
-    """{"path", "inode"} of the checkpoint folder ``directory``, recorded in each checkpoint, so that
-    a resume can tell the folder moved (the same inode) from a copy of it (forked_run_id); None
-    when it cannot be read (the checkpoint's own write then says why)."""
+    """{"path", "device", "inode"} of the checkpoint folder ``directory``, recorded in each
+    checkpoint, so that a resume can tell a copy of the folder from the folder moved or seen
+    under another path (forked_run_id); None when it cannot be read (the checkpoint's own
+    write then says why)."""
     try:
         folder = Path(directory).resolve()
-        return {"path": str(folder), "inode": folder.stat().st_ino}
+        stat = folder.stat()
+        return {"path": str(folder), "device": stat.st_dev, "inode": stat.st_ino}
     except OSError:
         return None
 
@@ -460,14 +462,28 @@ def folder_identity(directory):
 def forked_run_id(written_in, directory, run_id):
     """The run ID that a run resumed in ``directory`` from a checkpoint ``written_in``
     (folder_identity; None for checkpoints before it was recorded) of run ``run_id`` goes on
-    as: None for the same run (the same path, or the same inode: the folder moved, or is seen
-    through another mount), else a copy of the folder, which goes on as a run of its own so
-    that it drops no line of the original's from a shared --metrics-file. Its ID is derived from
-    the original's and the copy's, so every attempt of the copy's resume agrees."""
+    as: None for the same run, else a copy of the folder, which goes on as a run of its own so
+    that it drops no line of the original's from a shared --metrics-file.
+
+    The same run: the same path; the same file (device and inode: moved within its file
+    system, or seen under another path, a link or another mount); or the folder it was written
+    in holds no checkpoint now (moved to another file system, a new inode and path). A copy:
+    another folder, while the one written in still holds checkpoints. Its ID is derived from
+    the original's and the copy's inode (not its device, which nodes may number otherwise), so
+    every attempt of the copy's resume agrees, also after the copy is renamed before its first
+    checkpoint records it."""
     here = folder_identity(directory)
-    if not written_in or not here or here["path"] == written_in["path"] or here["inode"] == written_in["inode"]:
+    if not written_in or not here or here["path"] == written_in["path"]:
         return None
-    return hashlib.sha256(f"{run_id} {here['path']} {here['inode']}".encode()).hexdigest()[:12]
+    if (written_in.get("device"), written_in["inode"]) == (here["device"], here["inode"]):
+        return None
+    original = Path(written_in["path"])
+    try:
+        if not any(original.glob(f"{CHECKPOINT_PREFIX}*.pt")) or original.samefile(directory):
+            return None  # moved; or the same folder, its device numbered otherwise on this node
+    except OSError:  # it cannot be read (gone, or not mounted here): moved
+        return None
+    return hashlib.sha256(f"{run_id} {here['inode']}".encode()).hexdigest()[:12]
 
 
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):

@@ -265,10 +265,12 @@ def throughput(records):
 # ---------------------------------------------------------------------------------------------
 # The metrics file across resumes.
 
-def reconcile_metrics(path, run_id, records):
+def reconcile_metrics(path, run_id, records, replaces=None):
     """On resume: make ``path`` hold each finished epoch of run ``run_id`` exactly once, and
     return the warnings to print. Lines of epochs the checkpoint does not have (they run again)
-    are dropped, records the file lost are appended; other runs' lines and unparsable lines
+    are dropped, records the file lost are appended; the lines of run ``replaces`` go, as
+    ``records`` hold them under ``run_id`` (a copied folder's own copy of the file, whose
+    run goes on under a new ID: train_utils.resume); other runs' lines and unparsable lines
     are kept as they are, but for a half-written last line (the node died while writing it),
     which is dropped: its epoch is written again from the checkpoint. A write that fails is a
     ResourceProblem (nothing trained yet: exit 1, with the space needed when the disk is full)."""
@@ -279,12 +281,12 @@ def reconcile_metrics(path, run_id, records):
         path.parent.mkdir(parents=True, exist_ok=True)
         with locked_metrics(path) as f:  # another run's append waits, then goes to the rewritten file
             f.seek(0)
-            return _reconciled(path, f.read().decode(errors="surrogateescape"), run_id, records)
+            return _reconciled(path, f.read().decode(errors="surrogateescape"), run_id, records, replaces)
     except OSError as err:  # the folder or the file (the rewrite's own failure is _reconciled's line)
         raise space_problem("--metrics-file", path, err) from None
 
 
-def _reconciled(path, text, run_id, records):
+def _reconciled(path, text, run_id, records, replaces=None):
     """reconcile_metrics of the file ``path`` that holds ``text``, locked."""
     lines, warnings = text.splitlines(), []
     if text and not text.endswith("\n") and not _parses(lines[-1]):
@@ -294,6 +296,8 @@ def _reconciled(path, text, run_id, records):
     done, seen, kept = {r["epoch"] for r in records}, set(), []
     for line in lines:
         entry = _parses(line)
+        if replaces is not None and isinstance(entry, dict) and entry.get("run_id") == replaces:
+            continue
         if isinstance(entry, dict) and entry.get("run_id") == run_id:
             if entry.get("epoch") not in done or entry.get("epoch") in seen:
                 continue

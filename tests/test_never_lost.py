@@ -613,7 +613,64 @@ def test_a_copied_checkpoint_folder_goes_on_as_a_run_of_its_own(tmp_path, capsys
                     "--resume") == 0
     assert "is a copy of" not in capsys.readouterr().out
     assert [r["epoch"] for r in read_metrics(metrics) if r["run_id"] == ours] == [1, 2, 3, 4]
+    # Moved to another file system: a new path and inode, and nothing left where it was.
+    far = tmp_path / "far"
+    shutil.copytree(moved, far)
+    shutil.rmtree(moved)
+    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", far, "--metrics-file", metrics,
+                    "--resume") == 0
+    assert "is a copy of" not in capsys.readouterr().out
+    assert [r["epoch"] for r in read_metrics(metrics) if r["run_id"] == ours] == [1, 2, 3, 4, 5]
+    # A copy renamed before its first checkpoint records it: the same new ID on each resume, not a third.
+    first, renamed = tmp_path / "c", tmp_path / "d"
+    shutil.copytree(far, first)
+    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", first, "--metrics-file", metrics,
+                    "--resume") == 0  # complete: nothing trained, no checkpoint written
+    first.rename(renamed)
+    assert run_main("train.py", *RUN, "--epochs", "6", "--checkpoint-dir", renamed, "--metrics-file", metrics,
+                    "--resume") == 0
+    runs = {}
+    for record in read_metrics(metrics):
+        runs.setdefault(record["run_id"], []).append(record["epoch"])
+    assert sorted(runs.values()) == [[1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]] and runs[ours] == [1, 2, 3, 4, 5]
     assert checkpoints.forked_run_id(None, copy, ours) is None  # a checkpoint from before the folder was recorded
+
+
+def test_a_copied_folder_with_its_own_metrics_file_holds_each_epoch_once(tmp_path, capsys):
+    """--metrics-file inside the checkpoint folder is copied with it: the copy's file holds the
+    copy's epochs, each once, under its new ID, and the original's file is left as it was."""
+    original, copy = tmp_path / "a", tmp_path / "b"
+    assert run_main("train.py", *RUN, "--epochs", "1", "--checkpoint-dir", original, "--metrics-file",
+                    original / "m.jsonl") == 0
+    shutil.copytree(original, copy)
+    kept = (original / "m.jsonl").read_bytes()
+    capsys.readouterr()
+    assert run_main("train.py", *RUN, "--epochs", "2", "--checkpoint-dir", copy, "--metrics-file", copy / "m.jsonl",
+                    "--resume") == 0
+    assert "(its own --metrics-file, copied with it, goes on under the new ID)" in capsys.readouterr().out
+    [theirs] = {r["run_id"] for r in read_metrics(original / "m.jsonl")}
+    records = read_metrics(copy / "m.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2] and {r["run_id"] for r in records} != {theirs}
+    assert len({r["run_id"] for r in records}) == 1 and (original / "m.jsonl").read_bytes() == kept
+
+
+def test_a_folder_seen_under_another_path_or_device_number_is_the_same_run(tmp_path):
+    """forked_run_id: a link to the folder, or the folder's device numbered otherwise (a
+    network file system mounted on another node), is the same folder, not a copy."""
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / f"{checkpoints.CHECKPOINT_PREFIX}0001.pt").write_bytes(b"")
+    (tmp_path / "link").symlink_to(folder)
+    written = checkpoints.folder_identity(folder)
+    assert written["path"] == str(folder.resolve())
+    assert checkpoints.forked_run_id(written, tmp_path / "link", "r") is None
+    elsewhere = {**written, "path": str(tmp_path / "link"), "device": written["device"] + 1}  # another node's view
+    assert checkpoints.forked_run_id(elsewhere, folder, "r") is None
+    copy = tmp_path / "b"
+    shutil.copytree(folder, copy)
+    fork = checkpoints.forked_run_id(written, copy, "r")
+    assert fork and fork == checkpoints.forked_run_id(written, copy, "r")
+    assert checkpoints.forked_run_id({**written, "device": written["device"] + 1}, copy, "r") == fork
 
 
 def test_a_resume_on_another_loader_says_so(tmp_path, capsys):
