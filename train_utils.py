@@ -230,7 +230,7 @@ def run_epoch(run, state, rng_state=None):
     if run.monitor:
         run.monitor.record(record)
     run.clock.epoch_done(1 - skipped / run.steps)
-    eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"])
+    eta = eta_seconds(run.clock.epoch_walls, run.args.epochs - record["epoch"], state.records)
     run.log.info(epoch_line(record, run.args.epochs, run.clock.elapsed(), eta))
     return record
 
@@ -443,13 +443,16 @@ def duration(seconds):
     return f"{f'{days}d ' if days else ''}{hours}:{minutes:02d}:{secs:02d}"
 
 
-def eta_seconds(epoch_walls, remaining_epochs):
+def eta_seconds(epoch_walls, remaining_epochs, records=()):
     """Seconds left for ``remaining_epochs`` at this process's pace: the mean wall time per epoch
     (training, evaluation, checkpoint), leaving out this process's first epoch once there are
-    others (it includes cuDNN autotuning, compilation and loader start-up). None if unknown."""
+    others (it includes cuDNN autotuning, compilation and loader start-up). Before this process
+    has trained a step (resumed after an epoch's last step), the run's earlier epochs' training
+    and evaluation time in ``records``; None if unknown."""
     if remaining_epochs <= 0:
         return 0.0
-    steady = epoch_walls[1:] or epoch_walls
+    steady = (epoch_walls[1:] or epoch_walls
+              or [r["epoch_time_s"] + r.get("eval_time_s", 0.0) for r in records if "epoch_time_s" in r])
     return sum(steady) / len(steady) * remaining_epochs if steady else None
 
 

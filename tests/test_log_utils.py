@@ -85,6 +85,9 @@ def test_eta_leaves_out_this_processs_first_epoch():
     assert tu.eta_seconds([30.0], 2) == 60.0  # nothing else known yet
     assert tu.eta_seconds([30.0, 10.0, 12.0], 3) == pytest.approx(33.0)
     assert tu.eta_seconds([30.0, 10.0], 0) == 0.0
+    # Resumed after an epoch's last step: no epoch measured here yet, the run's own records then
+    earlier = [{"epoch_time_s": 9.0, "eval_time_s": 1.0}, {"epoch_time_s": 11.0, "eval_time_s": 1.0}]
+    assert tu.eta_seconds([], 3, earlier) == pytest.approx(33.0) and tu.eta_seconds([30.0], 3, earlier) == 90.0
 
 
 def test_the_eta_after_a_resume_leaves_out_the_start_up_and_scales_a_partial_epoch():
