@@ -1060,11 +1060,14 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
     if fork:  # a copy of the folder: its lines in --metrics-file (TensorBoard, traces) are its own
         # A metrics file inside the copied folder was copied with it: the original's lines there are
         # the copy's own epochs, which it writes again under its new ID.
-        inside = bool(args.metrics_file) and Path(args.metrics_file).resolve().is_relative_to(
-            Path(args.checkpoint_dir).resolve())
-        replaces = state.run_id if inside else None
-        lines = (" (its own --metrics-file, copied with it, goes on under the new ID)" if inside else
-                 " (--metrics-file keeps the lines of both)" if args.metrics_file else "")
+        metrics = Path(args.metrics_file) if args.metrics_file else None
+        if metrics is not None and metrics.exists():
+            copied = metrics.resolve().is_relative_to(Path(args.checkpoint_dir).resolve())
+            replaces = state.run_id if copied else None
+            lines = (" (its --metrics-file, copied with it, goes on under the new ID)" if copied
+                     else " (--metrics-file keeps the lines of both)")
+        else:
+            lines = ""
         log.info(f"Note: {args.checkpoint_dir} is a copy of {checkpoint['folder']['path']}: it goes on as run {fork}, "
                  f"apart from run {state.run_id} there{lines}")
         state = replace(state, run_id=fork, records=[{**record, "run_id": fork} for record in state.records])

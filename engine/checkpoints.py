@@ -465,25 +465,24 @@ def forked_run_id(written_in, directory, run_id):
     as: None for the same run, else a copy of the folder, which goes on as a run of its own so
     that it drops no line of the original's from a shared --metrics-file.
 
-    The same run: the same path; the same file (device and inode: moved within its file
-    system, or seen under another path, a link or another mount); or the folder it was written
-    in holds no checkpoint now (moved to another file system, a new inode and path). A copy:
-    another folder, while the one written in still holds checkpoints. Its ID is derived from
-    the original's and the copy's inode (not its device, which nodes may number otherwise), so
-    every attempt of the copy's resume agrees, also after the copy is renamed before its first
-    checkpoint records it."""
+    The same run: the same path, or the same folder under another path (moved within its file
+    system: the same device and inode; a link, or another node's mount of it, where device
+    numbers differ: the folder written in is this one). Anything else is taken for a copy,
+    also a folder moved to another file system (a new path and inode): taking a copy for the
+    same run would drop the original's lines, while the other mistake only shows a moved run's
+    earlier epochs under two IDs. Its ID is derived from the original's and the copy's path,
+    device and inode, so every attempt of the copy's resume agrees, and no other folder's does."""
     here = folder_identity(directory)
     if not written_in or not here or here["path"] == written_in["path"]:
         return None
     if (written_in.get("device"), written_in["inode"]) == (here["device"], here["inode"]):
         return None
-    original = Path(written_in["path"])
     try:
-        if not any(original.glob(f"{CHECKPOINT_PREFIX}*.pt")) or original.samefile(directory):
-            return None  # moved; or the same folder, its device numbered otherwise on this node
-    except OSError:  # it cannot be read (gone, or not mounted here): moved
-        return None
-    return hashlib.sha256(f"{run_id} {here['inode']}".encode()).hexdigest()[:12]
+        if Path(written_in["path"]).samefile(directory):
+            return None
+    except OSError:  # gone, moved away or not mounted here: this folder is another one
+        pass
+    return hashlib.sha256(f"{run_id} {here['path']} {here['device']} {here['inode']}".encode()).hexdigest()[:12]
 
 
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):

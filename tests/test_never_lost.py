@@ -613,26 +613,28 @@ def test_a_copied_checkpoint_folder_goes_on_as_a_run_of_its_own(tmp_path, capsys
                     "--resume") == 0
     assert "is a copy of" not in capsys.readouterr().out
     assert [r["epoch"] for r in read_metrics(metrics) if r["run_id"] == ours] == [1, 2, 3, 4]
-    # Moved to another file system: a new path and inode, and nothing left where it was.
-    far = tmp_path / "far"
-    shutil.copytree(moved, far)
-    shutil.rmtree(moved)
-    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", far, "--metrics-file", metrics,
+    # A copy whose original was archived after the copy was made: still a copy, the original's
+    # lines kept; the archived original (the same inode) goes on as the original.
+    later, archive = tmp_path / "later", tmp_path / "archive"
+    shutil.copytree(moved, later)
+    moved.rename(archive)
+    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", later, "--metrics-file", metrics,
+                    "--resume") == 0
+    assert "is a copy of" in capsys.readouterr().out
+    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", archive, "--metrics-file", metrics,
                     "--resume") == 0
     assert "is a copy of" not in capsys.readouterr().out
-    assert [r["epoch"] for r in read_metrics(metrics) if r["run_id"] == ours] == [1, 2, 3, 4, 5]
-    # A copy renamed before its first checkpoint records it: the same new ID on each resume, not a third.
-    first, renamed = tmp_path / "c", tmp_path / "d"
-    shutil.copytree(far, first)
-    assert run_main("train.py", *RUN, "--epochs", "5", "--checkpoint-dir", first, "--metrics-file", metrics,
-                    "--resume") == 0  # complete: nothing trained, no checkpoint written
-    first.rename(renamed)
-    assert run_main("train.py", *RUN, "--epochs", "6", "--checkpoint-dir", renamed, "--metrics-file", metrics,
+    # Moved to another file system (a new path and inode): taken for a copy, which loses no line.
+    far = tmp_path / "far"
+    shutil.copytree(archive, far)
+    shutil.rmtree(archive)
+    assert run_main("train.py", *RUN, "--epochs", "6", "--checkpoint-dir", far, "--metrics-file", metrics,
                     "--resume") == 0
     runs = {}
     for record in read_metrics(metrics):
         runs.setdefault(record["run_id"], []).append(record["epoch"])
-    assert sorted(runs.values()) == [[1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]] and runs[ours] == [1, 2, 3, 4, 5]
+    assert runs.pop(ours) == [1, 2, 3, 4, 5] and runs.pop(theirs) == [1, 2]
+    assert sorted(runs.values()) == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]]  # the later copy's, the far one's
     assert checkpoints.forked_run_id(None, copy, ours) is None  # a checkpoint from before the folder was recorded
 
 
@@ -647,7 +649,7 @@ def test_a_copied_folder_with_its_own_metrics_file_holds_each_epoch_once(tmp_pat
     capsys.readouterr()
     assert run_main("train.py", *RUN, "--epochs", "2", "--checkpoint-dir", copy, "--metrics-file", copy / "m.jsonl",
                     "--resume") == 0
-    assert "(its own --metrics-file, copied with it, goes on under the new ID)" in capsys.readouterr().out
+    assert "(its --metrics-file, copied with it, goes on under the new ID)" in capsys.readouterr().out
     [theirs] = {r["run_id"] for r in read_metrics(original / "m.jsonl")}
     records = read_metrics(copy / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2] and {r["run_id"] for r in records} != {theirs}
@@ -671,6 +673,11 @@ def test_a_folder_seen_under_another_path_or_device_number_is_the_same_run(tmp_p
     fork = checkpoints.forked_run_id(written, copy, "r")
     assert fork and fork == checkpoints.forked_run_id(written, copy, "r")
     assert checkpoints.forked_run_id({**written, "device": written["device"] + 1}, copy, "r") == fork
+    shutil.rmtree(folder)  # the original gone: a copy all the same (taken for the same run, it would drop lines)
+    assert checkpoints.forked_run_id(written, copy, "r") == fork
+    other = tmp_path / "c"
+    copy.rename(other)  # another path: another ID, so that no two folders share one
+    assert checkpoints.forked_run_id(written, other, "r") not in (None, fork)
 
 
 def test_a_resume_on_another_loader_says_so(tmp_path, capsys):
