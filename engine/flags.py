@@ -170,15 +170,24 @@ def check_data_arguments(args, error):
 
 
 def among_images(path, data_dir):
-    """Whether the folder or file ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
+    """Whether the folder ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
     the image folder would meet it: as written (a link inside it that points elsewhere is still
-    met) or with links resolved. A hidden folder or file (.ckpt) is not among them: the scan skips it."""
+    met) or with links resolved. Below a hidden name (.ckpt) it is not: the scan skips those."""
     path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
     for inside, root in ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))),
                          (path.resolve(), data_dir.resolve())):
-        if inside == root or (inside.is_relative_to(root) and not inside.relative_to(root).parts[0].startswith(".")):
+        if inside == root or (inside.is_relative_to(root)
+                              and not any(part.startswith(".") for part in inside.relative_to(root).parts)):
             return True
     return False
+
+
+def new_folder(file):
+    """The outermost folder that writing ``file`` would create (None: its folder exists)."""
+    folder, created = Path(file).expanduser().absolute().parent, None
+    while not folder.exists() and folder != folder.parent:
+        folder, created = folder.parent, folder
+    return created
 
 
 def build_parser(description, add_recipe_arguments):
@@ -345,15 +354,20 @@ def parse_args(parser, check_recipe_arguments, argv=None):
         adopt_trained_settings(args, given_flags(parser, argv, args), read_weights(args.weights, mmap=True),
                                parser.error)
     check_data_arguments(args, parser.error)
-    # What a run writes: three folders, and two files (in a folder of their own where the path names one).
-    as_folder, as_file = "a class folder without any", "a stray file, or in a new folder a class without any"
-    for flag, scanned_as in (("checkpoint_dir", as_folder), ("tensorboard", as_folder), ("profile_dir", as_folder),
-                             ("save_weights", as_file), ("metrics_file", as_file)):
-        path = getattr(args, flag)
-        if args.dataset == FOLDER and path and args.data_dir and among_images(path, args.data_dir):
-            parser.error(f"--{flag.replace('_', '-')} {path} is inside --data-dir {args.data_dir}: the next run, "
-                         f"its --resume too, would scan it with the images ({scanned_as}); put it beside the images, "
-                         "not among them")
+    # A folder the run writes into, or creates for a file it writes, among the images: the next scan
+    # meets it as a class folder without any. (A file in a folder already there is ignored, or a Note.)
+    if args.dataset == FOLDER and args.data_dir:
+        files = {"--metrics-file": args.metrics_file, "--save-weights": None if args.eval_only else args.save_weights}
+        written = [(flag, path, path, "") for flag, path in (("--checkpoint-dir", args.checkpoint_dir),
+                                                           ("--tensorboard", args.tensorboard),
+                                                           ("--profile-dir", args.profile_dir)) if path]
+        written += [(flag, path, created, f", in a folder it would create ({created})")
+                    for flag, path in files.items() if path and (created := new_folder(path))]
+        for flag, path, folder, where in written:
+            if among_images(folder, args.data_dir):
+                parser.error(f"{flag} {path} is inside --data-dir {args.data_dir}{where}: the next run, its --resume "
+                             "too, would scan it with the images (a class folder without any); put it beside the "
+                             "images, not among them")
     if args.target_accuracy is None:  # the guide's early stop on the guide's data; your own runs to --epochs
         args.target_accuracy = GUIDE_TARGET_ACCURACY if args.dataset in DATASETS else TARGET_OFF
     args.target_accuracy = None if args.target_accuracy == TARGET_OFF else args.target_accuracy

@@ -18,6 +18,7 @@ from PIL import Image
 
 import dataset_utils as du
 import recipe
+import train_utils as tu
 from engine import data_formats, image_cache, image_folder, models, plugins, task
 from engine.errors import EXIT_STOPPED, UserError
 from engine.flags import among_images
@@ -222,14 +223,23 @@ def test_a_checkpoint_dir_inside_the_data_dir_is_one_line(tmp_path, capsys):
             f"train.py: error: {flag} {root / 'logs'} is inside --data-dir {root}: the next run, its --resume too, "
             "would scan it with the images (a class folder without any); put it beside the images, not among them "
             "(see --help)"]
-    # The files a run writes: a stray file beside the classes, or in a folder of its own a class without images
-    for flag, inside in (("--save-weights", root / "w.pt"), ("--save-weights", root / "train" / "extra" / "w.pt"),
+    # A file the run writes, in a folder it would create there: that folder is a class without images.
+    for flag, inside in (("--save-weights", root / "train" / "extra" / "w.pt"),
                          ("--metrics-file", root / "test" / "logs" / "m.jsonl")):
         assert run_main("train.py", "--dataset", "folder", "--data-dir", root, flag, inside) == 2
         assert error_lines(capsys.readouterr().err) == [
-            f"train.py: error: {flag} {inside} is inside --data-dir {root}: the next run, its --resume too, "
-            "would scan it with the images (a stray file, or in a new folder a class without any); put it beside "
-            "the images, not among them (see --help)"]
+            f"train.py: error: {flag} {inside} is inside --data-dir {root}, in a folder it would create "
+            f"({inside.parent}): the next run, its --resume too, would scan it with the images (a class folder "
+            "without any); put it beside the images, not among them (see --help)"]
+    # In a folder already there the scan ignores it; hidden, at any depth, it skips it; --eval-only writes none.
+    weights_file.save_weights(WideResNet(num_classes=2), tmp_path / "w.pt",
+                              {"classes": ["class_0", "class_1"], "dataset": "folder", "data_dir": str(root)})
+    for taken in (("--save-weights", root / "w.pt"), ("--metrics-file", root / "train" / "class_0" / "m.jsonl"),
+                  ("--metrics-file", root / "train" / ".logs" / "m.jsonl"),
+                  ("--eval-only", "--weights", tmp_path / "w.pt", "--save-weights", root / "train" / "new" / "w.pt")):
+        args = tu.parse_args("train.py", [str(arg) for arg in ("--dataset", "folder", "--data-dir", root, *taken)])
+        assert args.data_dir == str(root)  # parsed: not refused
+    assert not among_images(root / "train" / ".ckpt", root) and among_images(root / "train" / "ckpt", root)
     (root / "link").unlink()
     assert sorted(path.name for path in root.iterdir()) == ["test", "train"]
     assert sorted(path.name for path in (root / "train").iterdir()) == ["class_0", "class_1"]
