@@ -272,14 +272,13 @@ UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4:
 
 
 def orientation(image):
-    """The EXIF orientation (1-8) of ``image`` (Pillow's, opened), read from the header alone: 1
-    where there is none or the block cannot be read. A PNG's only when its eXIf chunk comes
-    before the pixels, where the PNG specification puts it: Pillow's getexif decodes the whole
-    image to look for one after."""
-    if image.format == "PNG" and "exif" not in image.info:
-        return 1
+    """The EXIF orientation (1-8) of ``image`` (Pillow's, opened), from what Pillow read of the
+    file before its pixels: the EXIF block (a PNG's eXIf chunk, or ImageMagick's text chunk of
+    it), else XMP's tiff:Orientation; 1 where there is none or it cannot be read. Read with
+    Image.Image.getexif, not a PNG's own, which decodes the whole image to look for an eXIf
+    chunk after the pixels (the PNG specification puts it before them)."""
     try:
-        return image.getexif().get(EXIF_ORIENTATION, 1)
+        return Image.Image.getexif(image).get(EXIF_ORIENTATION, 1)
     except Exception:  # a damaged EXIF block: the pixels as stored, as before orientations were read
         return 1
 

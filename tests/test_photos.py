@@ -17,7 +17,7 @@ import torchvision
 import torchvision.transforms.functional as TF
 from torchvision.ops import roi_align
 from torchvision.transforms import v2
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, PngImagePlugin
 
 import dataset_utils as du
 import recipe
@@ -740,6 +740,11 @@ def test_a_phone_photo_is_decoded_upright_as_dali_decodes_it(tmp_path):
     Image.fromarray(stored).save(png, exif=exif)
     assert header(png).size == (80, 60) and np.array_equal(decode(png, (80, 60), "RGB"), np.asarray(
         Image.open(png).transpose(Image.Transpose.ROTATE_270)))
+    xmp = tmp_path / "portrait_xmp.png"  # the orientation in XMP, a text chunk, as editors write it
+    text = PngImagePlugin.PngInfo()
+    text.add_itxt("XML:com.adobe.xmp", '<x:xmpmeta><rdf:Description tiff:Orientation="6"/></x:xmpmeta>')
+    Image.fromarray(stored).save(xmp, pnginfo=text)
+    assert header(xmp).size == (80, 60) and np.array_equal(decode(xmp, (80, 60), "RGB"), shown)
 
 
 def test_a_photo_with_a_wrong_exif_tag_is_decoded_upright_and_a_header_decodes_no_pixels(tmp_path):
