@@ -1058,12 +1058,10 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
                       ctx.control_group)
     replaces = None  # the run whose lines in --metrics-file this one's records replace
     if fork:  # a copy of the folder: its lines in --metrics-file (TensorBoard, traces) are its own
-        # A metrics file inside the copied folder was copied with it: the original's lines there are
-        # the copy's own epochs, which it writes again under its new ID.
         metrics = Path(args.metrics_file) if args.metrics_file else None
         if metrics is not None and metrics.exists():
-            copied = metrics.resolve().is_relative_to(Path(args.checkpoint_dir).resolve())
-            replaces = state.run_id if copied else None
+            copied = copied_with(metrics, args.checkpoint_dir, checkpoint["folder"]["path"])
+            replaces = state.run_id if copied else None  # the original's lines there are the copy's epochs
             lines = (" (its --metrics-file, copied with it, goes on under the new ID)" if copied
                      else " (--metrics-file keeps the lines of both)")
         else:
@@ -1078,6 +1076,20 @@ def resume(resumed, task, args, ctx, log, optimizer, scaler, ema, checkpointer, 
                                   ctx.control_group):
             log.info(warning)
     return state, rng_state, scheduler
+
+
+def copied_with(file, copy, original):
+    """Whether ``file`` inside the folder ``copy`` of the folder ``original`` was copied with it:
+    the original holds a file at the same place that is another file (not the shared one, as when
+    the copy is a parent of the original)."""
+    file, copy = Path(file).resolve(), Path(copy).resolve()
+    if not file.is_relative_to(copy):
+        return False
+    there = Path(original) / file.relative_to(copy)
+    try:
+        return there.exists() and not there.samefile(file)
+    except OSError:
+        return False
 
 
 def recipe_code(loss_fn, prep, optimizer_settings=""):

@@ -470,8 +470,10 @@ def forked_run_id(written_in, directory, run_id):
     numbers differ: the folder written in is this one). Anything else is taken for a copy,
     also a folder moved to another file system (a new path and inode): taking a copy for the
     same run would drop the original's lines, while the other mistake only shows a moved run's
-    earlier epochs under two IDs. Its ID is derived from the original's and the copy's path,
-    device and inode, so every attempt of the copy's resume agrees, and no other folder's does."""
+    earlier epochs under two IDs. Its ID is derived from the original's and the copy's path
+    and inode (not its device, which nodes may number otherwise), so every attempt of the
+    copy's resume agrees, and no other folder's does. Not told apart: a folder that reuses the
+    inode of a deleted original on its file system (a backup restored) is taken for it."""
     here = folder_identity(directory)
     if not written_in or not here or here["path"] == written_in["path"]:
         return None
@@ -482,7 +484,7 @@ def forked_run_id(written_in, directory, run_id):
             return None
     except OSError:  # gone, moved away or not mounted here: this folder is another one
         pass
-    return hashlib.sha256(f"{run_id} {here['path']} {here['device']} {here['inode']}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{run_id} {here['path']} {here['inode']}".encode()).hexdigest()[:12]
 
 
 def restore(checkpoint, module, optimizer, scheduler, scaler, ctx, ema=None):

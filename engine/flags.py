@@ -173,9 +173,12 @@ def among_images(path, data_dir):
     """Whether the folder ``path`` is --data-dir ``data_dir`` or lies inside it, where a scan of
     the image folder would meet it: as written (a link inside it that points elsewhere is still
     met) or with links resolved. Below a hidden name (.ckpt) it is not: the scan skips those."""
-    path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
-    for inside, root in ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))),
-                         (path.resolve(), data_dir.resolve())):
+    try:
+        path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
+        pairs = ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))), (path.resolve(), data_dir.resolve()))
+    except (OSError, RuntimeError):  # ~nosuchuser, a name too long: check_outputs says it in one line
+        return False
+    for inside, root in pairs:
         if inside == root or (inside.is_relative_to(root)
                               and not any(part.startswith(".") for part in inside.relative_to(root).parts)):
             return True
@@ -183,10 +186,14 @@ def among_images(path, data_dir):
 
 
 def new_folder(file):
-    """The outermost folder that writing ``file`` would create (None: its folder exists)."""
-    folder, created = Path(file).expanduser().absolute().parent, None
-    while not folder.exists() and folder != folder.parent:
-        folder, created = folder.parent, folder
+    """The outermost folder that writing ``file`` would create (None: its folder exists, or the
+    path cannot be read: check_outputs says why in one line)."""
+    try:
+        folder, created = Path(file).expanduser().absolute().parent, None
+        while not folder.exists() and folder != folder.parent:
+            folder, created = folder.parent, folder
+    except (OSError, RuntimeError):  # ~nosuchuser, a name too long, a folder that cannot be searched
+        return None
     return created
 
 

@@ -28,6 +28,7 @@ from engine.folder_lock import FolderLock, lease_is_free
 from engine.processes import DistContext
 from engine.log import RunLogger, locked_metrics, reconcile_metrics
 from tools import gpu_report, report
+import train_utils as tu
 
 RUN = ("--synthetic", "--epochs", "2", "--limit-batches", "2", "--batch-size", "4", "--checkpoint-interval", "0",
        *FAST, *TINY_MODEL)
@@ -654,6 +655,22 @@ def test_a_copied_folder_with_its_own_metrics_file_holds_each_epoch_once(tmp_pat
     records = read_metrics(copy / "m.jsonl")
     assert [r["epoch"] for r in records] == [1, 2] and {r["run_id"] for r in records} != {theirs}
     assert len({r["run_id"] for r in records}) == 1 and (original / "m.jsonl").read_bytes() == kept
+
+
+def test_a_metrics_file_counts_as_copied_only_where_the_original_has_its_own(tmp_path):
+    """train_utils.copied_with: the copy's lines replace the original's only in a file that was
+    copied, never in the original's own (a copy that is a parent of the original's folder holds
+    it: a review found the original's lines dropped from it)."""
+    parent, original = tmp_path / "exp", tmp_path / "exp" / "run1"
+    original.mkdir(parents=True)
+    (parent / "m.jsonl").write_text("")  # shared: the original's run writes it too
+    assert not tu.copied_with(parent / "m.jsonl", parent, original)
+    (original / "m.jsonl").write_text("")
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    assert tu.copied_with(copy / "m.jsonl", copy, original)
+    assert not tu.copied_with(original / "m.jsonl", parent, original)  # the original's own file, seen from above
+    assert not tu.copied_with(tmp_path / "m.jsonl", copy, original)  # outside the copy
 
 
 def test_a_folder_seen_under_another_path_or_device_number_is_the_same_run(tmp_path):
