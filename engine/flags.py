@@ -176,7 +176,7 @@ def among_images(path, data_dir):
     try:
         path, data_dir = Path(path).expanduser(), Path(data_dir).expanduser()
         pairs = ((Path(os.path.abspath(path)), Path(os.path.abspath(data_dir))), (path.resolve(), data_dir.resolve()))
-    except (OSError, RuntimeError):  # ~nosuchuser, a name too long: check_outputs says it in one line
+    except (OSError, RuntimeError):  # ~nosuchuser, a name too long: not this check's to say
         return False
     for inside, root in pairs:
         if inside == root or (inside.is_relative_to(root)
@@ -187,7 +187,7 @@ def among_images(path, data_dir):
 
 def new_folder(file):
     """The outermost folder that writing ``file`` would create (None: its folder exists, or the
-    path cannot be read: check_outputs says why in one line)."""
+    path cannot be looked at, which its write then meets)."""
     try:
         folder, created = Path(file).expanduser().absolute().parent, None
         while not folder.exists() and folder != folder.parent:
