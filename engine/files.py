@@ -165,13 +165,21 @@ def check_writable_dir(directory, flag):
                         f"({why})")
 
 
+def nearest_existing(path):
+    """``path`` (absolute) or its nearest ancestor that exists: where a write of it begins to
+    create folders. os.path.exists is False for a name too long or a folder that cannot be
+    searched, so this never raises."""
+    existing = Path(path).absolute()
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def _why_not_creatable(directory):
     """Why ``directory`` cannot be (or become) a folder that files can be written into, or None.
     The nearest existing folder is probed with a real file, removed at once: permissions,
     ACLs, a read-only mount and root squash all show, which os.access misses for root."""
-    existing = directory.absolute()
-    while not os.path.exists(existing) and existing != existing.parent:  # the nearest existing ancestor
-        existing = existing.parent
+    existing = nearest_existing(directory)
     if not os.path.isdir(existing):
         return f"{existing} is a file" if existing != directory.absolute() else "a file of that name exists"
     try:

@@ -186,15 +186,14 @@ def among_images(path, data_dir):
 
 
 def new_folder(file):
-    """The outermost folder that writing ``file`` would create (None: its folder exists, or the
-    path cannot be looked at, which its write then meets)."""
+    """The outermost folder that writing ``file`` would create (None: its folder exists)."""
+    from engine.files import nearest_existing  # an output file given: check_outputs imports it too
     try:
-        folder, created = Path(file).expanduser().absolute().parent, None
-        while not folder.exists() and folder != folder.parent:
-            folder, created = folder.parent, folder
-    except (OSError, RuntimeError):  # ~nosuchuser, a name too long, a folder that cannot be searched
+        folder = Path(file).expanduser().absolute().parent
+    except RuntimeError:  # ~nosuchuser: not this check's to say
         return None
-    return created
+    existing = nearest_existing(folder)
+    return None if existing == folder else existing / folder.relative_to(existing).parts[0]
 
 
 def build_parser(description, add_recipe_arguments):
